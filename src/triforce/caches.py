@@ -1,0 +1,466 @@
+"""KV caches: which keys and values each speculation tier attends over.
+
+Three policies, one interface (:class:`KVCache`):
+
+* :class:`FullKVCache` every token; the verifier's (tier 2) cache. Static, preallocated for
+  prompt + max_new_tokens + the largest speculation block + 1 (gpt-fast style), so rejected entries are
+  simply overwritten and rollback is O(1).
+* :class:`RetrievalCache` a budget of slots filled from the full cache by chunk retrieval (TriForce,
+  arXiv 2404.11912, Sec. 4.1): the target model with this cache is the middle tier (tier 1).
+* :class:`StreamingCache` attention sinks + a recent window (StreamingLLM, arXiv 2309.17453): the tiny draft
+  model's cache (tier 0).
+
+Every cache stores keys after RoPE at their absolute positions, and every query is rotated at its true
+absolute position, except for the StreamingLLM sinks (see :class:`StreamingCache`).
+
+The model calls, for one forward of T tokens at positions ``positions`` (T,) int64::
+
+    cache.begin_forward(positions)          # validates, computes the masks once
+    for each layer: cache.attend(layer, q, k, v, q_pre)   # writes k/v, returns attention output
+    cache.end_forward()                     # the cache now represents positions [0, positions[-1] + 1)
+
+Shapes: q, q_pre (B, nh, T, hs); k, v (B, nkv, T, hs); output (B, nh, T, hs). GQA is computed without
+repeating keys: the g = nh // nkv query heads of a KV head are stacked along the time axis,
+``(B, nh, T, hs) -> (B, nkv, g*T, hs)``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+
+class CacheError(RuntimeError):
+    """A cache was asked for something its policy cannot provide (overflow, or a rollback past what it keeps)."""
+
+
+def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Scaled dot-product attention with grouped-query heads, without materialising repeated keys.
+
+    Args:
+        q: (B, nh, T, hs) queries.
+        k, v: (B, nkv, S, hs) keys and values; nh % nkv == 0.
+        mask: None (every key visible) or bool (T, S) / (B, nkv, T, S), True = visible.
+
+    Returns:
+        (B, nh, T, hs), same dtype as q. Softmax in the kernel's precision (fp32 accumulation on CPU).
+    """
+    b, nh, t, hs = q.shape
+    nkv = k.shape[1]
+    g = nh // nkv
+    qg = q.reshape(b, nkv, g * t, hs)  # (B, nkv, g*T, hs): the g heads of one KV head stacked along time
+    if mask is not None:
+        mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], g, *mask.shape[-2:]).reshape(*mask.shape[:-2], g * t, mask.shape[-1])
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
+    return out.view(b, nh, t, hs)
+
+
+def kv_bytes(cfg: ModelConfig, slots: int, dtype: torch.dtype, batch: int = 1) -> int:
+    """Bytes of keys + values for ``slots`` positions in every layer: 2 * L * B * nkv * slots * hs * itemsize."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * slots * cfg.head_dim * itemsize
+
+
+class KVCache(ABC):
+    """Interface every cache implements (see the module docstring for the call protocol).
+
+    Attributes:
+        length: number of leading positions of the sequence this cache represents (tokens [0, length)).
+    """
+
+    length: int
+
+    @abstractmethod
+    def begin_forward(self, positions: torch.Tensor) -> None:
+        """Prepare a forward of T tokens at absolute ``positions`` (T,) int64; they must be ``length .. length+T-1``.
+
+        Raises:
+            CacheError: the positions are not contiguous with the cache, or they do not fit.
+        """
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pre: torch.Tensor) -> torch.Tensor:
+        """Store k, v (B, nkv, T, hs) for ``layer`` and return attention of q (B, nh, T, hs) over the cache."""
+
+    @abstractmethod
+    def end_forward(self) -> None:
+        """Finish the forward: the cache now holds the block's tokens too."""
+
+    @abstractmethod
+    def rollback(self, length: int) -> None:
+        """Forget every token at position >= ``length`` (after a verification rejected them).
+
+        Raises:
+            CacheError: the cache cannot return to that length (see each policy).
+        """
+
+    def _check_block(self, positions: torch.Tensor) -> tuple[int, int]:
+        start, t = int(positions[0]), positions.numel()
+        if start != self.length or int(positions[-1]) != start + t - 1:
+            raise CacheError(f"{type(self).__name__}: block positions {start}..{int(positions[-1])} do not continue "
+                             f"the cache (length {self.length})")
+        return start, t
+
+
+def _causal_offset_mask(start: int, t: int, total: int, device: torch.device) -> torch.Tensor:
+    """(T, total) bool: query i (position start+i) sees key j iff j <= start + i."""
+    q_pos = torch.arange(start, start + t, device=device)[:, None]
+    return torch.arange(total, device=device)[None, :] <= q_pos
+
+
+class FullKVCache(KVCache):
+    """The full KV cache of one model: every position, preallocated, O(1) rollback.
+
+    Layout: ``k, v`` of shape (L, B, nkv, capacity, hs), so one head's keys are contiguous for decode.
+
+    Args:
+        cfg: model configuration.
+        capacity: positions to preallocate (prompt + max_new_tokens + largest block + 1).
+        dtype, device: storage dtype and device.
+        batch: B.
+        record_queries: keep each layer's post-RoPE queries of the last forward (for building a retrieval cache).
+
+    Raises:
+        CacheError: (from :meth:`begin_forward`) a block that would go past ``capacity``.
+    """
+
+    def __init__(self, cfg: ModelConfig, capacity: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", batch: int = 1, record_queries: bool = False) -> None:
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.length = 0
+        self.record_queries = record_queries
+        self.queries: list[torch.Tensor | None] = [None] * cfg.num_hidden_layers  # each (B, nh, T, hs)
+        self.query_start = -1  # absolute position of queries[l][:, :, 0]
+        self._mask: torch.Tensor | None = None
+
+    def begin_forward(self, positions: torch.Tensor) -> None:
+        start, t = self._check_block(positions)
+        if start + t > self.capacity:
+            raise CacheError(f"full KV cache overflow: {start + t} positions > capacity {self.capacity}")
+        self._start, self._t = start, t
+        self._mask = None if t == 1 else _causal_offset_mask(start, t, start + t, self.k.device)
+        if self.record_queries:
+            self.query_start = start
+
+    def attend(self, layer, q, k, v, q_pre):
+        s, t = self._start, self._t
+        self.k[layer, :, :, s:s + t] = k
+        self.v[layer, :, :, s:s + t] = v
+        if self.record_queries:
+            self.queries[layer] = q
+        return gqa_attention(q, self.k[layer, :, :, :s + t], self.v[layer, :, :, :s + t], self._mask)
+
+    def end_forward(self) -> None:
+        self.length = self._start + self._t
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise CacheError(f"full KV cache: cannot roll back to {length} (length {self.length})")
+        self.length = length
+
+    def query_at(self, position: int) -> torch.Tensor:
+        """Post-RoPE queries of every layer at ``position`` from the last forward: (L, B, nh, hs).
+
+        Raises:
+            CacheError: queries were not recorded, or ``position`` was not in the last forward.
+        """
+        if not self.record_queries or self.queries[0] is None:
+            raise CacheError("full KV cache: queries were not recorded")
+        i = position - self.query_start
+        if not 0 <= i < self.queries[0].shape[2]:
+            raise CacheError(f"full KV cache: no recorded query for position {position}")
+        return torch.stack([q[:, :, i] for q in self.queries])
+
+
+CHUNK_SCORES = ("mean",)
+
+
+class RetrievalCache(KVCache):
+    """TriForce's retrieval-based KV cache (arXiv 2404.11912, Sec. 4.1): the middle tier's cache.
+
+    Policy, for a committed sequence of length n built at length ``build_len`` (n >= build_len):
+
+    * **Selection** (at build): the full cache's positions [0, build_len) are cut into chunks of
+      ``chunk_size``. For each layer and KV head, chunk c scores ``sum_{query heads h of the group} q_h . mean(K_c)``
+      with q the post-RoPE query of the last token (position build_len, supplied by the caller). Chunk 0 (the
+      attention sink) is always kept. Tokens are ranked by their chunk's score (ties by position) and the first
+      ``budget`` fill slots 0, 1, ... in that order; with fewer tokens than the budget the rest stay empty.
+    * **Generated tokens** (positions >= build_len) take slots from the end: position p -> slot
+      ``budget - 1 - (p - build_len)``, overwriting the lowest-ranked selected tokens, so the cache never exceeds
+      the budget. Their KV is the tier's own until :meth:`sync_from_full` replaces it with the verifier's exact KV.
+    * **Rollback** to n restores the slots of positions >= n to the selected tokens they held (re-gathered from
+      the full cache).
+
+    Every key keeps its absolute RoPE position; queries are rotated at their true positions.
+
+    Args:
+        cfg: model configuration (the target's).
+        full: the target's full cache (source of keys/values and of the build query).
+        budget: slots per layer and KV head (counts chunk 0, the selected chunks and generated tokens).
+        chunk_size: tokens per chunk.
+
+    Raises:
+        ValueError: budget or chunk_size < 1, or budget < chunk_size (the names and values are in the message).
+    """
+
+    def __init__(self, cfg: ModelConfig, full: FullKVCache, budget: int, chunk_size: int) -> None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if budget < chunk_size:
+            raise ValueError(f"budget must be >= chunk_size ({chunk_size}), got {budget}")
+        self.cfg, self.full = cfg, full
+        self.budget, self.chunk_size = budget, chunk_size
+        L, B, nkv, _, hs = full.k.shape
+        self.k = torch.zeros((L, B, nkv, budget, hs), dtype=full.k.dtype, device=full.k.device)
+        self.v = torch.zeros_like(self.k)
+        # selected source position per slot, -1 for an empty slot: (L, B, nkv, budget) int64
+        self.selected = torch.full((L, B, nkv, budget), -1, dtype=torch.long, device=full.k.device)
+        self.n_selected = 0  # slots filled by the selection
+        self.build_len = 0
+        self.length = 0
+        self.synced = 0  # positions [build_len, synced) hold the full cache's KV
+        self.builds = 0
+
+    @property
+    def generation_capacity(self) -> int:
+        """Generated tokens the cache can hold before chunk 0 would be overwritten."""
+        return self.budget - min(self.chunk_size, self.n_selected)
+
+    @property
+    def holds_everything(self) -> bool:
+        """True when every position the cache represents is in it (prompt shorter than the budget, no overwrite)."""
+        return self.n_selected == self.build_len and self.length - self.build_len <= self.budget - self.n_selected
+
+    def build(self, length: int, query: torch.Tensor) -> None:
+        """Select chunks from the full cache's positions [0, length) with ``query`` (L, B, nh, hs), post-RoPE.
+
+        After the build the cache represents positions [0, length) (``self.length = length``).
+
+        Raises:
+            CacheError: the full cache holds fewer than ``length`` positions.
+        """
+        if length > self.full.length:
+            raise CacheError(f"retrieval build at {length} but the full cache holds {self.full.length}")
+        L, B, nkv, _, hs = self.k.shape
+        self.selected.fill_(-1)
+        m = min(self.budget, length)
+        if length > 0:
+            c = self.chunk_size
+            keys = self.full.k[:, :, :, :length]  # (L, B, nkv, n, hs)
+            n_chunks = math.ceil(length / c)
+            pad = n_chunks * c - length
+            padded = F.pad(keys, (0, 0, 0, pad)) if pad else keys
+            sums = padded.reshape(L, B, nkv, n_chunks, c, hs).float().sum(4)  # (L, B, nkv, n_chunks, hs)
+            counts = torch.full((n_chunks,), float(c), device=keys.device)
+            counts[-1] = c - pad
+            mean_keys = sums / counts[:, None]
+            qg = query.float().reshape(L, B, nkv, -1, hs)  # (L, B, nkv, g, hs)
+            scores = torch.einsum("lbkgd,lbkcd->lbkc", qg, mean_keys)  # sums over the group's query heads
+            scores[..., 0] = float("inf")  # chunk 0, the attention sink, is always kept
+            token_scores = scores.repeat_interleave(c, dim=-1)[..., :length]  # (L, B, nkv, n)
+            order = torch.sort(token_scores, dim=-1, descending=True, stable=True).indices[..., :m]
+            self.selected[..., :m] = order
+            idx = order[..., None].expand(L, B, nkv, m, hs)
+            self.k[:, :, :, :m] = torch.gather(keys, 3, idx)
+            self.v[:, :, :, :m] = torch.gather(self.full.v[:, :, :, :length], 3, idx)
+        self.n_selected = m
+        self.build_len = self.length = self.synced = length
+        self.builds += 1
+
+    def _slots(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.budget - 1 - (positions - self.build_len)
+
+    def begin_forward(self, positions: torch.Tensor) -> None:
+        start, t = self._check_block(positions)
+        end = start + t
+        if end - self.build_len > self.generation_capacity:
+            raise CacheError(f"retrieval cache budget {self.budget} exhausted: {end - self.build_len} generated "
+                             f"tokens since the last build; it must be rebuilt first")
+        self._start, self._t = start, t
+        self._slot_idx = self._slots(positions)
+        gen_end = end - self.build_len  # generated tokens held once the block is written
+        first_gen_slot = self.budget - gen_end
+        if t == 1 and self.n_selected >= first_gen_slot:
+            self._mask = None  # every slot is filled and visible to the single query
+            return
+        slot = torch.arange(self.budget, device=self.k.device)
+        q_pos = positions[:, None]  # (T, 1)
+        gen_pos = self.build_len + (self.budget - 1 - slot)  # position held by a generated slot
+        is_gen = slot >= first_gen_slot
+        self._mask = torch.where(is_gen[None, :], gen_pos[None, :] <= q_pos, (slot < self.n_selected)[None, :].expand(t, -1))
+
+    def attend(self, layer, q, k, v, q_pre):
+        self.k[layer][:, :, self._slot_idx] = k
+        self.v[layer][:, :, self._slot_idx] = v
+        return gqa_attention(q, self.k[layer], self.v[layer], self._mask)
+
+    def end_forward(self) -> None:
+        self.length = self._start + self._t
+
+    def rollback(self, length: int) -> None:
+        """Return to ``length`` (>= build_len): slots of positions >= length get their selected tokens back.
+
+        Raises:
+            CacheError: ``length`` is below the build point or above the current length.
+        """
+        if not self.build_len <= length <= self.length:
+            raise CacheError(f"retrieval cache: cannot roll back to {length} (built at {self.build_len}, "
+                             f"length {self.length})")
+        if length < self.length:
+            slots = self._slots(torch.arange(length, self.length, device=self.k.device))
+            slots = slots[slots < self.n_selected]
+            if slots.numel():
+                L, B, nkv, _, hs = self.k.shape
+                src = self.selected[..., slots]  # (L, B, nkv, ns)
+                idx = src[..., None].expand(L, B, nkv, slots.numel(), hs)
+                self.k[:, :, :, slots] = torch.gather(self.full.k, 3, idx)
+                self.v[:, :, :, slots] = torch.gather(self.full.v, 3, idx)
+        self.length = length
+        self.synced = min(self.synced, length)
+
+    def sync_from_full(self) -> None:
+        """Replace the tier's own KV of generated tokens with the verifier's exact KV (TriForce reference behaviour).
+
+        Copies positions [synced, min(length, full.length)) from the full cache into their slots.
+        """
+        end = min(self.length, self.full.length)
+        if end > self.synced:
+            pos = torch.arange(self.synced, end, device=self.k.device)
+            slots = self._slots(pos)
+            self.k[:, :, :, slots] = self.full.k[:, :, :, pos]
+            self.v[:, :, :, slots] = self.full.v[:, :, :, pos]
+            self.synced = end
+
+
+class StreamingCache(KVCache):
+    """StreamingLLM cache (Xiao et al., arXiv 2309.17453): ``sink`` first tokens + a ``window`` of recent tokens.
+
+    Policy: a query at position t attends to the sinks (positions < sink) and to the window (t - window, t].
+    Evicted tokens are dropped from memory in batches; ``slack`` extra slots keep the tokens a rollback may still
+    need (a rejected speculation block) and the block being written.
+
+    Position scheme (StreamingLLM's, positions inside the cache): the cache is [sinks, window] with in-cache
+    positions 0..sink+window-1 and the query last. Window keys then keep their true distance to the query
+    (t - p), so they are stored rotated at their absolute positions and the query is rotated at t; only the sinks
+    move: their distance becomes ``min(t, sink + window - 1) - p``, obtained by rotating the query a second time, at
+    ``min(t, sink + window - 1)``, for the sink scores. A draft model trained on short contexts thus never sees a
+    relative distance above ``sink + window - 1``, however long the prompt.
+
+    Args:
+        cfg: the draft model's configuration.
+        sink: attention-sink tokens kept (>= 0).
+        window: recent tokens kept (>= 1).
+        slack: extra slots: at least the largest block written at once plus the deepest rollback.
+        rope: the draft model's :class:`~triforce.rope.RotaryEmbedding` (re-rotates queries for the sinks).
+        dtype, device, batch: storage.
+
+    Raises:
+        ValueError: sink < 0 or window < 1.
+        CacheError: (rollback) the window tokens the next query needs were already dropped.
+    """
+
+    def __init__(self, cfg: ModelConfig, sink: int, window: int, slack: int, rope, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", batch: int = 1) -> None:
+        if sink < 0:
+            raise ValueError(f"draft_sink must be >= 0, got {sink}")
+        if window < 1:
+            raise ValueError(f"draft_window must be >= 1, got {window}")
+        self.sink, self.window, self.slack, self.rope = sink, window, slack, rope
+        self.capacity = sink + window + slack
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+        self.win_start = sink  # absolute position held by slot `sink`
+        self.floor = 0  # no rollback below this position will be asked for
+
+    def _slot(self, p: int) -> int:
+        return p if p < self.sink else self.sink + p - self.win_start
+
+    def begin_forward(self, positions: torch.Tensor) -> None:
+        start, t = self._check_block(positions)
+        end = start + t
+        if self._slot(end - 1) >= self.capacity:  # drop window tokens no query or rollback can need
+            keep_from = max(self.win_start, min(self.floor, start) - self.window)
+            n_keep = start - keep_from
+            if self.sink + n_keep + t > self.capacity:
+                raise CacheError(f"StreamingLLM cache: a block of {t} tokens does not fit (capacity {self.capacity}, "
+                                 f"{n_keep} window tokens still needed)")
+            src = self._slot(keep_from)
+            if src > self.sink and n_keep > 0:
+                self.k[:, :, :, self.sink:self.sink + n_keep] = self.k[:, :, :, src:src + n_keep].clone()
+                self.v[:, :, :, self.sink:self.sink + n_keep] = self.v[:, :, :, src:src + n_keep].clone()
+            self.win_start = keep_from
+        self._start, self._t = start, t
+        dev = self.k.device
+        n_sink = min(self.sink, end)
+        self._n_sink = n_sink
+        self._n_win = max(0, end - max(self.win_start, self.sink))
+        win_pos = torch.arange(self.win_start, self.win_start + self._n_win, device=dev)
+        sink_pos = torch.arange(n_sink, device=dev)
+        q_pos = positions[:, None]
+        sink_mask = sink_pos[None, :] <= q_pos  # (T, n_sink)
+        win_mask = (win_pos[None, :] <= q_pos) & (win_pos[None, :] > q_pos - self.window)  # (T, n_win)
+        self._mask = torch.cat([sink_mask, win_mask], dim=1)  # (T, n_sink + n_win)
+        # query re-rotation for the sink scores: from t to min(t, sink + window - 1)
+        sink_q_pos = torch.clamp(positions, max=self.sink + self.window - 1)
+        self._sink_rope = self.rope.cos_sin(sink_q_pos, self.k.dtype) if n_sink else None
+        self._slot_lo = self._slot(start)
+
+    def attend(self, layer, q, k, v, q_pre):
+        from .rope import apply_rope
+
+        t = self._t
+        self.k[layer, :, :, self._slot_lo:self._slot_lo + t] = k
+        self.v[layer, :, :, self._slot_lo:self._slot_lo + t] = v
+        ns, nw = self._n_sink, self._n_win
+        keys_s, vals_s = self.k[layer, :, :, :ns], self.v[layer, :, :, :ns]
+        keys_w = self.k[layer, :, :, self.sink:self.sink + nw]
+        vals_w = self.v[layer, :, :, self.sink:self.sink + nw]
+        b, nh, _, hs = q.shape
+        nkv = k.shape[1]
+        g = nh // nkv
+        scale = 1.0 / math.sqrt(hs)
+        qw = q.reshape(b, nkv, g * t, hs)
+        parts = []
+        if ns:
+            q_sink = apply_rope(q_pre, *self._sink_rope).reshape(b, nkv, g * t, hs)
+            parts.append(q_sink @ keys_s.transpose(-1, -2))
+        parts.append(qw @ keys_w.transpose(-1, -2))
+        scores = torch.cat(parts, dim=-1).float() * scale  # (B, nkv, g*T, ns + nw)
+        mask = self._mask.repeat(g, 1)  # (g*T, ns + nw)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = probs @ torch.cat([vals_s, vals_w], dim=2)  # (B, nkv, g*T, hs)
+        return out.view(b, nh, t, hs)
+
+    def end_forward(self) -> None:
+        self.length = self._start + self._t
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise CacheError(f"StreamingLLM cache: cannot roll back to {length} (length {self.length})")
+        needed_from = max(self.sink, length - self.window + 1)
+        if length > self.sink and self.win_start > needed_from:
+            raise CacheError(f"StreamingLLM cache: cannot roll back to {length}: window tokens from {needed_from} "
+                             f"were already dropped (kept from {self.win_start}); raise the cache's slack")
+        self.length = length
+
+    def visible_positions(self, query_position: int) -> list[int]:
+        """Positions a query at ``query_position`` (== length) would attend to, excluding itself (for tests)."""
+        t = query_position
+        sinks = list(range(min(self.sink, self.length)))
+        lo = max(self.win_start, self.sink, t - self.window + 1)
+        return sinks + list(range(lo, self.length))
+
+    def key_at(self, layer: int, position: int) -> torch.Tensor:
+        """Stored key (B, nkv, hs) of ``position`` in ``layer`` (for tests)."""
+        return self.k[layer, :, :, self._slot(position)]

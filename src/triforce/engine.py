@@ -1,0 +1,298 @@
+"""The engine: builds the tier hierarchy for a mode, prefills, runs the decode loop, measures.
+
+Modes (all lossless; see ``tiers.py`` for the tiers):
+
+================  =====================================================================
+``autoregressive`` target + full cache, one token per forward
+``retrieval``      target + retrieval cache drafts gamma2 tokens for target + full cache
+``draft``          draft model + StreamingLLM cache drafts gamma2 tokens for target + full
+``triforce``       draft drafts gamma1 for target + retrieval, which drafts gamma2 for target + full
+================  =====================================================================
+
+:meth:`Engine.stream` is a generator that yields token ids as the verifier accepts them and returns
+:class:`GenerationStats`; :meth:`Engine.generate` is the non-streaming call.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Generator
+
+import torch
+
+from .caches import FullKVCache, RetrievalCache, StreamingCache, kv_bytes
+from .memory import check_fits, peak_memory_bytes
+from .model import Transformer
+from .sampling import SamplingParams
+from .tiers import ModelTier, RetrievalTier, StreamingTier, VerifyFn
+from .speculative import rejection_sample
+
+MODES = ("autoregressive", "retrieval", "draft", "triforce")
+FINISH_REASONS = ("eos", "stop", "length", "interrupted")
+
+
+def _positive_int(name: str, value, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """How tokens are speculated (TriForce, arXiv 2404.11912, Sec. 4; defaults from the paper's on-chip runs).
+
+    Attributes:
+        mode: one of :data:`MODES`.
+        gamma1: tokens the draft proposes per retrieval-tier verification (``triforce`` mode).
+        gamma2: tokens proposed per target verification by the tier just below the target.
+        budget: retrieval cache slots per layer and KV head (chunk 0 + selected chunks + generated tokens).
+        chunk_size: tokens per retrieval chunk.
+        rebuild_every: re-select the retrieval chunks every N generated tokens (None: only when full).
+        draft_sink: StreamingLLM attention-sink tokens of the draft cache.
+        draft_window: StreamingLLM recent-window tokens of the draft cache.
+
+    Raises:
+        ValueError: (on construction) a value outside its range, naming the parameter and the allowed values.
+    """
+
+    mode: str = "autoregressive"
+    gamma1: int = 4
+    gamma2: int = 6
+    budget: int = 4096
+    chunk_size: int = 8
+    rebuild_every: int | None = None
+    draft_sink: int = 16
+    draft_window: int = 240
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        _positive_int("gamma1", self.gamma1)
+        _positive_int("gamma2", self.gamma2)
+        _positive_int("chunk_size", self.chunk_size)
+        _positive_int("budget", self.budget)
+        if self.rebuild_every is not None:
+            _positive_int("rebuild_every", self.rebuild_every)
+        _positive_int("draft_sink", self.draft_sink, 0)
+        _positive_int("draft_window", self.draft_window)
+        if self.mode in ("retrieval", "triforce") and self.budget < self.chunk_size + self.gamma2 + 2:
+            raise ValueError(f"budget must be >= chunk_size + gamma2 + 2 = {self.chunk_size + self.gamma2 + 2} "
+                             f"(chunk 0 plus room for a speculation block), got {self.budget}")
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.mode in ("draft", "triforce")
+
+    @property
+    def uses_retrieval(self) -> bool:
+        return self.mode in ("retrieval", "triforce")
+
+
+@dataclass
+class GenerationStats:
+    """Figures of one generation (schema documented in README.md, "JSON output").
+
+    Times are seconds, rates tokens per second, memory bytes.
+    """
+
+    mode: str
+    prompt_tokens: int
+    generated_tokens: int
+    finish_reason: str
+    prefill_seconds: float
+    decode_seconds: float
+    decode_tokens_per_second: float
+    mean_time_between_tokens_ms: float
+    peak_memory_bytes: int
+    seed: int
+    tiers: dict = field(default_factory=dict)
+    retrieval_holds_full_cache: bool | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line: speed, then acceptance per verifying tier."""
+        parts = [f"{self.mode}: {self.generated_tokens} tokens, {self.decode_tokens_per_second:.2f} tok/s, "
+                 f"TBT {self.mean_time_between_tokens_ms:.1f} ms, prefill {self.prefill_seconds:.2f} s "
+                 f"({self.prompt_tokens} tokens)"]
+        for name, t in self.tiers.items():
+            if t.get("verifications"):
+                parts.append(f"{name}: acceptance {t['acceptance_rate']:.3f}, "
+                             f"{t['mean_tokens_per_verification']:.2f} tokens/verification")
+        if self.retrieval_holds_full_cache:
+            parts.append("retrieval cache = whole cache (prompt <= budget)")
+        return "; ".join(parts)
+
+
+class Engine:
+    """Runs generation for a target model and an optional draft model.
+
+    Args:
+        target: the target model (tiers 1 and 2 share its weights).
+        draft: a small model with the same tokenizer, for the ``draft`` and ``triforce`` modes.
+        eos_ids: tokens that end generation.
+        verify_fn: the verification rule of every verifying tier (tests replace it per tier via ``tier_verify``).
+    """
+
+    def __init__(self, target: Transformer, draft: Transformer | None = None, eos_ids: tuple[int, ...] = ()) -> None:
+        self.target, self.draft = target, draft
+        self.eos_ids = tuple(eos_ids)
+        self.last_stats: GenerationStats | None = None
+        self.tier_verify: dict[str, VerifyFn] = {}  # per-tier override of the verification rule (tests)
+
+    # ------------------------------------------------------------------ planning
+    def cache_bytes(self, prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig) -> dict[str, int]:
+        """Bytes each cache of a request would allocate, by cache."""
+        dtype = self.target.dtype
+        out = {"full KV cache": kv_bytes(self.target.cfg, self._capacity(prompt_tokens, max_new_tokens, spec), dtype)}
+        if spec.uses_retrieval:
+            out["retrieval cache"] = kv_bytes(self.target.cfg, spec.budget, dtype)
+        if spec.uses_draft and self.draft is not None:
+            out["draft cache"] = kv_bytes(self.draft.cfg, self._draft_capacity(spec), self.draft.dtype)
+        return out
+
+    @staticmethod
+    def _capacity(prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig) -> int:
+        block = 0 if spec.mode == "autoregressive" else spec.gamma2
+        return prompt_tokens + max_new_tokens + block + 1
+
+    @staticmethod
+    def _lookahead(spec: SpeculationConfig) -> int:
+        return spec.gamma2 + (spec.gamma1 if spec.mode == "triforce" else 0) + 2
+
+    DRAFT_PREFILL_CHUNK = 256
+
+    def _draft_capacity(self, spec: SpeculationConfig) -> int:
+        return spec.draft_sink + spec.draft_window + self._lookahead(spec) + self.DRAFT_PREFILL_CHUNK
+
+    def validate(self, prompt_ids: list[int], max_new_tokens: int, spec: SpeculationConfig) -> None:
+        """Check a request before any heavy work.
+
+        Raises:
+            ValueError: empty prompt, max_new_tokens < 1, a token id outside the vocabulary, a draft mode without a
+                draft model, a request longer than a sliding window.
+            InsufficientMemoryError: the caches do not fit in free memory.
+        """
+        if not prompt_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        _positive_int("max_new_tokens", max_new_tokens)
+        vocab = self.target.cfg.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        if spec.uses_draft and self.draft is None:
+            raise ValueError(f"mode {spec.mode!r} needs a draft model (--draft); without one use mode "
+                             "'autoregressive' or 'retrieval'")
+        total = self._capacity(len(prompt_ids), max_new_tokens, spec)
+        self.target.cfg.check_length(total)
+        check_fits(self.cache_bytes(len(prompt_ids), max_new_tokens, spec), self.target.device, "this request",
+                   already={"weights": self.target.weight_bytes() + (self.draft.weight_bytes() if self.draft else 0)})
+
+    # ------------------------------------------------------------------ hierarchy
+    def build_hierarchy(self, prompt_tokens: int, max_new_tokens: int, sampling: SamplingParams,
+                        spec: SpeculationConfig, generator: torch.Generator) -> ModelTier:
+        """Allocate the caches and chain the tiers for ``spec.mode``; returns the top (verifier) tier."""
+        total = self._capacity(prompt_tokens, max_new_tokens, spec)
+        self.target.set_request_length(total)
+        common = dict(sampling=sampling, generator=generator, eos_ids=self.eos_ids)
+        full = FullKVCache(self.target.cfg, total, self.target.dtype, self.target.device,
+                           record_queries=spec.uses_retrieval)
+        drafter = None
+        if spec.uses_draft:
+            d = self.draft
+            d.set_request_length(total)
+            cache = StreamingCache(d.cfg, spec.draft_sink, spec.draft_window,
+                                   self._lookahead(spec) + self.DRAFT_PREFILL_CHUNK, d.rope, d.dtype, d.device)
+            drafter = StreamingTier("draft", d, cache, prefill_chunk=self.DRAFT_PREFILL_CHUNK,
+                                    verify_fn=self.tier_verify.get("draft", rejection_sample), **common)
+        if spec.uses_retrieval:
+            cache = RetrievalCache(self.target.cfg, full, spec.budget, spec.chunk_size)
+            drafter = RetrievalTier("retrieval", self.target, cache, drafter=drafter,
+                                    gamma=spec.gamma1 if drafter is not None else 0,
+                                    full=full, lookahead=spec.gamma2 + 1, rebuild_every=spec.rebuild_every,
+                                    verify_fn=self.tier_verify.get("retrieval", rejection_sample), **common)
+        return ModelTier("target", self.target, full, drafter=drafter, gamma=spec.gamma2 if drafter else 0,
+                         is_top=True, verify_fn=self.tier_verify.get("target", rejection_sample), **common)
+
+    # ------------------------------------------------------------------ generation
+    def stream(self, prompt_ids: list[int], max_new_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
+               spec: SpeculationConfig = SpeculationConfig(), seed: int | None = None,
+               prefill_progress: Callable[[int], None] | None = None) -> Generator[int, None, GenerationStats]:
+        """Generate, yielding each token id as the verifier accepts it; returns the stats.
+
+        Args:
+            prompt_ids: the prompt, token ids.
+            max_new_tokens: at most this many tokens are generated (>= 1).
+            sampling: temperature / top-k / top-p (identical in every tier).
+            spec: the speculation mode and its parameters.
+            seed: seeds the generator that drives every random draw (None: a random seed, reported in the stats).
+            prefill_progress: called with the number of prompt tokens each prefill chunk processed.
+
+        Returns (as the generator's return value, also in ``self.last_stats``): :class:`GenerationStats`.
+        Closing the generator early (stop string, Ctrl-C) still records the stats, with ``finish_reason``
+        ``"stop"`` or ``"interrupted"`` set by the caller through :meth:`GenerationStats` afterwards.
+
+        Raises:
+            ValueError, InsufficientMemoryError: see :meth:`validate` (raised before anything is allocated).
+        """
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.validate(prompt_ids, max_new_tokens, spec)
+        if seed is None:
+            seed = int.from_bytes(os.urandom(4), "little")
+        generator = torch.Generator(device=self.target.device).manual_seed(seed)
+        top = self.build_hierarchy(len(prompt_ids), max_new_tokens, sampling, spec, generator)
+        eos = frozenset(self.eos_ids)
+        t_start = time.perf_counter()
+        top.prefill(prompt_ids, prefill_progress)
+        t_prefill = time.perf_counter()
+        seq = list(prompt_ids)
+        generated, finish = 0, "length"
+        stats = None
+        try:
+            while generated < max_new_tokens and finish == "length":
+                tokens, _ = top.step(seq, max_new_tokens - generated)
+                for t in tokens:
+                    seq.append(t)
+                    generated += 1
+                    yield t
+                    if t in eos:
+                        finish = "eos"
+                        break
+                top.commit(seq)
+        except GeneratorExit:
+            finish = "stop"
+            raise
+        except KeyboardInterrupt:
+            finish = "interrupted"
+            raise
+        finally:
+            t_end = time.perf_counter()
+            stats = self._stats(top, spec, len(prompt_ids), generated, finish, t_prefill - t_start, t_end - t_prefill, seed)
+            self.last_stats = stats
+        return stats
+
+    def generate(self, prompt_ids: list[int], **kwargs) -> tuple[list[int], GenerationStats]:
+        """Non-streaming :meth:`stream`: returns ``(token_ids, stats)``."""
+        gen = self.stream(prompt_ids, **kwargs)
+        out: list[int] = []
+        while True:
+            try:
+                out.append(next(gen))
+            except StopIteration as stop:
+                return out, stop.value
+
+    def _stats(self, top: ModelTier, spec: SpeculationConfig, prompt_tokens: int, generated: int, finish: str,
+               prefill_s: float, decode_s: float, seed: int) -> GenerationStats:
+        tiers = {s.name: s.to_dict() for s in top.all_stats()}
+        # the retrieval cache is built over the prompt; if the prompt fits in the budget nothing is dropped
+        holds_all = prompt_tokens <= spec.budget if spec.uses_retrieval else None
+        return GenerationStats(
+            mode=spec.mode, prompt_tokens=prompt_tokens, generated_tokens=generated, finish_reason=finish,
+            prefill_seconds=round(prefill_s, 6), decode_seconds=round(decode_s, 6),
+            decode_tokens_per_second=round(generated / decode_s, 4) if decode_s > 0 else 0.0,
+            mean_time_between_tokens_ms=round(1000 * decode_s / generated, 4) if generated else 0.0,
+            peak_memory_bytes=peak_memory_bytes(self.target.device), seed=seed, tiers=tiers,
+            retrieval_holds_full_cache=holds_all,
+        )

@@ -1,0 +1,201 @@
+"""Our forward pass for Llama-family decoders (Llama 2/3/3.1, Mistral, Qwen2).
+
+One block: ``x = x + Attn(RMSNorm(x)); x = x + MLP(RMSNorm(x))`` with RoPE on q/k, grouped-query attention and a
+SwiGLU MLP (Touvron et al., arXiv 2302.13971 / 2307.09288). The forward takes an explicit KV cache object and
+explicit absolute positions, so each speculation tier decides which keys a query sees (see ``caches.py``).
+
+Weights load from Hugging Face names (``model.layers.{i}.self_attn.q_proj.weight`` ...); q/k/v and gate/up
+projections are fused at load time into one matmul each, which halves the kernel launches of a decode step.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .caches import KVCache
+from .config import ModelConfig
+from .rope import RotaryEmbedding, apply_rope
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich, arXiv 1910.07467), computed in fp32 like transformers."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, T, d)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped KV heads; the cache object computes the attention itself."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.nh, self.nkv, self.hs = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hs, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.hs, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv = self.qkv_proj(x)  # (B, T, (nh + 2 nkv) hs)
+        q, k, v = qkv.split([self.nh * self.hs, self.nkv * self.hs, self.nkv * self.hs], dim=-1)
+        q_pre = q.view(b, t, self.nh, self.hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(b, t, self.nkv, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(b, t, self.nkv, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
+        q = apply_rope(q_pre, cos, sin)
+        k = apply_rope(k, cos, sin)
+        out = cache.attend(layer, q, k, v, q_pre)  # (B, nh, T, hs)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hs))
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache, layer):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """A Llama-family decoder-only language model.
+
+    Args:
+        cfg: :class:`~triforce.config.ModelConfig`.
+
+    Use :meth:`from_state_dict` to build one from Hugging Face weights.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope: RotaryEmbedding | None = None  # built on first use, on the weights' device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def set_request_length(self, total_tokens: int) -> None:
+        """Fix RoPE for a request of ``total_tokens`` positions (only dynamic NTK depends on it; see ``rope.py``)."""
+        self.rope = RotaryEmbedding(self.cfg, total_tokens, self.device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                num_logits: int | None = None) -> torch.Tensor:
+        """Run the model on a block of tokens, reading and extending ``cache``.
+
+        Args:
+            input_ids: (B, T) int64 token ids.
+            positions: (T,) int64 absolute positions, ``cache.length .. cache.length + T - 1``.
+            cache: the KV cache the block attends over and is written into.
+            num_logits: compute logits for the last ``num_logits`` positions only (None: all T).
+
+        Returns:
+            logits, fp32, shape (B, num_logits or T, V).
+
+        Raises:
+            CacheError: positions that do not continue the cache, or a block that does not fit.
+        """
+        if self.rope is None:
+            self.rope = RotaryEmbedding(self.cfg, device=self.device)
+        cache.begin_forward(positions)
+        x = self.embed_tokens(input_ids)  # (B, T, d)
+        cos, sin = self.rope.cos_sin(positions, x.dtype)  # (T, hs) each
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i)
+        cache.end_forward()
+        if num_logits is not None:
+            x = x[:, -num_logits:]
+        return self.lm_head(self.norm(x)).float()
+
+    @classmethod
+    def from_state_dict(cls, cfg: ModelConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> "Transformer":
+        """Build a model from a Hugging Face state dict (names as in ``LlamaForCausalLM``).
+
+        Raises:
+            ValueError: a weight is missing or has the wrong shape (the name is in the message).
+        """
+        with torch.device("meta"):
+            model = cls(cfg)
+        state = {k.removeprefix("model."): v for k, v in state.items()}
+        new: dict[str, torch.Tensor] = {}
+
+        def take(name: str) -> torch.Tensor:
+            if name not in state:
+                raise ValueError(f"checkpoint is missing weight {name!r}")
+            return state[name]
+
+        for i in range(cfg.num_hidden_layers):
+            p = f"layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            new[a + "qkv_proj.weight"] = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])
+            if cfg.qkv_bias:
+                new[a + "qkv_proj.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
+            new[a + "o_proj.weight"] = take(a + "o_proj.weight")
+            if cfg.o_bias:
+                new[a + "o_proj.bias"] = take(a + "o_proj.bias")
+            new[m + "gate_up_proj.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+            new[m + "down_proj.weight"] = take(m + "down_proj.weight")
+            if cfg.mlp_bias:
+                new[m + "gate_up_proj.bias"] = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")])
+                new[m + "down_proj.bias"] = take(m + "down_proj.bias")
+            for n in ("input_layernorm", "post_attention_layernorm"):
+                new[p + n + ".weight"] = take(p + n + ".weight")
+        new["embed_tokens.weight"] = take("embed_tokens.weight")
+        new["norm.weight"] = take("norm.weight")
+        if not cfg.tie_word_embeddings:
+            new["lm_head.weight"] = take("lm_head.weight")
+        params = dict(model.named_parameters())
+        for name, tensor in new.items():
+            if tuple(params[name].shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+        model.load_state_dict(new, strict=False, assign=True)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model = model.to(device=device, dtype=dtype)
+        model.rope = RotaryEmbedding(cfg, device=device)
+        model.eval()
+        return model
+
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters (tied weights counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -1,0 +1,336 @@
+"""Speculation tiers: where tokens are drafted, verified and accepted.
+
+A hierarchy is a chain of tiers, bottom-up. In TriForce (arXiv 2404.11912, Sec. 4.2 and Algorithm 1):
+
+====  ===================================  ======================================================
+tier  model + cache                        role
+====  ===================================  ======================================================
+0     draft model + StreamingLLM cache     drafts gamma1 tokens per tier-1 verification
+1     target model + retrieval cache       verifies tier 0, proposes gamma2 tokens to tier 2
+2     target model + full KV cache         verifies tier 1: decides every token (the output)
+====  ===================================  ======================================================
+
+Every tier implements the small :class:`Drafter` interface:
+
+* :meth:`Drafter.propose` ``(seq, n) -> (tokens, probs)``: up to n tokens continuing ``seq`` and, for each, the
+  exact distribution it was sampled from (the q of the tier above);
+* :meth:`Drafter.rollback` ``(n)``: forget everything past the first n tokens (after a verification above);
+* :meth:`Drafter.commit` ``(seq)``: the tokens of ``seq`` are final (the top tier verified them).
+
+:class:`ModelTier` is a model with a cache and, optionally, a drafter below it. One *step* (:meth:`ModelTier.step`)
+is one verification: get k <= gamma tokens from the drafter, run the model once over them, accept a prefix
+with :func:`~triforce.speculative.rejection_sample` and emit the accepted tokens plus one recovered or bonus
+token, each with this tier's own distribution. Without a drafter a step is one autoregressive token. The same
+code therefore runs every tier and every mode; a tier's proposals are exactly distributed as its own model
+(through its own verification when it has a drafter), which is what keeps the whole chain lossless.
+
+Cache discipline: a tier's cache always holds KV for a prefix of the current sequence (``self.cached``). It
+catches up lazily: a forward feeds ``seq[len(cached):]`` (the pending token, the drafts, tokens another tier
+produced). After each verification the verifying tier rolls itself and every tier below back to the accepted
+prefix, so no cache ever holds a rejected token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from .caches import FullKVCache, KVCache, RetrievalCache, StreamingCache
+from .model import Transformer
+from .sampling import SamplingParams, logits_to_probs
+from .speculative import rejection_sample
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier for one generation (see docs/stats.md for the definitions).
+
+    Attributes:
+        name: tier name (``target``, ``retrieval``, ``draft``).
+        forward_passes: model forwards (prefill chunks included).
+        forward_seconds: wall time inside those forwards, seconds.
+        prefill_seconds: part of ``forward_seconds`` spent on the prompt.
+        verifications: steps that verified a drafter's block (0 for a tier without drafter).
+        proposed: drafter tokens this tier verified.
+        accepted: of those, accepted (recovered and bonus tokens not counted; none past an EOS).
+        emitted: tokens this tier's verifications produced (accepted + recovered/bonus), before truncation.
+        rebuilds: retrieval-cache selections (the first one after prefill included).
+    """
+
+    name: str
+    forward_passes: int = 0
+    forward_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    verifications: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    rebuilds: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = {
+            "forward_passes": self.forward_passes,
+            "forward_seconds": round(self.forward_seconds, 6),
+            "prefill_seconds": round(self.prefill_seconds, 6),
+        }
+        if self.verifications:
+            d.update(
+                verifications=self.verifications,
+                proposed=self.proposed,
+                accepted=self.accepted,
+                acceptance_rate=round(self.accepted / self.proposed, 6) if self.proposed else None,
+                mean_tokens_per_verification=round(self.emitted / self.verifications, 6),
+            )
+        if self.rebuilds:
+            d["rebuilds"] = self.rebuilds
+        d.update(self.extra)
+        return d
+
+
+class Drafter(Protocol):
+    """What a tier below needs to offer the tier above it."""
+
+    stats: TierStats
+
+    def propose(self, seq: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+        """Up to ``n`` (>= 1) tokens continuing ``seq`` and their sampling distributions, (len, V) fp32."""
+
+    def rollback(self, n: int) -> None:
+        """Forget everything past the first ``n`` tokens of the sequence."""
+
+    def commit(self, seq: list[int]) -> None:
+        """``seq`` is final: no later rollback goes below ``len(seq) - 1``."""
+
+    def prefill(self, prompt: list[int], progress: Callable[[int], None] | None = None) -> None:
+        """Process the prompt (all but its last token, which the first proposal feeds)."""
+
+    def all_stats(self) -> list[TierStats]:
+        """Stats of this tier and every tier below it, bottom first."""
+
+
+VerifyFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+class ModelTier:
+    """A model with a KV cache, optionally sped up by a drafter below it.
+
+    Args:
+        name: tier name used in stats.
+        model: the model (tiers 1 and 2 share the target's).
+        cache: this tier's cache.
+        sampling: sampling parameters, identical in every tier of a hierarchy.
+        generator: random source shared by the hierarchy.
+        eos_ids: tokens that end generation; proposals stop after one.
+        drafter: the tier below, or None (autoregressive).
+        gamma: tokens requested from the drafter per verification (>= 1 when there is a drafter).
+        is_top: the verifier: prefills the whole prompt and keeps the last prompt token's logits.
+        prefill_chunk: tokens per prefill forward.
+        verify_fn: the verification rule (tests inject broken variants to prove the tests can fail).
+    """
+
+    def __init__(self, name: str, model: Transformer, cache: KVCache, sampling: SamplingParams,
+                 generator: torch.Generator, eos_ids: tuple[int, ...] = (), drafter: Drafter | None = None,
+                 gamma: int = 0, is_top: bool = False, prefill_chunk: int = 512,
+                 verify_fn: VerifyFn = rejection_sample) -> None:
+        if drafter is not None and gamma < 1:
+            raise ValueError(f"gamma must be >= 1 for tier {name!r} with a drafter, got {gamma}")
+        self.name, self.model, self.cache = name, model, cache
+        self.sampling, self.generator = sampling, generator
+        self.eos_ids = frozenset(eos_ids)
+        self.drafter, self.gamma, self.is_top = drafter, gamma, is_top
+        self.prefill_chunk = prefill_chunk
+        self.verify_fn = verify_fn
+        self.cached: list[int] = []  # tokens whose KV is in the cache: always a prefix of the sequence
+        self.tail_logits: torch.Tensor | None = None  # (V,) logits at position len(cached) - 1, if known
+        self.stats = TierStats(name)
+
+    # ---------------------------------------------------------------- model calls
+    def _forward(self, tokens: list[int], num_logits: int | None) -> torch.Tensor:
+        start = len(self.cached)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
+        pos = torch.arange(start, start + len(tokens), device=self.model.device)
+        t0 = time.perf_counter()
+        logits = self.model(ids, pos, self.cache, num_logits=num_logits)[0]  # (n, V) fp32
+        self.stats.forward_seconds += time.perf_counter() - t0
+        self.stats.forward_passes += 1
+        self.cached.extend(tokens)
+        return logits
+
+    def _prefill_tokens(self, tokens: list[int], progress: Callable[[int], None] | None) -> torch.Tensor | None:
+        logits = None
+        t0 = self.stats.forward_seconds
+        for i in range(0, len(tokens), self.prefill_chunk):
+            chunk = tokens[i:i + self.prefill_chunk]
+            logits = self._forward(chunk, 1)
+            if progress is not None:
+                progress(len(chunk))
+        self.stats.prefill_seconds += self.stats.forward_seconds - t0
+        return None if logits is None else logits[-1]
+
+    def prefill(self, prompt: list[int], progress: Callable[[int], None] | None = None) -> None:
+        """Process the prompt: the whole prompt for the top tier (keeping its last logits), else all but the last token."""
+        self.truncate(0)
+        n = len(prompt) if self.is_top else len(prompt) - 1
+        self.tail_logits = self._prefill_tokens(prompt[:n], progress)
+        if self.drafter is not None:
+            self.drafter.prefill(prompt, progress)
+
+    def logits_for(self, seq: list[int], n_out: int) -> torch.Tensor:
+        """Logits (n_out, V) fp32 at the last ``n_out`` positions of ``seq``, feeding what the cache lacks."""
+        n = len(self.cached)
+        if seq[max(0, n - 4):n] != self.cached[max(0, n - 4):]:
+            raise RuntimeError(f"tier {self.name}: cache does not hold a prefix of the sequence (bug)")
+        new = seq[n:]
+        if n_out > len(new):
+            if n_out != len(new) + 1 or self.tail_logits is None:
+                raise RuntimeError(f"tier {self.name}: no logits for position {n - 1} (bug)")
+            out = self.tail_logits[None] if not new else torch.cat([self.tail_logits[None], self._forward(new, None)])
+        else:
+            out = self._forward(new, n_out)
+        self.tail_logits = out[-1]
+        return out[-n_out:]
+
+    # ---------------------------------------------------------------- speculation
+    def step(self, seq: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
+        """One verification (or one autoregressive token): 1..max_tokens tokens continuing ``seq``.
+
+        Returns:
+            ``(tokens, probs)``: the emitted tokens and this tier's distribution for each, (len, V) fp32.
+            Tokens stop after an EOS.
+        """
+        k = min(self.gamma, max_tokens - 1) if self.drafter is not None else 0
+        if k > 0:
+            drafts, q = self.drafter.propose(seq, k)  # tokens ~ q, q: (k', V)
+        else:
+            drafts, q = [], None
+        k = len(drafts)
+        logits = self.logits_for(seq + drafts, k + 1)  # (k+1, V)
+        p = logits_to_probs(logits, self.sampling)  # (k+1, V): the same processing as every other tier
+        d = torch.tensor([drafts], dtype=torch.long, device=p.device)
+        q = q[None] if q is not None else p.new_zeros((1, 0, p.shape[-1]))
+        n_acc, nxt = self.verify_fn(d, q, p[None], self.generator, greedy=self.sampling.greedy)
+        n_acc = int(n_acc[0])
+        emitted = drafts[:n_acc]
+        if not (n_acc == k and k and drafts[-1] in self.eos_ids):  # no bonus after an accepted EOS
+            emitted = emitted + [int(nxt[0])]
+        # keep the accepted prefix in every cache at and below this tier
+        self.truncate(len(seq) + n_acc)
+        if self.drafter is not None:
+            self.drafter.rollback(len(seq) + n_acc)
+        if k:
+            s = self.stats
+            s.verifications += 1
+            s.proposed += k
+            s.accepted += n_acc
+            s.emitted += len(emitted)
+        emitted = emitted[:max_tokens]
+        return emitted, p[:len(emitted)]
+
+    def propose(self, seq: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+        """Up to ``n`` tokens distributed as this tier's model, via as many steps as needed; stops after an EOS."""
+        out: list[int] = []
+        probs: list[torch.Tensor] = []
+        while len(out) < n:
+            toks, pr = self.step(seq + out, n - len(out))
+            for i, t in enumerate(toks):
+                if t in self.eos_ids:
+                    toks, pr = toks[:i + 1], pr[:i + 1]
+                    break
+            out += toks
+            probs.append(pr)
+            if toks[-1] in self.eos_ids:
+                break
+        return out, torch.cat(probs)
+
+    # ---------------------------------------------------------------- cache bookkeeping
+    def truncate(self, n: int) -> None:
+        """Keep only the first ``n`` cached tokens (no effect if fewer are cached)."""
+        if n < len(self.cached):
+            self.cache.rollback(n)
+            del self.cached[n:]
+            self.tail_logits = None
+
+    def rollback(self, n: int) -> None:
+        self.truncate(n)
+        if self.drafter is not None:
+            self.drafter.rollback(n)
+
+    def commit(self, seq: list[int]) -> None:
+        if self.drafter is not None:
+            self.drafter.commit(seq)
+
+    def all_stats(self) -> list[TierStats]:
+        below = self.drafter.all_stats() if self.drafter is not None else []
+        return below + [self.stats]
+
+
+class RetrievalTier(ModelTier):
+    """Tier 1: the target model over a :class:`~triforce.caches.RetrievalCache` built from the full cache.
+
+    Extra args:
+        full: the verifier's full cache (source of the selection and of exact KV for accepted tokens).
+        lookahead: most positions this tier may run ahead of the committed sequence (gamma2 + 1).
+        rebuild_every: re-select chunks every this many committed tokens (None: only when the budget is full).
+    """
+
+    cache: RetrievalCache
+
+    def __init__(self, *args, full: FullKVCache, lookahead: int, rebuild_every: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.full, self.lookahead, self.rebuild_every = full, lookahead, rebuild_every
+        if self.cache.budget - self.cache.chunk_size < lookahead + 1:
+            raise ValueError(f"budget must be at least chunk_size + gamma2 + 2 = {self.cache.chunk_size + lookahead + 1} "
+                             f"so generated tokens fit beside chunk 0, got {self.cache.budget}")
+
+    def prefill(self, prompt: list[int], progress: Callable[[int], None] | None = None) -> None:
+        """Select chunks among positions [0, P-1) with the last prompt token's query (position P-1)."""
+        self._build(prompt[:-1], len(prompt) - 1)
+        if self.drafter is not None:
+            self.drafter.prefill(prompt, progress)
+
+    def _build(self, seq: list[int], length: int) -> None:
+        """Select among positions [0, length) with the query of position ``length`` (recorded by the verifier)."""
+        t0 = time.perf_counter()
+        self.cache.build(length, self.full.query_at(length))
+        self.stats.forward_seconds += time.perf_counter() - t0
+        self.cached = list(seq[:length])
+        self.tail_logits = None
+        self.stats.rebuilds += 1
+
+    def commit(self, seq: list[int]) -> None:
+        """After a top-level verification: copy exact KV of accepted tokens; re-select chunks when due."""
+        self.cache.sync_from_full()
+        full_len = self.full.length  # == len(seq) - 1: the verifier holds every committed token but the newest
+        since = full_len - self.cache.build_len
+        room = self.cache.generation_capacity - since
+        if room < self.lookahead + 1 or (self.rebuild_every and since >= self.rebuild_every):
+            # like the first build: select among the positions before the verifier's newest token, with its query
+            self._build(seq, full_len - 1)
+        super().commit(seq)
+
+
+class StreamingTier(ModelTier):
+    """Tier 0: the draft model over a :class:`~triforce.caches.StreamingCache` (prefills the prompt with eviction)."""
+
+    cache: StreamingCache
+
+    def prefill(self, prompt: list[int], progress: Callable[[int], None] | None = None) -> None:
+        self.truncate(0)
+        self.cache.floor = 0
+        tokens = prompt[:-1]
+        for i in range(0, len(tokens), self.prefill_chunk):
+            self.cache.floor = i  # the prompt is final: nothing below i will be rolled back
+            t0 = time.perf_counter()
+            self._forward(tokens[i:i + self.prefill_chunk], 1)
+            self.stats.prefill_seconds += time.perf_counter() - t0
+        self.tail_logits = None
+        if self.drafter is not None:
+            self.drafter.prefill(prompt, progress)
+
+    def commit(self, seq: list[int]) -> None:
+        self.cache.floor = max(self.cache.floor, len(seq) - 1)
+        super().commit(seq)

@@ -1,0 +1,46 @@
+"""Tiny random models for tests: sharp logits (large init scale) so rounding cannot flip a greedy argmax."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from triforce.config import ModelConfig
+from triforce.model import Transformer
+
+
+def hf_config(family: str = "llama", vocab: int = 96, hidden: int = 64, layers: int = 2, heads: int = 4,
+              kv_heads: int = 2, max_pos: int = 512, rope: dict | None = None, tie: bool = False, init: float = 0.25,
+              **extra):
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[family]
+    kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+              num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+              initializer_range=init, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if rope:
+        kw["rope_scaling"] = rope
+    kw.update(extra)
+    return cls(**kw)
+
+
+def hf_model(seed: int = 0, **kw):
+    """A random transformers model (fp32, eval) with sharp logits."""
+    torch.manual_seed(seed)
+    cfg = hf_config(**kw)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # larger norms make the logits sharper, so argmax ties cannot decide a test
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                p.fill_(1.0)
+    return model
+
+
+def ours(hf, dtype=torch.float32) -> Transformer:
+    """Our model with the weights of a transformers model."""
+    return Transformer.from_state_dict(ModelConfig.from_hf(hf.config), hf.state_dict(), dtype=dtype)
+
+
+def pair(seed: int = 0, vocab: int = 96, **kw):
+    """(target, draft) of ours, sharing a vocabulary: a 3-layer target and a 1-layer draft."""
+    target = ours(hf_model(seed, vocab=vocab, layers=3, **kw))
+    draft = ours(hf_model(seed + 1000, vocab=vocab, layers=1, hidden=32, heads=2, kv_heads=1, **kw))
+    return target, draft
