@@ -133,13 +133,21 @@ class Engine:
         target: the target model (tiers 1 and 2 share its weights).
         draft: a small model with the same tokenizer, for the ``draft`` and ``triforce`` modes.
         eos_ids: tokens that end generation.
-        verify_fn: the verification rule of every verifying tier (tests replace it per tier via ``tier_verify``).
+        reuse_prefix: keep the full KV cache between requests and prefill only what follows the longest common
+            prefix of the new prompt with the previous request's tokens (multi-turn chat over a long document).
+
+    ``tier_verify`` maps a tier name to a replacement verification rule (tests inject broken variants).
     """
 
-    def __init__(self, target: Transformer, draft: Transformer | None = None, eos_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, target: Transformer, draft: Transformer | None = None, eos_ids: tuple[int, ...] = (),
+                 reuse_prefix: bool = True) -> None:
         self.target, self.draft = target, draft
+        self.reuse_prefix = reuse_prefix
         self.eos_ids = tuple(eos_ids)
         self.last_stats: GenerationStats | None = None
+        # prefix reuse: the verifier's full cache and the tokens it holds, kept from the previous request
+        self._full: FullKVCache | None = None
+        self._full_tokens: list[int] = []
         self.tier_verify: dict[str, VerifyFn] = {}  # per-tier override of the verification rule (tests)
 
     # ------------------------------------------------------------------ planning
@@ -195,10 +203,16 @@ class Engine:
                         spec: SpeculationConfig, generator: torch.Generator) -> ModelTier:
         """Allocate the caches and chain the tiers for ``spec.mode``; returns the top (verifier) tier."""
         total = self._capacity(prompt_tokens, max_new_tokens, spec)
-        self.target.set_request_length(total)
         common = dict(sampling=sampling, generator=generator, eos_ids=self.eos_ids)
-        full = FullKVCache(self.target.cfg, total, self.target.dtype, self.target.device,
-                           record_queries=spec.uses_retrieval)
+        full, reused = self._full, list(self._full_tokens)
+        if full is None or full.capacity < total or not self.reuse_prefix:
+            self._full = None  # free the old cache before allocating the new one
+            full, reused = None, []
+            # dynamic NTK scales with the cache's capacity, so a reused cache keeps its RoPE frequencies
+            self.target.set_request_length(total)
+            full = FullKVCache(self.target.cfg, total, self.target.dtype, self.target.device)
+        full.record_queries = spec.uses_retrieval
+        self._full, self._full_tokens = full, []
         drafter = None
         if spec.uses_draft:
             d = self.draft
@@ -213,8 +227,10 @@ class Engine:
                                     gamma=spec.gamma1 if drafter is not None else 0,
                                     full=full, lookahead=spec.gamma2 + 1, rebuild_every=spec.rebuild_every,
                                     verify_fn=self.tier_verify.get("retrieval", rejection_sample), **common)
-        return ModelTier("target", self.target, full, drafter=drafter, gamma=spec.gamma2 if drafter else 0,
-                         is_top=True, verify_fn=self.tier_verify.get("target", rejection_sample), **common)
+        top = ModelTier("target", self.target, full, drafter=drafter, gamma=spec.gamma2 if drafter else 0,
+                        is_top=True, verify_fn=self.tier_verify.get("target", rejection_sample), **common)
+        top.cached = reused  # prefill keeps the longest common prefix with the new prompt
+        return top
 
     # ------------------------------------------------------------------ generation
     def stream(self, prompt_ids: list[int], max_new_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
@@ -271,6 +287,8 @@ class Engine:
             t_end = time.perf_counter()
             stats = self._stats(top, spec, len(prompt_ids), generated, finish, t_prefill - t_start, t_end - t_prefill, seed)
             self.last_stats = stats
+            top.truncate(len(seq) - 1)  # nothing past the output (e.g. drafts after an accepted EOS) stays cached
+            self._full_tokens = top.cached
         return stats
 
     def generate(self, prompt_ids: list[int], **kwargs) -> tuple[list[int], GenerationStats]:

@@ -172,10 +172,19 @@ class ModelTier:
         return None if logits is None else logits[-1]
 
     def prefill(self, prompt: list[int], progress: Callable[[int], None] | None = None) -> None:
-        """Process the prompt: the whole prompt for the top tier (keeping its last logits), else all but the last token."""
-        self.truncate(0)
+        """Process the prompt: the whole prompt for the top tier (keeping its last logits), else all but the last token.
+
+        Tokens already cached that match the prompt's start are kept (prefix reuse); at least one token is fed.
+        """
         n = len(prompt) if self.is_top else len(prompt) - 1
-        self.tail_logits = self._prefill_tokens(prompt[:n], progress)
+        common = 0
+        for a, b in zip(self.cached, prompt[:n - 1]):
+            if a != b:
+                break
+            common += 1
+        self.truncate(common)
+        self.stats.extra["reused_prefix_tokens"] = common
+        self.tail_logits = self._prefill_tokens(prompt[common:n], progress)
         if self.drafter is not None:
             self.drafter.prefill(prompt, progress)
 

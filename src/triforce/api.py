@@ -1,0 +1,171 @@
+"""Text-level API: a target (and optional draft) model with its tokenizer, stop strings, streaming text.
+
+Example::
+
+    from triforce import TriForce, SamplingParams, SpeculationConfig
+    tf = TriForce.load()                           # the embedded SmolLM2-135M-Instruct
+    result = tf.generate("Once upon a time", max_new_tokens=32, sampling=SamplingParams(temperature=0))
+    print(result.text, result.stats.decode_tokens_per_second)
+
+    gen = tf.stream("Once upon a time")            # yields TokenEvent(token_id, text) as tokens are accepted
+    for event in gen: print(event.text, end="")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Generator, Sequence
+
+from .engine import Engine, GenerationStats, SpeculationConfig
+from .loading import LoadedModel, load_model
+from .prompts import encode_prompt
+from .sampling import SamplingParams
+
+
+class TokenizerMismatchError(ValueError):
+    """The draft model's tokenizer differs from the target's (speculation needs one vocabulary)."""
+
+
+@dataclass
+class TokenEvent:
+    """One accepted token: its id and the text it completes (may be empty while a character or a possible stop
+    string is incomplete). A final event with ``token_id`` None flushes text held back until the end."""
+
+    token_id: int | None
+    text: str
+
+
+@dataclass
+class GenerationResult:
+    """The outcome of :meth:`TriForce.generate`.
+
+    Attributes:
+        text: generated text (cut before a stop string).
+        token_ids: generated token ids (through the token that completed a stop string or the EOS).
+        finish_reason: ``eos``, ``stop``, ``length`` or ``interrupted`` (Ctrl-C).
+        stats: :class:`~triforce.engine.GenerationStats`.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        d = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason}
+        d.update(self.stats.to_dict())
+        d["finish_reason"] = self.finish_reason
+        return d
+
+
+def check_same_tokenizer(target_tok, draft_tok) -> None:
+    """Raise :class:`TokenizerMismatchError` unless both tokenizers map the same strings to the same ids."""
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise TokenizerMismatchError(
+            f"the draft's tokenizer differs from the target's (vocabularies of {len(draft_tok)} and {len(target_tok)} "
+            "tokens do not match); a draft model must share the target's tokenizer")
+
+
+class TriForce:
+    """A target model, an optional draft model, their tokenizer, and the engine that runs them.
+
+    Args:
+        target: the loaded target model.
+        draft: an optional loaded draft model sharing the target's tokenizer.
+
+    Raises:
+        TokenizerMismatchError: the draft's vocabulary differs from the target's.
+    """
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None) -> None:
+        if draft is not None:
+            check_same_tokenizer(target.tokenizer, draft.tokenizer)
+        self.target, self.draft = target, draft
+        self.tokenizer = target.tokenizer
+        self.engine = Engine(target.model, draft.model if draft else None, eos_ids=target.eos_ids)
+
+    @classmethod
+    def load(cls, model: str | None = None, draft: str | None = None, dtype: str = "float32",
+             device: str = "cpu") -> "TriForce":
+        """Load the target (default: the embedded SmolLM2-135M-Instruct) and an optional draft; see :func:`load_model`."""
+        target = load_model(model, dtype, device)
+        draft_model = load_model(draft, dtype, device) if draft else None
+        return cls(target, draft_model)
+
+    @property
+    def default_mode(self) -> str:
+        """``triforce`` when a draft model is loaded, else ``autoregressive``."""
+        return "triforce" if self.draft is not None else "autoregressive"
+
+    def encode(self, prompt: str, chat: bool = False, system: str | None = None,
+               max_prompt_tokens: int | None = None) -> list[int]:
+        """Prompt text -> token ids (see :func:`~triforce.prompts.encode_prompt`)."""
+        return encode_prompt(self.tokenizer, prompt, chat=chat, system=system, max_prompt_tokens=max_prompt_tokens,
+                             context_length=self.target.model.cfg.max_position_embeddings)
+
+    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256,
+               sampling: SamplingParams = SamplingParams(), spec: SpeculationConfig | None = None,
+               seed: int | None = None, stop: Sequence[str] = (),
+               prefill_progress: Callable[[int], None] | None = None) -> Generator[TokenEvent, None, GenerationResult]:
+        """Generate, yielding a :class:`TokenEvent` per accepted token; returns a :class:`GenerationResult`.
+
+        Args:
+            prompt: text (tokenized as is; use :meth:`encode` for chat templates) or token ids.
+            max_new_tokens, sampling, seed, prefill_progress: see :meth:`triforce.engine.Engine.stream`.
+            spec: speculation settings (default: :attr:`default_mode` with the paper's defaults).
+            stop: stop strings; generation ends when the text contains one, and the text is cut before it.
+
+        Raises:
+            ValueError: bad arguments (named), before any model work.
+        """
+        if isinstance(stop, str):
+            stop = [stop]
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
+        spec = spec or SpeculationConfig(mode=self.default_mode)
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        gen = self.engine.stream(ids, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=seed,
+                                 prefill_progress=prefill_progress)
+        out: list[int] = []
+        emitted = 0  # characters of the text already given out
+        text = ""
+        finish = None
+        hold = max((len(s) for s in stop), default=1) - 1
+        try:
+            for tok in gen:
+                out.append(tok)
+                text = self.tokenizer.decode(out, skip_special_tokens=True)
+                hit = min((i for i in (text.find(s, max(0, emitted - hold)) for s in stop) if i >= 0), default=-1)
+                if hit >= 0:
+                    text = text[:hit]
+                    finish = "stop"
+                    yield TokenEvent(tok, text[emitted:])
+                    emitted = len(text)
+                    break
+                safe = len(text) - hold if stop else len(text)
+                if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for the next token
+                    safe = min(safe, len(text) - 1)
+                delta = text[emitted:safe] if safe > emitted else ""
+                emitted += len(delta)
+                yield TokenEvent(tok, delta)
+        except KeyboardInterrupt:
+            finish = "interrupted"
+        finally:
+            gen.close()
+        stats = self.engine.last_stats
+        finish = finish or stats.finish_reason
+        if finish == "length" and out and out[-1] in self.engine.eos_ids:
+            finish = "eos"
+        stats.finish_reason = finish
+        if emitted < len(text):  # the held-back tail when no stop string came
+            yield TokenEvent(None, text[emitted:])
+        return GenerationResult(text, out, finish, stats)
+
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
+        """Non-streaming :meth:`stream`."""
+        gen = self.stream(prompt, **kwargs)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                return stop.value

@@ -1,0 +1,204 @@
+"""Command line: ``triforce generate``, ``triforce download``.
+
+Bad input exits with status 2 and one line on stderr naming the option; nothing is loaded before the
+arguments are checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import __version__
+from .engine import MODES, SpeculationConfig
+from .sampling import SamplingParams
+
+
+class CLIError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", help="target model: Hugging Face folder, .gguf file or hub id (default: the embedded "
+                                   "SmolLM2-135M-Instruct)")
+    g.add_argument("--draft", help="draft model sharing the target's tokenizer (enables the draft/triforce modes)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and KV dtype")
+    g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
+    g.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-new-tokens", type=int, default=256)
+    s.add_argument("--temperature", type=float, default=0.6, help="0 = greedy (default 0.6)")
+    s.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1] (default 0.9)")
+    s.add_argument("--top-k", type=int, default=0, help="0 = disabled")
+    s.add_argument("--seed", type=int, help="seed for every random draw (default: random, reported in --json)")
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    k = p.add_argument_group("speculation (TriForce)")
+    k.add_argument("--mode", choices=MODES, help="default: triforce with --draft, else autoregressive")
+    k.add_argument("--gamma1", type=int, default=4, help="draft tokens per retrieval-tier verification (triforce)")
+    k.add_argument("--gamma2", type=int, default=6, help="tokens proposed per target verification")
+    k.add_argument("--budget", type=int, default=4096, help="retrieval cache slots (default 4096)")
+    k.add_argument("--chunk-size", type=int, default=8, help="retrieval chunk size (default 8)")
+    k.add_argument("--rebuild-every", type=int, help="re-select retrieval chunks every N tokens (default: never)")
+    k.add_argument("--draft-sink", type=int, default=16, help="StreamingLLM sink tokens of the draft cache")
+    k.add_argument("--draft-window", type=int, default=240, help="StreamingLLM window of the draft cache")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="triforce", description="Lossless long-context generation with hierarchical "
+                                     "speculative decoding (TriForce).")
+    parser.add_argument("--version", action="version", version=f"triforce {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a continuation of a prompt")
+    src = gen.add_argument_group("prompt")
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from a file ('-' = stdin); Project Gutenberg header and "
+                                           "footer are stripped")
+    src.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    src.add_argument("--system", help="system message (with --chat)")
+    src.add_argument("--max-prompt-tokens", type=int, help="keep the first N prompt tokens")
+    _add_generation_args(gen)
+    gen.add_argument("--json", action="store_true", help="print one JSON object (schema in README) instead of text")
+    gen.add_argument("--no-progress", action="store_true", help="no progress bar")
+    dl = sub.add_parser("download", help="fetch the embedded default model (SmolLM2-135M-Instruct) into the cache")
+    dl.add_argument("--force", action="store_true", help="download and convert again")
+    return parser
+
+
+def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpeculationConfig:
+    """The speculation settings of the parsed options (ValueError names the parameter)."""
+    mode = args.mode or ("triforce" if has_draft else "autoregressive")
+    if mode in ("draft", "triforce") and not has_draft:
+        raise CLIError(f"--mode {mode} needs --draft MODEL (or use --mode autoregressive or retrieval)")
+    return SpeculationConfig(mode=mode, gamma1=args.gamma1, gamma2=args.gamma2, budget=args.budget,
+                             chunk_size=args.chunk_size, rebuild_every=args.rebuild_every,
+                             draft_sink=args.draft_sink, draft_window=args.draft_window)
+
+
+def _option_error(e: ValueError) -> CLIError:
+    """Map a library ValueError ('top_p must be ...') to the option name ('--top-p must be ...')."""
+    msg = str(e)
+    for name in ("max_prompt_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "gamma1", "gamma2", "budget",
+                 "chunk_size", "rebuild_every", "draft_sink", "draft_window", "mode", "dtype", "system"):
+        if msg.startswith(name):
+            return CLIError("--" + name.replace("_", "-") + msg[len(name):])
+    return CLIError(msg)
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    from .prompts import strip_gutenberg
+
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise CLIError("give exactly one of --prompt TEXT or --prompt-file PATH ('-' reads stdin)")
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            with open(args.prompt_file, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError as e:
+            raise CLIError(f"--prompt-file {args.prompt_file!r}: {e.strerror}") from e
+    return strip_gutenberg(text)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .api import TriForce
+    from .memory import fmt_bytes
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise CLIError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        spec = spec_from_args(args, has_draft=args.draft is not None)
+        if args.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {args.max_new_tokens}")
+        if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {args.max_prompt_tokens}")
+        if args.system is not None and not args.chat:
+            raise ValueError("system is only used with --chat")
+        if any(not s for s in args.stop):
+            raise CLIError("--stop strings must not be empty")
+    except ValueError as e:
+        raise _option_error(e) from e
+    text = _read_prompt(args)
+    tf = TriForce.load(args.model, args.draft, dtype=args.dtype, device=args.device)
+    try:
+        ids = tf.encode(text, chat=args.chat, system=args.system, max_prompt_tokens=args.max_prompt_tokens)
+    except ValueError as e:
+        raise _option_error(e) from e
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(ids), unit="tok", desc="prefill", disable=args.no_progress or len(ids) < 512 or None,
+               file=sys.stderr, leave=False)
+    gen = tf.stream(ids, max_new_tokens=args.max_new_tokens, sampling=sampling, spec=spec, seed=args.seed,
+                    stop=args.stop, prefill_progress=bar.update)
+    result = None
+    try:
+        while True:
+            try:
+                event = next(gen)
+            except StopIteration as stop:
+                result = stop.value
+                break
+            if bar is not None:
+                bar.close()
+                bar = None
+            if not args.json:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+    except ValueError as e:
+        raise _option_error(e) from e
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        sys.stdout.write("\n")
+        s = result.stats
+        print(f"[{result.finish_reason}] {s.summary()}; peak memory {fmt_bytes(s.peak_memory_bytes)}", file=sys.stderr)
+    return 130 if result.finish_reason == "interrupted" else 0
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    from .download import download_default_model
+
+    path = download_default_model(force=args.force)
+    print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``triforce`` console script; returns the exit status."""
+    from .caches import CacheError
+    from .download import DownloadError
+    from .loading import ModelLoadError
+    from .memory import InsufficientMemoryError
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "download":
+            return cmd_download(args)
+    except (CLIError, ModelLoadError, DownloadError, InsufficientMemoryError, ValueError) as e:
+        print(f"triforce: error: {e}", file=sys.stderr)
+        return 2
+    except CacheError as e:  # a bug, but say it in one line
+        print(f"triforce: internal cache error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ntriforce: interrupted", file=sys.stderr)
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Loading a model and its tokenizer from any source, with one function: :func:`load_model`.
+
+Sources, in the order they are tried:
+
+1. ``None``: the embedded default model (SmolLM2-135M-Instruct), fetched once (see ``download.py``);
+2. a GGUF file (``*.gguf``), or a folder holding exactly one GGUF file and no config.json, read and
+   dequantized by transformers' GGUF reader;
+3. a local Hugging Face folder: ``config.json`` + safetensors (one file or shards with an index);
+4. a Hugging Face hub id (``org/name``), fetched with huggingface_hub where the network allows.
+
+The tokenizer always comes from transformers (``AutoTokenizer``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from .memory import check_fits
+from .model import Transformer
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """A model source could not be found, read or fetched; the message says which and why."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run.
+
+    Attributes:
+        model: our :class:`~triforce.model.Transformer`.
+        tokenizer: the transformers tokenizer.
+        hf_config: the transformers config it was read from.
+        source: where it came from (path or hub id).
+    """
+
+    model: Transformer
+    tokenizer: Any
+    hf_config: Any
+    source: str
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """End-of-sequence ids: the tokenizer's EOS plus the config's."""
+        ids = set(self.model.cfg.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32" | "bfloat16" | "float16"`` (or fp32/bf16/fp16, or a torch dtype) -> torch dtype.
+
+    Raises:
+        ValueError: any other value, listing the allowed ones.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+        raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {dtype}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _check_architecture(model_type: str | None) -> None:
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(f"unsupported architecture {model_type!r}: triforce runs "
+                                    f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 2/3/3.1, Mistral, Qwen2/2.5)")
+
+
+def read_gguf(path: str | Path) -> tuple[Any, dict[str, torch.Tensor], Any]:
+    """Read a GGUF file with transformers' reader: ``(hf_config, fp32 state dict in HF names, tokenizer)``.
+
+    Raises:
+        UnsupportedModelError: an architecture outside :data:`~triforce.config.SUPPORTED_ARCHITECTURES`.
+        ModelLoadError: the file cannot be parsed.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = Path(path)
+    try:
+        meta = load_gguf_checkpoint(str(path), return_tensors=False)
+    except Exception as e:  # transformers raises ValueError/KeyError/... for files it cannot read
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+    _check_architecture(meta.get("config", {}).get("model_type"))
+    hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return hf_config, state, tokenizer
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / s for s in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no safetensors weights in {folder} (expected model.safetensors or an index with shards)")
+    return files
+
+
+def _read_folder(folder: Path, dtype: torch.dtype, device: str | torch.device):
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoTokenizer
+
+    raw = json.loads((folder / "config.json").read_text())
+    _check_architecture(raw.get("model_type"))
+    hf_config = AutoConfig.from_pretrained(str(folder))
+    files = _safetensors_files(folder)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            numel += sum(_prod(sf.get_slice(name).get_shape()) for name in sf.keys())
+    check_fits({"weights": numel * itemsize}, device, f"model {folder.name}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                state[name] = sf.get_tensor(name).to(dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return hf_config, state, tokenizer
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _looks_like_hub_id(source: str) -> bool:
+    parts = source.split("/")
+    return len(parts) == 2 and all(parts) and not source.startswith((".", "/", "~"))
+
+
+def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu") -> LoadedModel:
+    """Load a Llama-family model and its tokenizer from a folder, a GGUF file, a hub id, or the default model.
+
+    Args:
+        source: see the module docstring; None loads the embedded default (downloading it once).
+        dtype: weights and KV-cache dtype: float32, bfloat16 or float16.
+        device: torch device string (``cpu``, ``cuda``, ``cuda:1``).
+
+    Returns:
+        :class:`LoadedModel`.
+
+    Raises:
+        ModelLoadError: the source does not exist, has no weights, or cannot be fetched.
+        UnsupportedModelError: an architecture we do not run (the message lists the supported ones).
+        InsufficientMemoryError: the weights do not fit in free memory (both figures in the message).
+        ValueError: an unknown dtype.
+    """
+    torch_dtype = parse_dtype(dtype)
+    if source is None:
+        from .download import download_default_model
+
+        source = str(download_default_model())
+    source = str(source)
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"model file {path} is not a .gguf file; pass a GGUF file or a Hugging Face folder")
+        hf_config, state, tokenizer = read_gguf(path)
+        state = {k: v.to(torch_dtype) for k, v in state.items()}
+    elif path.is_dir():
+        if (path / "config.json").is_file():
+            hf_config, state, tokenizer = _read_folder(path, torch_dtype, device)
+        else:
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) != 1:
+                raise ModelLoadError(f"folder {path} has no config.json and {len(ggufs)} GGUF files; expected a Hugging "
+                                     "Face folder (config.json + safetensors) or exactly one .gguf file")
+            hf_config, state, tokenizer = read_gguf(ggufs[0])
+            state = {k: v.to(torch_dtype) for k, v in state.items()}
+    elif _looks_like_hub_id(source):
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
+        except Exception as e:  # network errors, unknown repo, gated repo
+            raise ModelLoadError(f"could not fetch {source!r} from the Hugging Face hub ({type(e).__name__}); "
+                                 "pass a local folder or GGUF file instead") from e
+        return load_model(folder, dtype, device)
+    else:
+        raise ModelLoadError(f"model {source!r} not found: pass a local Hugging Face folder, a .gguf file, or a hub "
+                             "id like 'org/name'")
+    cfg = ModelConfig.from_hf(hf_config)
+    model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=device)
+    return LoadedModel(model, tokenizer, hf_config, source)
