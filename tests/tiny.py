@@ -44,3 +44,28 @@ def pair(seed: int = 0, vocab: int = 96, **kw):
     target = ours(hf_model(seed, vocab=vocab, layers=3, **kw))
     draft = ours(hf_model(seed + 1000, vocab=vocab, layers=1, hidden=32, heads=2, kv_heads=1, **kw))
     return target, draft
+
+
+def char_tokenizer():
+    """A 96-token character-level tokenizer (ids 0-2 special, then ASCII 32..124) with a chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for c in range(32, 125):
+        vocab[chr(c)] = len(vocab)
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    return tok
+
+
+def save_folder(path, seed: int = 0, **kw):
+    """Save a tiny transformers model + the char tokenizer as a Hugging Face folder; returns the HF model."""
+    model = hf_model(seed, vocab=96, **kw)
+    model.save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return model

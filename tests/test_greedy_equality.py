@@ -1,0 +1,132 @@
+"""Greedy decoding: every mode gives exactly the autoregressive tokens; autoregressive equals transformers."""
+
+import itertools
+
+import pytest
+import torch
+
+from tiny import hf_model, ours, pair
+from triforce.engine import Engine, SpeculationConfig
+from triforce.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+# (budget, chunk_size, gamma1, gamma2): budget < prompt (retrieval differs from full), prompt lengths that are not a
+# multiple of the chunk size, gamma 1, and a budget >= every prompt (retrieval cache = whole cache)
+SETTINGS = [(16, 4, 2, 3), (24, 8, 4, 6), (40, 5, 1, 1), (1024, 8, 3, 4)]
+MODES = ["retrieval", "draft", "triforce"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    target, draft = pair(seed=0)
+    return Engine(target, draft)
+
+
+def _prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (int(torch.randint(2, 90, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+
+def _check_modes(engine, prompts, settings_for, new_tokens):
+    mismatches, accepted = [], 0
+    for i, prompt in enumerate(prompts):
+        ref, _ = engine.generate(prompt, max_new_tokens=new_tokens, sampling=GREEDY, spec=SpeculationConfig())
+        for mode, (budget, chunk, g1, g2) in itertools.product(MODES, settings_for(i)):
+            spec = SpeculationConfig(mode=mode, budget=budget, chunk_size=chunk, gamma1=g1, gamma2=g2,
+                                     draft_sink=4, draft_window=12)
+            out, stats = engine.generate(prompt, max_new_tokens=new_tokens, sampling=GREEDY, spec=spec)
+            accepted += stats.tiers["target"]["accepted"]
+            if out != ref:
+                mismatches.append((i, mode, budget, chunk, g1, g2))
+    assert not mismatches
+    assert accepted > 0  # speculation really happened
+
+
+def test_every_mode_equals_autoregressive_greedy(engine):
+    """60 prompts (2-89 tokens) x 3 speculative modes; the (budget, chunk, gamma) settings cycle over the prompts."""
+    _check_modes(engine, _prompts(60), lambda i: [SETTINGS[i % len(SETTINGS)]], new_tokens=20)
+
+
+@pytest.mark.slow
+def test_every_mode_every_setting_equals_autoregressive_greedy(engine):
+    """The full product: 100 prompts x 3 modes x every setting, 32 new tokens."""
+    _check_modes(engine, _prompts(100, seed=1), lambda i: SETTINGS, new_tokens=32)
+
+
+def test_eos_inside_a_block_ends_generation_there():
+    """Make the 5th greedy token the EOS: every mode stops right after it, with no bonus token past it."""
+    target, draft = pair(seed=2)
+    prompt = list(range(10, 40))
+    ref, _ = Engine(target).generate(prompt, max_new_tokens=12, sampling=GREEDY, spec=SpeculationConfig())
+    eos = ref[4]
+    first = ref.index(eos)
+    for mode in ["autoregressive"] + MODES:
+        for g2 in (3, 6, 8):
+            engine = Engine(target, draft, eos_ids=(eos,))
+            spec = SpeculationConfig(mode=mode, budget=16, chunk_size=4, gamma1=2, gamma2=g2, draft_sink=2, draft_window=6)
+            out, stats = engine.generate(prompt, max_new_tokens=12, sampling=GREEDY, spec=spec)
+            assert out == ref[:first + 1], (mode, g2)
+            assert stats.finish_reason == "eos"
+            top = stats.tiers["target"]
+            if mode != "autoregressive":
+                assert top["accepted"] <= top["proposed"]
+                assert top["accepted"] <= len(out)  # acceptance never counted past the EOS
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 7])
+def test_max_new_tokens_truncates_the_block(engine, max_new):
+    prompt = _prompts(1, seed=3)[0]
+    ref, _ = engine.generate(prompt, max_new_tokens=max_new, sampling=GREEDY, spec=SpeculationConfig())
+    assert len(ref) == max_new
+    for mode in MODES:
+        spec = SpeculationConfig(mode=mode, budget=16, chunk_size=4, gamma1=3, gamma2=6, draft_sink=2, draft_window=6)
+        out, stats = engine.generate(prompt, max_new_tokens=max_new, sampling=GREEDY, spec=spec)
+        assert out == ref and stats.finish_reason == "length"
+
+
+def test_rebuild_every_keeps_greedy_equality_and_counts_rebuilds(engine):
+    prompt = _prompts(1, seed=4)[0] * 2
+    ref, _ = engine.generate(prompt, max_new_tokens=40, sampling=GREEDY, spec=SpeculationConfig())
+    spec = SpeculationConfig(mode="triforce", budget=20, chunk_size=4, gamma1=2, gamma2=3, rebuild_every=5,
+                             draft_sink=2, draft_window=6)
+    out, stats = engine.generate(prompt, max_new_tokens=40, sampling=GREEDY, spec=spec)
+    assert out == ref
+    assert stats.tiers["retrieval"]["rebuilds"] >= 40 // 5  # one after prefill + every 5 tokens
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_autoregressive_greedy_equals_transformers_generate(family):
+    hf = hf_model(seed=9, family=family, layers=2)
+    model = ours(hf)
+    engine = Engine(model)
+    for prompt in _prompts(4, seed=5):
+        ids = torch.tensor([prompt])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        out, _ = engine.generate(prompt, max_new_tokens=20, sampling=GREEDY, spec=SpeculationConfig())
+        assert out == ref
+
+
+def test_prefix_reuse_gives_the_same_tokens_as_cold(engine):
+    prompt = _prompts(1, seed=6)[0]
+    cold = Engine(engine.target, engine.draft, reuse_prefix=False)
+    for mode in ["autoregressive"] + MODES:
+        spec = SpeculationConfig(mode=mode, budget=16, chunk_size=4, gamma1=2, gamma2=3, draft_sink=2, draft_window=6)
+        first, _ = engine.generate(prompt, max_new_tokens=10, sampling=GREEDY, spec=spec)
+        second_prompt = prompt + first + [5, 6, 7]  # a second turn over the same document
+        warm, stats = engine.generate(second_prompt, max_new_tokens=10, sampling=GREEDY, spec=spec)
+        ref, _ = cold.generate(second_prompt, max_new_tokens=10, sampling=GREEDY, spec=spec)
+        assert warm == ref
+        assert stats.tiers["target"]["reused_prefix_tokens"] >= len(prompt) + len(first) - 1
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    prompt = _prompts(1, seed=7)[0]
+    sampling = SamplingParams(temperature=0.8, top_p=0.9)
+    for mode in ["autoregressive"] + MODES:
+        spec = SpeculationConfig(mode=mode, budget=16, chunk_size=4, gamma1=2, gamma2=3, draft_sink=2, draft_window=6)
+        a, sa = engine.generate(prompt, max_new_tokens=20, sampling=sampling, spec=spec, seed=123)
+        b, _ = engine.generate(prompt, max_new_tokens=20, sampling=sampling, spec=spec, seed=123)
+        c, _ = engine.generate(prompt, max_new_tokens=20, sampling=sampling, spec=spec, seed=124)
+        assert a == b and sa.seed == 123
+        assert a != c

@@ -1,0 +1,144 @@
+"""Logits processing equals transformers' warpers; the verification rule emits the target distribution."""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from triforce.sampling import SamplingParams, logits_to_probs
+from triforce.speculative import rejection_sample
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.6, 0.9, 0), (0.3, 0.5, 5), (1.3, 0.95, 20)])
+def test_logits_to_probs_matches_transformers_warpers(temperature, top_p, top_k):
+    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(0)) * 3
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
+                                  + ([TopPLogitsWarper(top_p)] if top_p < 1 else []))
+    ref = torch.softmax(warpers(None, logits.clone()), -1)
+    ours = logits_to_probs(logits, SamplingParams(temperature, top_p, top_k))
+    assert torch.allclose(ours, ref, atol=1e-6)
+    assert ours.dtype == torch.float32
+
+
+def test_greedy_is_one_hot_on_first_argmax():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0]], dtype=torch.bfloat16)
+    probs = logits_to_probs(logits, SamplingParams(temperature=0))
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("kwargs,name", [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                                          ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
+                                          ({"top_k": 2.5}, "top_k"), ({"temperature": float("nan")}, "temperature")])
+def test_bad_sampling_params_name_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def _dists(v, n, gen, params):
+    """n random (p, q) pairs of processed distributions over v tokens, p and q deliberately different."""
+    p = logits_to_probs(torch.randn(n, v, generator=gen) * 0.6, params)
+    q = logits_to_probs(torch.randn(n, v, generator=gen) * 0.6, params)
+    return p, q
+
+
+TRIALS = 20_000
+GRID = list(itertools.product([0.3, 0.6, 1.0], [0.9, 1.0], [0, 5]))
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", GRID)
+def test_rejection_sampling_emits_target_distribution(temperature, top_p, top_k):
+    """One draft position, 20,000 vectorised trials: the emitted token ~ p exactly.
+
+    Bound: chi-square goodness of fit (cells with expected count < 5 pooled), p-value > 1e-3 with fixed seeds;
+    under the null hypothesis a given seed fails with probability 1e-3.
+    """
+    params = SamplingParams(temperature, top_p, top_k)
+    gen = torch.Generator().manual_seed(hash((temperature, top_p, top_k)) % 2**31)
+    v = 12
+    p1, q1 = _dists(v, 1, gen, params)
+    p = p1.expand(TRIALS, v)[:, None]  # (N, 1, V): one draft position
+    q = q1.expand(TRIALS, v)[:, None]
+    drafts = torch.multinomial(q[:, 0], 1, replacement=True, generator=gen)  # (N, 1) ~ q
+    bonus_p = torch.full((TRIALS, 1, v), 1.0 / v)
+    n_acc, nxt = rejection_sample(drafts, q, torch.cat([p, bonus_p], 1), gen)
+    emitted = torch.where(n_acc == 1, drafts[:, 0], nxt)  # the token at the draft position
+    _assert_matches(emitted, p1[0])
+    # the rule is not trivially accepting: some rejections happened
+    assert 0 < (n_acc == 0).float().mean() < 1
+
+
+def _assert_matches(samples, probs, alpha=1e-3):
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    expected = probs.double() / probs.double().sum() * samples.numel()
+    assert counts[expected == 0].sum() == 0, "sampled a token of probability 0"
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big & (expected > 0)].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big & (expected > 0)].sum()[None]])
+    keep = exp > 0
+    assert keep.sum() >= 3, "too few cells for a meaningful test"
+    stat = chisquare(obs[keep].numpy(), exp[keep].numpy())
+    assert stat.pvalue > alpha, f"chi-square p={stat.pvalue:.2e}"
+
+
+def test_rejection_sampling_second_position_and_bonus():
+    """Three drafts: the token emitted at position 2 (given positions 0-1 accepted) ~ p_2, the bonus ~ p_4."""
+    gen = torch.Generator().manual_seed(7)
+    v, k = 6, 3
+    params = SamplingParams(1.0, 1.0, 0)
+    p, q = _dists(v, k + 1, gen, params)
+    q = q[:k]
+    n = TRIALS
+    drafts = torch.stack([torch.multinomial(q[i].expand(n, v), 1, generator=gen)[:, 0] for i in range(k)], 1)
+    n_acc, nxt = rejection_sample(drafts, q.expand(n, k, v), p.expand(n, k + 1, v), gen)
+    reached = n_acc >= 2  # position 2 was verified
+    at2 = torch.where(n_acc[reached] >= 3, drafts[reached, 2], nxt[reached])
+    _assert_matches(at2, p[2])
+    bonus = nxt[n_acc == k]
+    assert bonus.numel() > 200
+    _assert_matches(bonus, p[k])
+
+
+def test_broken_rule_fails_the_same_test():
+    """Resampling from p (not the residual) after a rejection is biased; the chi-square test catches it."""
+    gen = torch.Generator().manual_seed(11)
+    v = 12
+    p1, q1 = _dists(v, 1, gen, SamplingParams(1.0, 1.0, 0))
+    drafts = torch.multinomial(q1.expand(TRIALS, v), 1, replacement=True, generator=gen)
+    u = torch.rand(TRIALS, generator=gen)
+    accept = u * q1[0, drafts[:, 0]] < p1[0, drafts[:, 0]]
+    from_p = torch.multinomial(p1.expand(TRIALS, v), 1, generator=gen)[:, 0]
+    emitted = torch.where(accept, drafts[:, 0], from_p)
+    with pytest.raises(AssertionError, match="chi-square"):
+        _assert_matches(emitted, p1[0])
+
+
+def test_greedy_rule_accepts_prefix_of_argmax():
+    p = torch.zeros(1, 4, 5)
+    for i, t in enumerate([3, 1, 4, 2]):
+        p[0, i, t] = 1.0
+    drafts = torch.tensor([[3, 1, 0]])
+    n_acc, nxt = rejection_sample(drafts, torch.zeros(1, 3, 5), p, greedy=True)
+    assert n_acc.tolist() == [2] and nxt.tolist() == [4]
+    n_acc, nxt = rejection_sample(torch.tensor([[3, 1, 4]]), torch.zeros(1, 3, 5), p, greedy=True)
+    assert n_acc.tolist() == [3] and nxt.tolist() == [2]  # bonus = argmax of p_4
+
+
+def test_zero_residual_falls_back_to_p():
+    """p == q: rejection has probability 0, but if rounding rejects, the residual is all zero: draw from p."""
+    p = torch.tensor([[[0.5, 0.5, 0.0]]])
+    q = p.clone()
+    drafts = torch.tensor([[0]])
+    target = torch.cat([p * (1 - 1e-7), torch.tensor([[[0.0, 0.0, 1.0]]])], 1)  # p(x)/q(x) just below 1
+    gen = torch.Generator().manual_seed(0)
+    n_acc, nxt = rejection_sample(drafts.expand(5000, 1), q.expand(5000, 1, 3), target.expand(5000, 2, 3), gen)
+    rejected = nxt[n_acc == 0]
+    assert set(rejected.tolist()) <= {0, 1}  # from p, never the bonus distribution's token 2, never NaN
+
+
+def test_shape_errors_are_named():
+    with pytest.raises(ValueError, match="shapes"):
+        rejection_sample(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, 5), torch.zeros(1, 2, 5))
