@@ -1,0 +1,198 @@
+"""The command line and the loader, on tiny Hugging Face folders: JSON schema, stop strings, bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from triforce.cli import main
+
+
+def run(*args, stdin=None):
+    """Run the CLI in a subprocess: (exit status, stdout, stderr)."""
+    proc = subprocess.run([sys.executable, "-m", "triforce", *args], capture_output=True, text=True, input=stdin,
+                          timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_generate_json_schema(tiny_folder):
+    code, out, err = run("generate", "--model", tiny_folder, "--prompt", "hello world", "--max-new-tokens", "12",
+                         "--temperature", "0", "--json", "--threads", "1")
+    assert code == 0, err
+    d = json.loads(out)
+    for key in ("text", "token_ids", "finish_reason", "prompt_tokens", "prefill_seconds", "decode_tokens_per_second",
+                "mean_time_between_tokens_ms", "peak_memory_bytes", "tiers", "seed", "mode"):
+        assert key in d, key
+    assert d["finish_reason"] in ("eos", "stop", "length")
+    assert d["prompt_tokens"] == len("hello world") and d["mode"] == "autoregressive"
+    assert 1 <= len(d["token_ids"]) <= 12 and d["peak_memory_bytes"] > 0
+
+
+def test_speculative_modes_match_autoregressive_greedy_through_the_cli(tiny_folder, tiny_draft_folder):
+    outs = {}
+    for mode in ("autoregressive", "retrieval", "draft", "triforce"):
+        code, out, err = run("generate", "--model", tiny_folder, "--draft", tiny_draft_folder, "--prompt",
+                             "the quick brown fox jumps over the lazy dog " * 3, "--max-new-tokens", "16",
+                             "--temperature", "0", "--json", "--mode", mode, "--budget", "32", "--chunk-size", "4",
+                             "--draft-window", "16", "--threads", "1")
+        assert code == 0, err
+        outs[mode] = json.loads(out)["token_ids"]
+    assert len(set(map(tuple, outs.values()))) == 1, outs
+
+
+def test_default_mode_is_triforce_with_a_draft(tiny_folder, tiny_draft_folder):
+    code, out, err = run("generate", "--model", tiny_folder, "--draft", tiny_draft_folder, "--prompt", "abc" * 20,
+                         "--max-new-tokens", "4", "--json", "--budget", "32", "--seed", "1")
+    assert code == 0, err
+    assert json.loads(out)["mode"] == "triforce"
+
+
+def test_stop_string_cuts_the_text(tiny_folder):
+    code, out, _ = run("generate", "--model", tiny_folder, "--prompt", "hello", "--max-new-tokens", "40",
+                       "--temperature", "0", "--json")
+    full = json.loads(out)["text"]
+    stop = full[5:7]
+    code, out, err = run("generate", "--model", tiny_folder, "--prompt", "hello", "--max-new-tokens", "40",
+                         "--temperature", "0", "--json", "--stop", stop)
+    d = json.loads(out)
+    assert code == 0, err
+    assert d["finish_reason"] == "stop"
+    assert d["text"] == full[:full.index(stop)]
+
+
+def test_prompt_file_strips_gutenberg_and_reads_stdin(tiny_folder, tmp_path):
+    book = "header\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\nbody text\n*** END OF THE PROJECT GUTENBERG EBOOK X ***\nlicence"
+    f = tmp_path / "book.txt"
+    f.write_text(book)
+    code, out, err = run("generate", "--model", tiny_folder, "--prompt-file", str(f), "--max-new-tokens", "2", "--json")
+    assert code == 0, err
+    assert json.loads(out)["prompt_tokens"] == len("body text")
+    code, out, err = run("generate", "--model", tiny_folder, "--prompt-file", "-", "--max-new-tokens", "2", "--json",
+                         stdin="from stdin")
+    assert code == 0, err
+    assert json.loads(out)["prompt_tokens"] == len("from stdin")
+
+
+def test_chat_template_and_max_prompt_tokens(tiny_folder):
+    code, out, err = run("generate", "--model", tiny_folder, "--prompt", "hi", "--chat", "--system", "be brief",
+                         "--max-new-tokens", "2", "--json")
+    assert code == 0, err
+    assert json.loads(out)["prompt_tokens"] == len("<system>be brief<user>hi<assistant>")
+    code, out, err = run("generate", "--model", tiny_folder, "--prompt", "x" * 50, "--max-prompt-tokens", "7",
+                         "--max-new-tokens", "2", "--json")
+    assert json.loads(out)["prompt_tokens"] == 7
+
+
+BAD = [
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "0"], "--top-p"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--top-k", "-3"], "--top-k"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--gamma2", "0"], "--gamma2"),
+    (["--gamma1", "-2"], "--gamma1"),
+    (["--chunk-size", "0"], "--chunk-size"),
+    (["--budget", "4", "--mode", "retrieval"], "--budget"),
+    (["--mode", "triforce"], "--draft"),
+    (["--mode", "draft"], "--draft"),
+    (["--draft-window", "0"], "--draft-window"),
+    (["--draft-sink", "-1"], "--draft-sink"),
+    (["--rebuild-every", "0"], "--rebuild-every"),
+    (["--system", "x"], "--chat"),
+    (["--max-prompt-tokens", "0"], "--max-prompt-tokens"),
+    (["--max-prompt-tokens", "100000"], "--max-prompt-tokens"),
+    (["--threads", "0"], "--threads"),
+    (["--stop", ""], "--stop"),
+]
+
+
+@pytest.mark.parametrize("args,name", BAD)
+def test_bad_input_exits_2_with_one_line_naming_the_option(tiny_folder, args, name, capsys):
+    code = main(["generate", "--model", tiny_folder, "--prompt", "hello", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert name in err, err
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--model", "/nonexistent/model", "--prompt", "x"], "not found"),
+    (["--prompt-file", "/nonexistent.txt"], "--prompt-file"),
+    ([], "--prompt"),
+    (["--prompt", "x", "--prompt-file", "y"], "exactly one"),
+])
+def test_missing_things_are_named(tiny_folder, argv, fragment, capsys):
+    if "--model" not in argv:
+        argv = ["--model", tiny_folder] + argv
+    code = main(["generate", "--max-new-tokens", "2"] + argv)
+    err = capsys.readouterr().err
+    assert code == 2 and fragment in err, err
+
+
+def test_draft_with_another_tokenizer_is_refused(tiny_folder, tmp_path):
+    from tiny import hf_model
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    other = tmp_path / "other"
+    hf_model(seed=3, vocab=96, layers=1).save_pretrained(other)
+    vocab = {f"t{i}": i for i in range(96)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0").save_pretrained(other)
+    code, out, err = run("generate", "--model", tiny_folder, "--draft", str(other), "--prompt", "hello")
+    assert code == 2 and "tokenizer" in err and len(err.strip().splitlines()) == 1
+
+
+def test_unsupported_architecture_is_refused_with_the_list(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(tmp_path)
+    code, out, err = run("generate", "--model", str(tmp_path), "--prompt", "x")
+    assert code == 2 and "gpt2" in err and "llama, mistral, qwen2" in err
+
+
+def test_request_that_does_not_fit_in_memory_is_refused_before_allocating(tiny_folder):
+    from triforce import SpeculationConfig, TriForce
+    from triforce.memory import InsufficientMemoryError
+
+    tf = TriForce.load(tiny_folder)
+    with pytest.raises(InsufficientMemoryError, match="full KV cache"):
+        tf.generate([5, 6, 7], max_new_tokens=10**12, spec=SpeculationConfig())
+
+
+def test_sharded_folder_loads_the_same_weights(tmp_path):
+    import torch
+
+    from tiny import char_tokenizer, hf_model
+    from triforce import load_model
+
+    hf = hf_model(seed=8, vocab=96, layers=2)
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    char_tokenizer().save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    lm = load_model(str(tmp_path))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    from triforce.caches import FullKVCache
+
+    ours = lm.model(ids, torch.arange(4), FullKVCache(lm.model.cfg, 8))
+    with torch.no_grad():
+        assert (ours - hf(ids).logits).abs().max() <= 1e-4
+
+
+def test_python_api_stream_yields_tokens_then_returns_result(tiny_folder):
+    from triforce import SamplingParams, TriForce
+
+    tf = TriForce.load(tiny_folder)
+    gen = tf.stream("hello", max_new_tokens=6, sampling=SamplingParams(temperature=0))
+    events = []
+    while True:
+        try:
+            events.append(next(gen))
+        except StopIteration as stop:
+            result = stop.value
+            break
+    assert [e.token_id for e in events if e.token_id is not None] == result.token_ids
+    assert "".join(e.text for e in events) == result.text
+    assert result.stats.generated_tokens == len(result.token_ids)

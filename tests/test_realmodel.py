@@ -1,0 +1,66 @@
+"""The real model (SmolLM2-135M-Instruct): logits and greedy tokens against transformers, GGUF loading.
+
+Skipped, with the reason, when the model has not been fetched (`triforce download`); .ci/run fetches it.
+"""
+
+import pytest
+import torch
+
+from triforce import SamplingParams, SpeculationConfig, load_model
+from triforce.caches import FullKVCache
+
+pytestmark = pytest.mark.realmodel
+
+
+@pytest.fixture(scope="module")
+def loaded(smollm2):
+    torch.set_num_threads(2)
+    yield load_model(smollm2)
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+
+
+def test_logits_match_transformers(loaded, hf, book_text):
+    ids = loaded.tokenizer(book_text)["input_ids"][:300]
+    x = torch.tensor([ids])
+    ours = loaded.model(x, torch.arange(len(ids)), FullKVCache(loaded.model.cfg, len(ids)))
+    with torch.no_grad():
+        ref = hf(x).logits
+    assert (ours - ref).abs().max().item() <= 1e-3  # 30 layers in fp32
+
+
+def test_greedy_64_tokens_after_2k_book_excerpt_equal_transformers(loaded, hf, book_text):
+    from triforce import Engine
+
+    ids = loaded.tokenizer(book_text)["input_ids"][:2048]
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64, do_sample=False,
+                          eos_token_id=None)[0, len(ids):].tolist()
+    engine = Engine(loaded.model, eos_ids=())
+    out, _ = engine.generate(ids, max_new_tokens=64, sampling=SamplingParams(temperature=0), spec=SpeculationConfig())
+    assert out == ref
+    spec = SpeculationConfig(mode="retrieval", budget=256, gamma2=6)
+    spec_out, stats = engine.generate(ids, max_new_tokens=64, sampling=SamplingParams(temperature=0), spec=spec)
+    assert spec_out == ref  # retrieval speculation on a real model: the same greedy tokens
+    assert stats.tiers["target"]["acceptance_rate"] > 0.2
+
+
+def test_gguf_file_loads_to_the_same_model(smollm2, loaded):
+    from triforce.download import default_gguf_path
+
+    gguf = default_gguf_path()
+    if not gguf.is_file():
+        pytest.skip(f"GGUF file absent ({gguf})")
+    from_gguf = load_model(str(gguf))
+    ids = torch.tensor([[504, 2988, 314, 7042]])
+    a = from_gguf.model(ids, torch.arange(4), FullKVCache(from_gguf.model.cfg, 4))
+    b = loaded.model(ids, torch.arange(4), FullKVCache(loaded.model.cfg, 4))
+    assert torch.equal(a, b)
+    assert from_gguf.tokenizer.get_vocab() == loaded.tokenizer.get_vocab()
