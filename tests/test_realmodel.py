@@ -64,3 +64,19 @@ def test_gguf_file_loads_to_the_same_model(smollm2, loaded):
     b = loaded.model(ids, torch.arange(4), FullKVCache(loaded.model.cfg, 4))
     assert torch.equal(a, b)
     assert from_gguf.tokenizer.get_vocab() == loaded.tokenizer.get_vocab()
+
+
+def test_ngram_triforce_on_copied_text_is_lossless_and_accepts_copies(loaded, book_text):
+    """A paragraph repeated: greedy SmolLM2 copies it; the n-gram tier proposes the copy and the target accepts."""
+    from triforce import Engine
+
+    para = loaded.tokenizer(book_text)["input_ids"][1000:1200]
+    ids = para + para + para[:100]
+    engine = Engine(loaded.model, eos_ids=())
+    ref, _ = engine.generate(ids, max_new_tokens=48, sampling=SamplingParams(temperature=0), spec=SpeculationConfig())
+    spec = SpeculationConfig(mode="triforce", drafter="ngram", budget=256, gamma1=8, gamma2=8)
+    out, stats = engine.generate(ids, max_new_tokens=48, sampling=SamplingParams(temperature=0), spec=spec)
+    assert out == ref
+    print(stats.tiers)
+    assert stats.tiers["retrieval"]["acceptance_rate"] > 0.5  # n-gram proposals accepted by the retrieval tier
+    assert stats.tiers["target"]["mean_tokens_per_verification"] > 3

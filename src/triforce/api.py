@@ -71,13 +71,19 @@ class TriForce:
 
     Args:
         target: the loaded target model.
-        draft: an optional loaded draft model sharing the target's tokenizer.
+        draft: an optional loaded draft model sharing the target's tokenizer, or ``"ngram"`` for the model-free
+            n-gram drafter.
 
     Raises:
         TokenizerMismatchError: the draft's vocabulary differs from the target's.
     """
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None) -> None:
+    def __init__(self, target: LoadedModel, draft: LoadedModel | str | None = None) -> None:
+        self.drafter = "ngram" if draft == "ngram" else "model"
+        if draft == "ngram":
+            draft = None
+        elif isinstance(draft, str):
+            raise ValueError(f"draft must be a loaded model, 'ngram' or None, got {draft!r}")
         if draft is not None:
             check_same_tokenizer(target.tokenizer, draft.tokenizer)
         self.target, self.draft = target, draft
@@ -87,15 +93,16 @@ class TriForce:
     @classmethod
     def load(cls, model: str | None = None, draft: str | None = None, dtype: str = "float32",
              device: str = "cpu") -> "TriForce":
-        """Load the target (default: the embedded SmolLM2-135M-Instruct) and an optional draft; see :func:`load_model`."""
+        """Load the target (default: the embedded SmolLM2-135M-Instruct) and an optional draft (a model source, or
+        ``"ngram"`` for the model-free drafter); see :func:`load_model`."""
         target = load_model(model, dtype, device)
-        draft_model = load_model(draft, dtype, device) if draft else None
+        draft_model = "ngram" if draft == "ngram" else (load_model(draft, dtype, device) if draft else None)
         return cls(target, draft_model)
 
     @property
     def default_mode(self) -> str:
-        """``triforce`` when a draft model is loaded, else ``autoregressive``."""
-        return "triforce" if self.draft is not None else "autoregressive"
+        """``triforce`` when a drafter (model or n-gram) is given, else ``autoregressive``."""
+        return "triforce" if (self.draft is not None or self.drafter == "ngram") else "autoregressive"
 
     def encode(self, prompt: str, chat: bool = False, system: str | None = None,
                max_prompt_tokens: int | None = None) -> list[int]:
@@ -122,7 +129,7 @@ class TriForce:
             stop = [stop]
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
-        spec = spec or SpeculationConfig(mode=self.default_mode)
+        spec = spec or SpeculationConfig(mode=self.default_mode, drafter=self.drafter)
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         gen = self.engine.stream(ids, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=seed,
                                  prefill_progress=prefill_progress)

@@ -23,7 +23,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", help="target model: Hugging Face folder, .gguf file or hub id (default: the embedded "
                                    "SmolLM2-135M-Instruct)")
-    g.add_argument("--draft", help="draft model sharing the target's tokenizer (enables the draft/triforce modes)")
+    g.add_argument("--draft", help="draft model sharing the target's tokenizer, or 'ngram' for the model-free n-gram "
+                                   "drafter (enables the draft/triforce modes)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and KV dtype")
     g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
     g.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
@@ -43,6 +44,10 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--rebuild-every", type=int, help="re-select retrieval chunks every N tokens (default: never)")
     k.add_argument("--draft-sink", type=int, default=16, help="StreamingLLM sink tokens of the draft cache")
     k.add_argument("--draft-window", type=int, default=240, help="StreamingLLM window of the draft cache")
+    k.add_argument("--ngram-n", type=int, default=4, help="longest suffix the n-gram drafter matches (4)")
+    k.add_argument("--tiers", help="explicit hierarchy under the full-cache target, bottom first, KIND:GAMMA entries "
+                                   "with KIND in ngram, draft, retrieval (e.g. ngram:8,draft:4,retrieval:6); "
+                                   "overrides --mode")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,18 +74,24 @@ def build_parser() -> argparse.ArgumentParser:
 def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpeculationConfig:
     """The speculation settings of the parsed options (ValueError names the parameter)."""
     mode = args.mode or ("triforce" if has_draft else "autoregressive")
-    if mode in ("draft", "triforce") and not has_draft:
-        raise CLIError(f"--mode {mode} needs --draft MODEL (or use --mode autoregressive or retrieval)")
-    return SpeculationConfig(mode=mode, gamma1=args.gamma1, gamma2=args.gamma2, budget=args.budget,
+    if mode in ("draft", "triforce") and not has_draft and not args.tiers:
+        raise CLIError(f"--mode {mode} needs --draft MODEL or --draft ngram (or use --mode autoregressive or retrieval)")
+    spec = SpeculationConfig(mode=mode, gamma1=args.gamma1, gamma2=args.gamma2, budget=args.budget,
                              chunk_size=args.chunk_size, rebuild_every=args.rebuild_every,
-                             draft_sink=args.draft_sink, draft_window=args.draft_window)
+                             draft_sink=args.draft_sink, draft_window=args.draft_window,
+                             drafter="ngram" if args.draft == "ngram" else "model", ngram_n=args.ngram_n,
+                             tiers=args.tiers)
+    if spec.uses_draft and (args.draft is None or args.draft == "ngram"):
+        raise CLIError(f"--tiers {args.tiers} has a draft tier: give --draft MODEL")
+    return spec
 
 
 def _option_error(e: ValueError) -> CLIError:
     """Map a library ValueError ('top_p must be ...') to the option name ('--top-p must be ...')."""
     msg = str(e)
     for name in ("max_prompt_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "gamma1", "gamma2", "budget",
-                 "chunk_size", "rebuild_every", "draft_sink", "draft_window", "mode", "dtype", "system"):
+                 "chunk_size", "rebuild_every", "draft_sink", "draft_window", "mode", "dtype", "system", "ngram_n",
+                 "tiers"):
         if msg.startswith(name):
             return CLIError("--" + name.replace("_", "-") + msg[len(name):])
     return CLIError(msg)

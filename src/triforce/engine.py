@@ -27,9 +27,11 @@ from .memory import check_fits, peak_memory_bytes
 from .model import Transformer
 from .sampling import SamplingParams
 from .tiers import ModelTier, RetrievalTier, StreamingTier, VerifyFn
+from .ngram import NGramDrafter
 from .speculative import rejection_sample
 
 MODES = ("autoregressive", "retrieval", "draft", "triforce")
+TIER_KINDS = ("ngram", "draft", "retrieval")
 FINISH_REASONS = ("eos", "stop", "length", "interrupted")
 
 
@@ -51,6 +53,11 @@ class SpeculationConfig:
         rebuild_every: re-select the retrieval chunks every N generated tokens (None: only when full).
         draft_sink: StreamingLLM attention-sink tokens of the draft cache.
         draft_window: StreamingLLM recent-window tokens of the draft cache.
+        drafter: bottom tier of the ``draft`` and ``triforce`` presets: ``model`` (the draft model) or ``ngram``.
+        ngram_n: longest suffix the n-gram drafter matches.
+        tiers: an explicit hierarchy under the full-cache target, bottom first, ``kind:gamma`` entries with kind in
+            :data:`TIER_KINDS` (``ngram`` only at the bottom), e.g. ``"ngram:8,draft:4,retrieval:6"``: each gamma is
+            how many tokens that tier proposes per verification by the tier above. Overrides ``mode``.
 
     Raises:
         ValueError: (on construction) a value outside its range, naming the parameter and the allowed values.
@@ -64,10 +71,17 @@ class SpeculationConfig:
     rebuild_every: int | None = None
     draft_sink: int = 16
     draft_window: int = 240
+    drafter: str = "model"
+    ngram_n: int = 4
+    tiers: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.drafter not in ("model", "ngram"):
+            raise ValueError(f"drafter must be 'model' or 'ngram', got {self.drafter!r}")
+        _positive_int("ngram_n", self.ngram_n)
+        chain = self.chain  # parses and checks `tiers`
         _positive_int("gamma1", self.gamma1)
         _positive_int("gamma2", self.gamma2)
         _positive_int("chunk_size", self.chunk_size)
@@ -76,17 +90,46 @@ class SpeculationConfig:
             _positive_int("rebuild_every", self.rebuild_every)
         _positive_int("draft_sink", self.draft_sink, 0)
         _positive_int("draft_window", self.draft_window)
-        if self.mode in ("retrieval", "triforce") and self.budget < self.chunk_size + self.gamma2 + 2:
-            raise ValueError(f"budget must be >= chunk_size + gamma2 + 2 = {self.chunk_size + self.gamma2 + 2} "
-                             f"(chunk 0 plus room for a speculation block), got {self.budget}")
+        for kind, gamma in chain:
+            if kind == "retrieval" and self.budget < self.chunk_size + gamma + 2:
+                raise ValueError(f"budget must be >= chunk_size + gamma + 2 = {self.chunk_size + gamma + 2} "
+                                 f"(chunk 0 plus room for a speculation block), got {self.budget}")
+
+    @property
+    def chain(self) -> list[tuple[str, int]]:
+        """The hierarchy under the full-cache target, bottom first: ``[(kind, gamma), ...]``.
+
+        Raises:
+            ValueError: a malformed ``tiers`` string (the allowed kinds are in the message).
+        """
+        bottom = "ngram" if self.drafter == "ngram" else "draft"
+        if self.tiers is None:
+            return {"autoregressive": [], "retrieval": [("retrieval", self.gamma2)], "draft": [(bottom, self.gamma2)],
+                    "triforce": [(bottom, self.gamma1), ("retrieval", self.gamma2)]}[self.mode]
+        chain = []
+        for entry in str(self.tiers).split(","):
+            kind, _, gamma = entry.strip().partition(":")
+            if kind not in TIER_KINDS or not gamma.strip().isdigit() or int(gamma) < 1:
+                raise ValueError(f"tiers entries must be KIND:GAMMA with KIND in {', '.join(TIER_KINDS)} and GAMMA >= 1, "
+                                 f"bottom first (e.g. ngram:8,draft:4,retrieval:6); got {entry.strip()!r}")
+            chain.append((kind, int(gamma)))
+        kinds = [k for k, _ in chain]
+        if "ngram" in kinds[1:] or len(set(kinds)) != len(kinds):
+            raise ValueError(f"tiers: each kind at most once and ngram only at the bottom, got {self.tiers!r}")
+        return chain
+
+    @property
+    def name(self) -> str:
+        """The mode, or the explicit tier string."""
+        return self.mode if self.tiers is None else "tiers:" + ",".join(f"{k}:{g}" for k, g in self.chain)
 
     @property
     def uses_draft(self) -> bool:
-        return self.mode in ("draft", "triforce")
+        return any(k == "draft" for k, _ in self.chain)
 
     @property
     def uses_retrieval(self) -> bool:
-        return self.mode in ("retrieval", "triforce")
+        return any(k == "retrieval" for k, _ in self.chain)
 
 
 @dataclass
@@ -163,12 +206,14 @@ class Engine:
 
     @staticmethod
     def _capacity(prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig) -> int:
-        block = 0 if spec.mode == "autoregressive" else spec.gamma2
+        chain = spec.chain
+        block = chain[-1][1] if chain else 0  # the largest block the verifier checks at once
         return prompt_tokens + max_new_tokens + block + 1
 
     @staticmethod
     def _lookahead(spec: SpeculationConfig) -> int:
-        return spec.gamma2 + (spec.gamma1 if spec.mode == "triforce" else 0) + 2
+        """Most positions any tier can run ahead of the committed sequence."""
+        return sum(g for _, g in spec.chain) + len(spec.chain) + 1
 
     DRAFT_PREFILL_CHUNK = 256
 
@@ -191,8 +236,8 @@ class Engine:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
         if spec.uses_draft and self.draft is None:
-            raise ValueError(f"mode {spec.mode!r} needs a draft model (--draft); without one use mode "
-                             "'autoregressive' or 'retrieval'")
+            raise ValueError(f"mode {spec.name!r} needs a draft model (--draft MODEL), or --draft ngram for the "
+                             "model-free drafter; without one use mode 'autoregressive' or 'retrieval'")
         total = self._capacity(len(prompt_ids), max_new_tokens, spec)
         self.target.cfg.check_length(total)
         check_fits(self.cache_bytes(len(prompt_ids), max_new_tokens, spec), self.target.device, "this request",
@@ -213,21 +258,25 @@ class Engine:
             full = FullKVCache(self.target.cfg, total, self.target.dtype, self.target.device)
         full.record_queries = spec.uses_retrieval
         self._full, self._full_tokens = full, []
-        drafter = None
-        if spec.uses_draft:
-            d = self.draft
-            d.set_request_length(total)
-            cache = StreamingCache(d.cfg, spec.draft_sink, spec.draft_window,
-                                   self._lookahead(spec) + self.DRAFT_PREFILL_CHUNK, d.rope, d.dtype, d.device)
-            drafter = StreamingTier("draft", d, cache, prefill_chunk=self.DRAFT_PREFILL_CHUNK,
-                                    verify_fn=self.tier_verify.get("draft", rejection_sample), **common)
-        if spec.uses_retrieval:
-            cache = RetrievalCache(self.target.cfg, full, spec.budget, spec.chunk_size)
-            drafter = RetrievalTier("retrieval", self.target, cache, drafter=drafter,
-                                    gamma=spec.gamma1 if drafter is not None else 0,
-                                    full=full, lookahead=spec.gamma2 + 1, rebuild_every=spec.rebuild_every,
-                                    verify_fn=self.tier_verify.get("retrieval", rejection_sample), **common)
-        top = ModelTier("target", self.target, full, drafter=drafter, gamma=spec.gamma2 if drafter else 0,
+        drafter, gamma = None, 0  # the tier built so far and how many tokens it proposes per verification
+        for kind, proposes in spec.chain:
+            verify = self.tier_verify.get(kind, rejection_sample)
+            if kind == "ngram":
+                node = NGramDrafter(self.target.cfg.vocab_size, spec.ngram_n, self.eos_ids, self.target.device)
+            elif kind == "draft":
+                d = self.draft
+                d.set_request_length(total)
+                cache = StreamingCache(d.cfg, spec.draft_sink, spec.draft_window,
+                                       self._lookahead(spec) + self.DRAFT_PREFILL_CHUNK, d.rope, d.dtype, d.device)
+                node = StreamingTier("draft", d, cache, drafter=drafter, gamma=gamma,
+                                     prefill_chunk=self.DRAFT_PREFILL_CHUNK, verify_fn=verify, **common)
+            else:
+                cache = RetrievalCache(self.target.cfg, full, spec.budget, spec.chunk_size)
+                node = RetrievalTier("retrieval", self.target, cache, drafter=drafter, gamma=gamma, full=full,
+                                     lookahead=proposes + 1, rebuild_every=spec.rebuild_every, verify_fn=verify,
+                                     **common)
+            drafter, gamma = node, proposes
+        top = ModelTier("target", self.target, full, drafter=drafter, gamma=gamma,
                         is_top=True, verify_fn=self.tier_verify.get("target", rejection_sample), **common)
         top.cached = reused  # prefill keeps the longest common prefix with the new prompt
         return top
@@ -307,7 +356,7 @@ class Engine:
         # the retrieval cache is built over the prompt; if the prompt fits in the budget nothing is dropped
         holds_all = prompt_tokens <= spec.budget if spec.uses_retrieval else None
         return GenerationStats(
-            mode=spec.mode, prompt_tokens=prompt_tokens, generated_tokens=generated, finish_reason=finish,
+            mode=spec.name, prompt_tokens=prompt_tokens, generated_tokens=generated, finish_reason=finish,
             prefill_seconds=round(prefill_s, 6), decode_seconds=round(decode_s, 6),
             decode_tokens_per_second=round(generated / decode_s, 4) if decode_s > 0 else 0.0,
             mean_time_between_tokens_ms=round(1000 * decode_s / generated, 4) if generated else 0.0,
