@@ -68,6 +68,48 @@ def _reference_selection(keys, query, length, budget, chunk):
     return sel
 
 
+def _reference_scores(keys, query, length, chunk, score):
+    """Brute-force chunk scores (L, nkv, n_chunks) of the three rules."""
+    g = NH // NKV
+    out = torch.zeros(L, NKV, math.ceil(length / chunk))
+    for layer in range(L):
+        for h in range(NKV):
+            qs = query[layer, 0, h * g:(h + 1) * g]  # (g, hs)
+            for c in range(out.shape[-1]):
+                kc = keys[layer, 0, h, c * chunk:min(length, (c + 1) * chunk)]  # (m, hs)
+                if score == "mean":
+                    out[layer, h, c] = (qs @ kc.mean(0)).sum()
+                elif score == "max":
+                    out[layer, h, c] = (qs @ kc.T).sum(0).max()
+                else:
+                    out[layer, h, c] = torch.maximum(qs[:, None] * kc.min(0).values, qs[:, None] * kc.max(0).values).sum()
+    return out
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 5), st.sampled_from(["mean", "max", "bound"]))
+def test_chunk_scores_match_brute_force(length, chunk, score):
+    full = _full_with(length)
+    query = torch.randn(L, 1, NH, HS, generator=torch.Generator().manual_seed(length))
+    cache = RetrievalCache(CFG, full, 64, chunk, score)
+    n_chunks = math.ceil(length / chunk)
+    ours = cache._chunk_scores(full.k[:, :, :, :length], query.reshape(L, 1, NKV, -1, HS), n_chunks,
+                               n_chunks * chunk - length)
+    assert torch.allclose(ours[:, 0], _reference_scores(full.k, query, length, chunk, score), atol=1e-4)
+
+
+def test_bound_score_bounds_every_key_and_max_is_attained():
+    length, chunk = 37, 4
+    full = _full_with(length)
+    query = torch.randn(L, 1, NH, HS, generator=torch.Generator().manual_seed(9))
+    qg = query.reshape(L, 1, NKV, -1, HS)
+    n_chunks = math.ceil(length / chunk)
+    pad = n_chunks * chunk - length
+    bound = RetrievalCache(CFG, full, 64, chunk, "bound")._chunk_scores(full.k[:, :, :, :length], qg, n_chunks, pad)
+    best = RetrievalCache(CFG, full, 64, chunk, "max")._chunk_scores(full.k[:, :, :, :length], qg, n_chunks, pad)
+    assert (bound >= best - 1e-5).all()  # an upper bound of every key's score in the chunk
+
+
 def _full_with(n, capacity=120):
     full = FullKVCache(CFG, capacity=capacity)
     _write(full, 0, n, salt=7)

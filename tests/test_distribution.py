@@ -84,6 +84,16 @@ def test_mode_matches_exact_distribution(models, mode, setting):
     assert chi2_pvalue(counts, exact) > 1e-3
 
 
+def test_depth_4_hierarchy_matches_exact_distribution(models):
+    """ngram -> draft -> retrieval -> full target, at T=1."""
+    hf, target, draft, prompt = models
+    params = SETTINGS["T1"]
+    spec = SpeculationConfig(tiers="ngram:2,draft:2,retrieval:2", budget=8, chunk_size=2, draft_sink=2, draft_window=4)
+    engine = Engine(target, draft)
+    counts = empirical(engine, prompt, params, spec, N_FAST, seed=77)
+    assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
+
+
 def middle_tier_resamples_from_p(draft_tokens, draft_probs, target_probs, generator=None, greedy=False):
     """The reference code's Middle_Spec bug: after a rejection, draw from p instead of norm(max(p - q, 0))."""
     b, k = draft_tokens.shape

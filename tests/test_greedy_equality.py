@@ -94,6 +94,19 @@ def test_rebuild_every_keeps_greedy_equality_and_counts_rebuilds(engine):
     assert stats.tiers["retrieval"]["rebuilds"] >= 40 // 5  # one after prefill + every 5 tokens
 
 
+@pytest.mark.parametrize("score", ["max", "bound"])
+def test_chunk_scores_and_acceptance_rebuilds_keep_greedy_equality(engine, score):
+    rebuilds = 0
+    for prompt in _prompts(6, seed=8):
+        ref, _ = engine.generate(prompt, max_new_tokens=30, sampling=GREEDY, spec=SpeculationConfig())
+        spec = SpeculationConfig(mode="triforce", budget=16, chunk_size=4, gamma1=2, gamma2=4, chunk_score=score,
+                                 rebuild_below=0.9, draft_sink=2, draft_window=6)
+        out, stats = engine.generate(prompt, max_new_tokens=30, sampling=GREEDY, spec=spec)
+        assert out == ref
+        rebuilds += stats.tiers["retrieval"].get("acceptance_rebuilds", 0)
+    assert rebuilds > 0  # the acceptance-triggered refresh really ran
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_autoregressive_greedy_equals_transformers_generate(family):
     hf = hf_model(seed=9, family=family, layers=2)

@@ -180,7 +180,7 @@ class FullKVCache(KVCache):
         return torch.stack([q[:, :, i] for q in self.queries])
 
 
-CHUNK_SCORES = ("mean",)
+CHUNK_SCORES = ("mean", "max", "bound")
 
 
 class RetrievalCache(KVCache):
@@ -206,12 +206,22 @@ class RetrievalCache(KVCache):
         full: the target's full cache (source of keys/values and of the build query).
         budget: slots per layer and KV head (counts chunk 0, the selected chunks and generated tokens).
         chunk_size: tokens per chunk.
+        score: how a chunk is scored, for each KV head, with the group's queries q_h:
+
+            * ``mean`` (the paper's rule): ``sum_h q_h . mean(K_c)``;
+            * ``max``: ``max_{k in c} sum_h q_h . k``, the chunk's best-matching key;
+            * ``bound``: ``sum_h sum_d max(q_hd * min_c K_d, q_hd * max_c K_d)``, an upper bound of ``q_h . k`` from
+              per-channel key minima and maxima (Quest, Tang et al., arXiv 2406.10774).
 
     Raises:
-        ValueError: budget or chunk_size < 1, or budget < chunk_size (the names and values are in the message).
+        ValueError: budget or chunk_size < 1, budget < chunk_size, or an unknown score (the names and values are
+            in the message).
     """
 
-    def __init__(self, cfg: ModelConfig, full: FullKVCache, budget: int, chunk_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, full: FullKVCache, budget: int, chunk_size: int, score: str = "mean") -> None:
+        if score not in CHUNK_SCORES:
+            raise ValueError(f"chunk_score must be one of {', '.join(CHUNK_SCORES)}, got {score!r}")
+        self.score = score
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         if budget < chunk_size:
@@ -252,28 +262,47 @@ class RetrievalCache(KVCache):
         L, B, nkv, _, hs = self.k.shape
         self.selected.fill_(-1)
         m = min(self.budget, length)
-        if length > 0:
-            c = self.chunk_size
-            keys = self.full.k[:, :, :, :length]  # (L, B, nkv, n, hs)
-            n_chunks = math.ceil(length / c)
-            pad = n_chunks * c - length
-            padded = F.pad(keys, (0, 0, 0, pad)) if pad else keys
-            sums = padded.reshape(L, B, nkv, n_chunks, c, hs).float().sum(4)  # (L, B, nkv, n_chunks, hs)
-            counts = torch.full((n_chunks,), float(c), device=keys.device)
-            counts[-1] = c - pad
-            mean_keys = sums / counts[:, None]
-            qg = query.float().reshape(L, B, nkv, -1, hs)  # (L, B, nkv, g, hs)
-            scores = torch.einsum("lbkgd,lbkcd->lbkc", qg, mean_keys)  # sums over the group's query heads
+        c = self.chunk_size
+        n_chunks = math.ceil(length / c)
+        pad = n_chunks * c - length
+        for layer in range(L if length > 0 else 0):  # one layer at a time: fp32 scoring of one layer's keys
+            keys = self.full.k[layer:layer + 1, :, :, :length]  # (1, B, nkv, n, hs)
+            qg = query[layer:layer + 1].float().reshape(1, B, nkv, -1, hs)  # (1, B, nkv, g, hs)
+            scores = self._chunk_scores(keys.float(), qg, n_chunks, pad)  # (1, B, nkv, n_chunks)
             scores[..., 0] = float("inf")  # chunk 0, the attention sink, is always kept
-            token_scores = scores.repeat_interleave(c, dim=-1)[..., :length]  # (L, B, nkv, n)
+            token_scores = scores.repeat_interleave(c, dim=-1)[..., :length]  # (1, B, nkv, n)
             order = torch.sort(token_scores, dim=-1, descending=True, stable=True).indices[..., :m]
-            self.selected[..., :m] = order
-            idx = order[..., None].expand(L, B, nkv, m, hs)
-            self.k[:, :, :, :m] = torch.gather(keys, 3, idx)
-            self.v[:, :, :, :m] = torch.gather(self.full.v[:, :, :, :length], 3, idx)
+            self.selected[layer:layer + 1, ..., :m] = order
+            idx = order[..., None].expand(1, B, nkv, m, hs)
+            self.k[layer:layer + 1, :, :, :m] = torch.gather(keys, 3, idx)
+            self.v[layer:layer + 1, :, :, :m] = torch.gather(self.full.v[layer:layer + 1, :, :, :length], 3, idx)
         self.n_selected = m
         self.build_len = self.length = self.synced = length
         self.builds += 1
+
+    def _chunk_scores(self, keys: torch.Tensor, qg: torch.Tensor, n_chunks: int, pad: int) -> torch.Tensor:
+        """Scores (L, B, nkv, n_chunks) of keys (L, B, nkv, n, hs) fp32 for queries qg (L, B, nkv, g, hs) fp32."""
+        L, B, nkv, _, hs = keys.shape
+        c = self.chunk_size
+        if self.score == "max":
+            qk = torch.einsum("lbkgd,lbknd->lbkn", qg, keys)  # (L, B, nkv, n): summed over the group's heads
+            qk = F.pad(qk, (0, pad), value=float("-inf")) if pad else qk
+            return qk.reshape(L, B, nkv, n_chunks, c).amax(-1)
+        padded = F.pad(keys, (0, 0, 0, pad)) if pad else keys
+        chunks = padded.reshape(L, B, nkv, n_chunks, c, hs)
+        if self.score == "mean":
+            counts = torch.full((n_chunks,), float(c), device=keys.device)
+            counts[-1] = c - pad
+            mean_keys = chunks.sum(4) / counts[:, None]  # (L, B, nkv, n_chunks, hs)
+            return torch.einsum("lbkgd,lbkcd->lbkc", qg, mean_keys)  # sums over the group's query heads
+        # bound: per-channel extremes of the chunk's keys (padding replaced by a real key of the chunk)
+        if pad:
+            chunks = chunks.clone()
+            chunks[:, :, :, -1, c - pad:] = chunks[:, :, :, -1, :1]
+        kmin, kmax = chunks.amin(4), chunks.amax(4)  # (L, B, nkv, n_chunks, hs)
+        q = qg[:, :, :, :, None, :]  # (L, B, nkv, g, 1, hs)
+        bound = torch.maximum(q * kmin[:, :, :, None], q * kmax[:, :, :, None]).sum(-1)  # (L, B, nkv, g, n_chunks)
+        return bound.sum(3)
 
     def _slots(self, positions: torch.Tensor) -> torch.Tensor:
         return self.budget - 1 - (positions - self.build_len)

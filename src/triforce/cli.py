@@ -41,6 +41,11 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--gamma2", type=int, default=6, help="tokens proposed per target verification")
     k.add_argument("--budget", type=int, default=4096, help="retrieval cache slots (default 4096)")
     k.add_argument("--chunk-size", type=int, default=8, help="retrieval chunk size (default 8)")
+    k.add_argument("--chunk-score", default="mean", choices=["mean", "max", "bound"],
+                   help="retrieval chunk score: mean (paper: q . mean key), max (best key), bound (Quest upper bound)")
+    k.add_argument("--rebuild-below", type=float,
+                   help="re-select retrieval chunks when the retrieval tier's acceptance over its last 16 proposed "
+                        "tokens falls below this fraction (default: never)")
     k.add_argument("--rebuild-every", type=int, help="re-select retrieval chunks every N tokens (default: never)")
     k.add_argument("--draft-sink", type=int, default=16, help="StreamingLLM sink tokens of the draft cache")
     k.add_argument("--draft-window", type=int, default=240, help="StreamingLLM window of the draft cache")
@@ -80,7 +85,8 @@ def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpeculationConf
                              chunk_size=args.chunk_size, rebuild_every=args.rebuild_every,
                              draft_sink=args.draft_sink, draft_window=args.draft_window,
                              drafter="ngram" if args.draft == "ngram" else "model", ngram_n=args.ngram_n,
-                             tiers=args.tiers)
+                             tiers=args.tiers, chunk_score=args.chunk_score,
+                             rebuild_below=args.rebuild_below)
     if spec.uses_draft and (args.draft is None or args.draft == "ngram"):
         raise CLIError(f"--tiers {args.tiers} has a draft tier: give --draft MODEL")
     return spec
@@ -91,7 +97,7 @@ def _option_error(e: ValueError) -> CLIError:
     msg = str(e)
     for name in ("max_prompt_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "gamma1", "gamma2", "budget",
                  "chunk_size", "rebuild_every", "draft_sink", "draft_window", "mode", "dtype", "system", "ngram_n",
-                 "tiers"):
+                 "tiers", "chunk_score", "rebuild_below"):
         if msg.startswith(name):
             return CLIError("--" + name.replace("_", "-") + msg[len(name):])
     return CLIError(msg)

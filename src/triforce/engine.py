@@ -22,7 +22,7 @@ from typing import Callable, Generator
 
 import torch
 
-from .caches import FullKVCache, RetrievalCache, StreamingCache, kv_bytes
+from .caches import CHUNK_SCORES, FullKVCache, RetrievalCache, StreamingCache, kv_bytes
 from .memory import check_fits, peak_memory_bytes
 from .model import Transformer
 from .sampling import SamplingParams
@@ -55,6 +55,10 @@ class SpeculationConfig:
         draft_window: StreamingLLM recent-window tokens of the draft cache.
         drafter: bottom tier of the ``draft`` and ``triforce`` presets: ``model`` (the draft model) or ``ngram``.
         ngram_n: longest suffix the n-gram drafter matches.
+        rebuild_below: re-select the retrieval chunks when the acceptance of the retrieval tier's last 16 proposed
+            tokens falls below this fraction (None: off).
+        chunk_score: retrieval chunk score, one of ``mean`` (the paper's), ``max``, ``bound`` (see
+            :class:`~triforce.caches.RetrievalCache`).
         tiers: an explicit hierarchy under the full-cache target, bottom first, ``kind:gamma`` entries with kind in
             :data:`TIER_KINDS` (``ngram`` only at the bottom), e.g. ``"ngram:8,draft:4,retrieval:6"``: each gamma is
             how many tokens that tier proposes per verification by the tier above. Overrides ``mode``.
@@ -73,6 +77,8 @@ class SpeculationConfig:
     draft_window: int = 240
     drafter: str = "model"
     ngram_n: int = 4
+    chunk_score: str = "mean"
+    rebuild_below: float | None = None
     tiers: str | None = None
 
     def __post_init__(self) -> None:
@@ -81,6 +87,8 @@ class SpeculationConfig:
         if self.drafter not in ("model", "ngram"):
             raise ValueError(f"drafter must be 'model' or 'ngram', got {self.drafter!r}")
         _positive_int("ngram_n", self.ngram_n)
+        if self.chunk_score not in CHUNK_SCORES:
+            raise ValueError(f"chunk_score must be one of {', '.join(CHUNK_SCORES)}, got {self.chunk_score!r}")
         chain = self.chain  # parses and checks `tiers`
         _positive_int("gamma1", self.gamma1)
         _positive_int("gamma2", self.gamma2)
@@ -88,6 +96,9 @@ class SpeculationConfig:
         _positive_int("budget", self.budget)
         if self.rebuild_every is not None:
             _positive_int("rebuild_every", self.rebuild_every)
+        if self.rebuild_below is not None and not (isinstance(self.rebuild_below, (int, float))
+                                                   and 0 < self.rebuild_below <= 1):
+            raise ValueError(f"rebuild_below must be in (0, 1], got {self.rebuild_below!r}")
         _positive_int("draft_sink", self.draft_sink, 0)
         _positive_int("draft_window", self.draft_window)
         for kind, gamma in chain:
@@ -271,9 +282,10 @@ class Engine:
                 node = StreamingTier("draft", d, cache, drafter=drafter, gamma=gamma,
                                      prefill_chunk=self.DRAFT_PREFILL_CHUNK, verify_fn=verify, **common)
             else:
-                cache = RetrievalCache(self.target.cfg, full, spec.budget, spec.chunk_size)
+                cache = RetrievalCache(self.target.cfg, full, spec.budget, spec.chunk_size, spec.chunk_score)
                 node = RetrievalTier("retrieval", self.target, cache, drafter=drafter, gamma=gamma, full=full,
-                                     lookahead=proposes + 1, rebuild_every=spec.rebuild_every, verify_fn=verify,
+                                     lookahead=proposes + 1, rebuild_every=spec.rebuild_every,
+                                     rebuild_below=spec.rebuild_below, verify_fn=verify,
                                      **common)
             drafter, gamma = node, proposes
         top = ModelTier("target", self.target, full, drafter=drafter, gamma=gamma,

@@ -231,6 +231,8 @@ class ModelTier:
         if self.drafter is not None:
             self.drafter.rollback(len(seq) + n_acc)
         if k:
+            if isinstance(self.drafter, RetrievalTier):
+                self.drafter.observe(n_acc, k)
             s = self.stats
             s.verifications += 1
             s.proposed += k
@@ -284,13 +286,19 @@ class RetrievalTier(ModelTier):
         full: the verifier's full cache (source of the selection and of exact KV for accepted tokens).
         lookahead: most positions this tier may run ahead of the committed sequence (gamma2 + 1).
         rebuild_every: re-select chunks every this many committed tokens (None: only when the budget is full).
+        rebuild_below: re-select chunks when the acceptance of this tier's proposals over the last
+            ``ACCEPTANCE_WINDOW`` proposed tokens falls below this (the authors' suggested adaptive policy; None: off).
     """
 
     cache: RetrievalCache
+    ACCEPTANCE_WINDOW = 16
 
-    def __init__(self, *args, full: FullKVCache, lookahead: int, rebuild_every: int | None = None, **kwargs) -> None:
+    def __init__(self, *args, full: FullKVCache, lookahead: int, rebuild_every: int | None = None,
+                 rebuild_below: float | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.full, self.lookahead, self.rebuild_every = full, lookahead, rebuild_every
+        self.rebuild_below = rebuild_below
+        self._recent: list[tuple[int, int]] = []  # (accepted, proposed) of recent verifications by the tier above
         if self.cache.budget - self.cache.chunk_size < lookahead + 1:
             raise ValueError(f"budget must be at least chunk_size + gamma2 + 2 = {self.cache.chunk_size + lookahead + 1} "
                              f"so generated tokens fit beside chunk 0, got {self.cache.budget}")
@@ -310,13 +318,29 @@ class RetrievalTier(ModelTier):
         self.tail_logits = None
         self.stats.rebuilds += 1
 
+    def observe(self, accepted: int, proposed: int) -> None:
+        """Record how many of this tier's proposed tokens the verifier accepted (for ``rebuild_below``)."""
+        self._recent.append((accepted, proposed))
+        while sum(p for _, p in self._recent[1:]) >= self.ACCEPTANCE_WINDOW:
+            self._recent.pop(0)
+
+    def _acceptance_dropped(self) -> bool:
+        proposed = sum(p for _, p in self._recent)
+        if self.rebuild_below is None or proposed < self.ACCEPTANCE_WINDOW:
+            return False
+        return sum(a for a, _ in self._recent) / proposed < self.rebuild_below
+
     def commit(self, seq: list[int]) -> None:
         """After a top-level verification: copy exact KV of accepted tokens; re-select chunks when due."""
         self.cache.sync_from_full()
         full_len = self.full.length  # == len(seq) - 1: the verifier holds every committed token but the newest
         since = full_len - self.cache.build_len
         room = self.cache.generation_capacity - since
-        if room < self.lookahead + 1 or (self.rebuild_every and since >= self.rebuild_every):
+        dropped = self._acceptance_dropped()
+        if dropped:
+            self._recent.clear()
+            self.stats.extra["acceptance_rebuilds"] = self.stats.extra.get("acceptance_rebuilds", 0) + 1
+        if room < self.lookahead + 1 or (self.rebuild_every and since >= self.rebuild_every) or dropped:
             # like the first build: select among the positions before the verifier's newest token, with its query
             self._build(seq, full_len - 1)
         super().commit(seq)
