@@ -94,6 +94,16 @@ def test_depth_4_hierarchy_matches_exact_distribution(models):
     assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
 
 
+def test_adaptive_triforce_matches_exact_distribution(models):
+    """Confidence-stopped drafts and adaptive gamma at T=0.6 / top-p 0.9 / top-k 5 stay exact."""
+    hf, target, draft, prompt = models
+    params = SETTINGS["T0.6-p0.9-k5"]
+    spec = SpeculationConfig(mode="triforce", budget=12, chunk_size=2, gamma1=2, gamma2=2, draft_sink=2,
+                             draft_window=4, stop_below=0.6, adaptive_gamma=True)
+    counts = empirical(Engine(target, draft), prompt, params, spec, N_FAST, seed=78)
+    assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
+
+
 def middle_tier_resamples_from_p(draft_tokens, draft_probs, target_probs, generator=None, greedy=False):
     """The reference code's Middle_Spec bug: after a rejection, draw from p instead of norm(max(p - q, 0))."""
     b, k = draft_tokens.shape

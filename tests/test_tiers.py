@@ -67,3 +67,20 @@ def test_any_depth_equals_autoregressive_greedy(tiers):
         assert out == ref
         proposed += stats.tiers["target"].get("proposed", 0)
     assert proposed > 0
+
+
+@pytest.mark.parametrize("tiers", ["draft:3,retrieval:4", "ngram:4,draft:2,retrieval:3"])
+def test_adaptive_speculation_keeps_greedy_equality(tiers):
+    """Confidence-stopped proposals and adaptive gamma change only how much is proposed, never the output."""
+    target, draft = pair(seed=0)
+    engine = Engine(target, draft)
+    shrunk = False
+    for prompt in _prompts(8, seed=11):
+        ref, _ = engine.generate(prompt, max_new_tokens=30, sampling=GREEDY, spec=SpeculationConfig())
+        spec = SpeculationConfig(tiers=tiers, budget=32, chunk_size=4, draft_sink=2, draft_window=8,
+                                 stop_below=0.5, adaptive_gamma=True)
+        out, stats = engine.generate(prompt, max_new_tokens=30, sampling=GREEDY, spec=spec)
+        assert out == ref
+        top = stats.tiers["target"]
+        shrunk |= top.get("verifications", 0) > 0 and top["proposed"] < top["verifications"] * 4
+    assert shrunk  # the adaptive rules did shorten some blocks

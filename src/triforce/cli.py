@@ -43,6 +43,10 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--chunk-size", type=int, default=8, help="retrieval chunk size (default 8)")
     k.add_argument("--chunk-score", default="mean", choices=["mean", "max", "bound"],
                    help="retrieval chunk score: mean (paper: q . mean key), max (best key), bound (Quest upper bound)")
+    k.add_argument("--stop-below", type=float,
+                   help="model drafters end a proposal before a token whose confidence is below this (default: off)")
+    k.add_argument("--adaptive-gamma", action="store_true",
+                   help="adapt each verifier's gamma from its last block (up to twice the given gamma)")
     k.add_argument("--rebuild-below", type=float,
                    help="re-select retrieval chunks when the retrieval tier's acceptance over its last 16 proposed "
                         "tokens falls below this fraction (default: never)")
@@ -86,7 +90,8 @@ def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpeculationConf
                              draft_sink=args.draft_sink, draft_window=args.draft_window,
                              drafter="ngram" if args.draft == "ngram" else "model", ngram_n=args.ngram_n,
                              tiers=args.tiers, chunk_score=args.chunk_score,
-                             rebuild_below=args.rebuild_below)
+                             rebuild_below=args.rebuild_below, stop_below=args.stop_below,
+                             adaptive_gamma=args.adaptive_gamma)
     if spec.uses_draft and (args.draft is None or args.draft == "ngram"):
         raise CLIError(f"--tiers {args.tiers} has a draft tier: give --draft MODEL")
     return spec
@@ -97,7 +102,7 @@ def _option_error(e: ValueError) -> CLIError:
     msg = str(e)
     for name in ("max_prompt_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "gamma1", "gamma2", "budget",
                  "chunk_size", "rebuild_every", "draft_sink", "draft_window", "mode", "dtype", "system", "ngram_n",
-                 "tiers", "chunk_score", "rebuild_below"):
+                 "tiers", "chunk_score", "rebuild_below", "stop_below"):
         if msg.startswith(name):
             return CLIError("--" + name.replace("_", "-") + msg[len(name):])
     return CLIError(msg)

@@ -55,6 +55,10 @@ class SpeculationConfig:
         draft_window: StreamingLLM recent-window tokens of the draft cache.
         drafter: bottom tier of the ``draft`` and ``triforce`` presets: ``model`` (the draft model) or ``ngram``.
         ngram_n: longest suffix the n-gram drafter matches.
+        stop_below: model drafters end a proposal before a token whose confidence (max probability at temperature
+            1) is below this (None: fixed-length proposals).
+        adaptive_gamma: each verifying tier adapts its gamma from the last block: +1 after a fully accepted block
+            (up to twice the configured gamma), -1 when fewer than half were accepted.
         rebuild_below: re-select the retrieval chunks when the acceptance of the retrieval tier's last 16 proposed
             tokens falls below this fraction (None: off).
         chunk_score: retrieval chunk score, one of ``mean`` (the paper's), ``max``, ``bound`` (see
@@ -79,6 +83,8 @@ class SpeculationConfig:
     ngram_n: int = 4
     chunk_score: str = "mean"
     rebuild_below: float | None = None
+    stop_below: float | None = None
+    adaptive_gamma: bool = False
     tiers: str | None = None
 
     def __post_init__(self) -> None:
@@ -99,9 +105,11 @@ class SpeculationConfig:
         if self.rebuild_below is not None and not (isinstance(self.rebuild_below, (int, float))
                                                    and 0 < self.rebuild_below <= 1):
             raise ValueError(f"rebuild_below must be in (0, 1], got {self.rebuild_below!r}")
+        if self.stop_below is not None and not (isinstance(self.stop_below, (int, float)) and 0 < self.stop_below < 1):
+            raise ValueError(f"stop_below must be in (0, 1), got {self.stop_below!r}")
         _positive_int("draft_sink", self.draft_sink, 0)
         _positive_int("draft_window", self.draft_window)
-        for kind, gamma in chain:
+        for kind, gamma in self.max_chain:
             if kind == "retrieval" and self.budget < self.chunk_size + gamma + 2:
                 raise ValueError(f"budget must be >= chunk_size + gamma + 2 = {self.chunk_size + gamma + 2} "
                                  f"(chunk 0 plus room for a speculation block), got {self.budget}")
@@ -128,6 +136,11 @@ class SpeculationConfig:
         if "ngram" in kinds[1:] or len(set(kinds)) != len(kinds):
             raise ValueError(f"tiers: each kind at most once and ngram only at the bottom, got {self.tiers!r}")
         return chain
+
+    @property
+    def max_chain(self) -> list[tuple[str, int]]:
+        """:attr:`chain` with each gamma at the largest value it can reach (twice it with ``adaptive_gamma``)."""
+        return [(k, 2 * g if self.adaptive_gamma else g) for k, g in self.chain]
 
     @property
     def name(self) -> str:
@@ -217,14 +230,14 @@ class Engine:
 
     @staticmethod
     def _capacity(prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig) -> int:
-        chain = spec.chain
+        chain = spec.max_chain
         block = chain[-1][1] if chain else 0  # the largest block the verifier checks at once
         return prompt_tokens + max_new_tokens + block + 1
 
     @staticmethod
     def _lookahead(spec: SpeculationConfig) -> int:
         """Most positions any tier can run ahead of the committed sequence."""
-        return sum(g for _, g in spec.chain) + len(spec.chain) + 1
+        return sum(g for _, g in spec.max_chain) + len(spec.chain) + 1
 
     DRAFT_PREFILL_CHUNK = 256
 
@@ -272,6 +285,7 @@ class Engine:
         drafter, gamma = None, 0  # the tier built so far and how many tokens it proposes per verification
         for kind, proposes in spec.chain:
             verify = self.tier_verify.get(kind, rejection_sample)
+            adaptive = dict(stop_below=spec.stop_below, adaptive_gamma=spec.adaptive_gamma and drafter is not None)
             if kind == "ngram":
                 node = NGramDrafter(self.target.cfg.vocab_size, spec.ngram_n, self.eos_ids, self.target.device)
             elif kind == "draft":
@@ -280,16 +294,18 @@ class Engine:
                 cache = StreamingCache(d.cfg, spec.draft_sink, spec.draft_window,
                                        self._lookahead(spec) + self.DRAFT_PREFILL_CHUNK, d.rope, d.dtype, d.device)
                 node = StreamingTier("draft", d, cache, drafter=drafter, gamma=gamma,
-                                     prefill_chunk=self.DRAFT_PREFILL_CHUNK, verify_fn=verify, **common)
+                                     prefill_chunk=self.DRAFT_PREFILL_CHUNK, verify_fn=verify, **adaptive, **common)
             else:
                 cache = RetrievalCache(self.target.cfg, full, spec.budget, spec.chunk_size, spec.chunk_score)
                 node = RetrievalTier("retrieval", self.target, cache, drafter=drafter, gamma=gamma, full=full,
-                                     lookahead=proposes + 1, rebuild_every=spec.rebuild_every,
-                                     rebuild_below=spec.rebuild_below, verify_fn=verify,
+                                     lookahead=(2 * proposes if spec.adaptive_gamma else proposes) + 1,
+                                     rebuild_every=spec.rebuild_every, rebuild_below=spec.rebuild_below,
+                                     verify_fn=verify, **adaptive,
                                      **common)
             drafter, gamma = node, proposes
         top = ModelTier("target", self.target, full, drafter=drafter, gamma=gamma,
-                        is_top=True, verify_fn=self.tier_verify.get("target", rejection_sample), **common)
+                        is_top=True, verify_fn=self.tier_verify.get("target", rejection_sample),
+                        adaptive_gamma=spec.adaptive_gamma and drafter is not None, **common)
         top.cached = reused  # prefill keeps the longest common prefix with the new prompt
         return top
 

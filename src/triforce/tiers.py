@@ -46,7 +46,7 @@ from .speculative import rejection_sample
 
 @dataclass
 class TierStats:
-    """Counters of one tier for one generation (see docs/stats.md for the definitions).
+    """Counters of one tier for one generation (definitions: README.md, "JSON output").
 
     Attributes:
         name: tier name (``target``, ``retrieval``, ``draft``).
@@ -130,12 +130,20 @@ class ModelTier:
         is_top: the verifier: prefills the whole prompt and keeps the last prompt token's logits.
         prefill_chunk: tokens per prefill forward.
         verify_fn: the verification rule (tests inject broken variants to prove the tests can fail).
+        stop_below: as a drafter, end a proposal before the first token whose model confidence (max probability
+            of the tier's softmax at temperature 1) is below this (None: never).
+        adaptive_gamma: as a verifier, grow gamma by 1 after a fully accepted block (up to ``2 * gamma``) and
+            shrink it by 1 when fewer than half were accepted (down to 1).
+
+    Both adaptive rules depend only on tokens and distributions already computed, never on the draws still to
+    come, so the verification stays exact.
     """
 
     def __init__(self, name: str, model: Transformer, cache: KVCache, sampling: SamplingParams,
                  generator: torch.Generator, eos_ids: tuple[int, ...] = (), drafter: Drafter | None = None,
                  gamma: int = 0, is_top: bool = False, prefill_chunk: int = 512,
-                 verify_fn: VerifyFn = rejection_sample) -> None:
+                 verify_fn: VerifyFn = rejection_sample, stop_below: float | None = None,
+                 adaptive_gamma: bool = False) -> None:
         if drafter is not None and gamma < 1:
             raise ValueError(f"gamma must be >= 1 for tier {name!r} with a drafter, got {gamma}")
         self.name, self.model, self.cache = name, model, cache
@@ -144,6 +152,9 @@ class ModelTier:
         self.drafter, self.gamma, self.is_top = drafter, gamma, is_top
         self.prefill_chunk = prefill_chunk
         self.verify_fn = verify_fn
+        self.stop_below, self.adaptive_gamma = stop_below, adaptive_gamma
+        self.gamma_max = 2 * gamma
+        self.confidence: torch.Tensor | None = None  # (len(emitted),) of the last step, when stop_below is set
         self.cached: list[int] = []  # tokens whose KV is in the cache: always a prefix of the sequence
         self.tail_logits: torch.Tensor | None = None  # (V,) logits at position len(cached) - 1, if known
         self.stats = TierStats(name)
@@ -238,7 +249,14 @@ class ModelTier:
             s.proposed += k
             s.accepted += n_acc
             s.emitted += len(emitted)
+            if self.adaptive_gamma:
+                if n_acc == k:
+                    self.gamma = min(self.gamma + 1, self.gamma_max)
+                elif 2 * n_acc < k:
+                    self.gamma = max(1, self.gamma - 1)
         emitted = emitted[:max_tokens]
+        if self.stop_below is not None:
+            self.confidence = torch.softmax(logits[:len(emitted)].float(), -1).amax(-1)
         return emitted, p[:len(emitted)]
 
     def propose(self, seq: list[int], n: int) -> tuple[list[int], torch.Tensor]:
@@ -247,14 +265,22 @@ class ModelTier:
         probs: list[torch.Tensor] = []
         while len(out) < n:
             toks, pr = self.step(seq + out, n - len(out))
+            end = len(toks)
             for i, t in enumerate(toks):
                 if t in self.eos_ids:
-                    toks, pr = toks[:i + 1], pr[:i + 1]
+                    end = i + 1
                     break
-            out += toks
-            probs.append(pr)
-            if toks[-1] in self.eos_ids:
+            unsure = False
+            if self.stop_below is not None:
+                low = (self.confidence[:end] < self.stop_below).nonzero()
+                if len(low):
+                    end, unsure = int(low[0]), True
+            out += toks[:end]
+            probs.append(pr[:end])
+            if unsure or end < len(toks) or (end and toks[end - 1] in self.eos_ids):
                 break
+        if not out:
+            return [], torch.zeros((0, probs[0].shape[-1]), device=probs[0].device)
         return out, torch.cat(probs)
 
     # ---------------------------------------------------------------- cache bookkeeping
