@@ -28,16 +28,25 @@ import torch
 BOOKS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "books")
 
 
-def read_bandwidth_gbs(size_mb: int = 1024, reps: int = 7) -> float:
-    """Best-of-``reps`` read bandwidth (GB/s) of summing a ``size_mb`` MB fp32 tensor with the current threads."""
+def read_bandwidth_gbs(size_mb: int = 1024, reps: int = 7) -> dict[str, float]:
+    """Best-of-``reps`` read bandwidth (GB/s) with the current threads, two ways, over ``size_mb`` MB of fp32:
+
+    ``sum``: summing a vector (a pure streaming read); ``gemv``: a matrix-vector product (what a decode step's
+    linear layers do). The floor uses ``gemv``: the rate at which this machine's kernels can read weights.
+    """
+    out = {}
     x = torch.ones(size_mb * 1024 * 1024 // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best / 1e9
+    w = x.view(-1, 4096)
+    v = torch.ones(4096)
+    for name, fn in (("sum", lambda: x.sum()), ("gemv", lambda: torch.mv(w, v))):
+        fn()
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+        out[name] = x.numel() * 4 / best / 1e9
+    return out
 
 
 class _Clock:
@@ -97,7 +106,8 @@ def main() -> int:
     hf = None if args.skip_hf else AutoModelForCausalLM.from_pretrained(folder, dtype=lm.model.dtype).eval()
     text = strip_gutenberg(open(book, encoding="utf-8").read())
     all_ids = lm.tokenizer(text)["input_ids"]
-    bandwidth = read_bandwidth_gbs()
+    bandwidths = read_bandwidth_gbs()
+    bandwidth = bandwidths["gemv"]
     engine = Engine(lm.model, eos_ids=(), reuse_prefix=False)
     rows = []
     for n in args.lengths:
@@ -118,13 +128,16 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
-                          "threads": args.threads, "read_bandwidth_gbs": round(bandwidth, 2)},
+                          "threads": args.threads,
+                          "read_bandwidth_gbs": {k: round(v, 2) for k, v in bandwidths.items()},
+                          "floor_bandwidth": "gemv"},
               "model": folder, "dtype": args.dtype, "book": args.book, "rows": rows,
               "command": "python " + " ".join(sys.argv)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"\nread bandwidth {bandwidth:.1f} GB/s, {args.threads} threads, {args.dtype}")
+    print(f"\nread bandwidth: gemv {bandwidths['gemv']:.1f} GB/s (floor), sum {bandwidths['sum']:.1f} GB/s; "
+          f"{args.threads} threads, {args.dtype}")
     print(f"{'prompt':>7} {'triforce ms':>12} {'hf dynamic':>11} {'hf static':>10} {'floor ms':>9} {'x floor':>8} same")
     for r in rows:
         same = all(r.get(f"{k}_same_tokens", True) for k in ("hf_dynamic", "hf_static"))

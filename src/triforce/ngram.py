@@ -79,6 +79,9 @@ class NGramDrafter:
     def rollback(self, n: int) -> None:
         """Nothing cached beyond committed tokens, so nothing to undo."""
 
+    def observe(self, accepted: int, proposed: int) -> None:
+        """Acceptance feedback from the tier above (unused)."""
+
     def commit(self, seq: list[int]) -> None:
         self._extend_index(seq, len(seq) - 1)
 

@@ -105,6 +105,9 @@ class Drafter(Protocol):
     def commit(self, seq: list[int]) -> None:
         """``seq`` is final: no later rollback goes below ``len(seq) - 1``."""
 
+    def observe(self, accepted: int, proposed: int) -> None:
+        """The tier above accepted ``accepted`` of the ``proposed`` tokens this tier just gave it."""
+
     def prefill(self, prompt: list[int], progress: Callable[[int], None] | None = None) -> None:
         """Process the prompt (all but its last token, which the first proposal feeds)."""
 
@@ -242,8 +245,7 @@ class ModelTier:
         if self.drafter is not None:
             self.drafter.rollback(len(seq) + n_acc)
         if k:
-            if isinstance(self.drafter, RetrievalTier):
-                self.drafter.observe(n_acc, k)
+            self.drafter.observe(n_acc, k)
             s = self.stats
             s.verifications += 1
             s.proposed += k
@@ -295,6 +297,9 @@ class ModelTier:
         self.truncate(n)
         if self.drafter is not None:
             self.drafter.rollback(n)
+
+    def observe(self, accepted: int, proposed: int) -> None:
+        """The tier above accepted ``accepted`` of the ``proposed`` tokens this tier gave it (unused here)."""
 
     def commit(self, seq: list[int]) -> None:
         if self.drafter is not None:

@@ -1,0 +1,587 @@
+"""``triforce serve``: the OpenAI-compatible server, exercised with the official ``openai`` client and raw httpx.
+
+Two servers on tiny models:
+
+* ``server``: a real subprocess, ``python -m triforce.server --model TINY --port 0 --threads 1`` (the port it
+  bound is read from its log): chat and completions, streamed or not, greedy output equal to a direct cold
+  ``TriForce.generate``, 8 concurrent clients, a client that disconnects mid-stream, 80 malformed requests,
+  prefix reuse across chat turns, metrics.
+* ``slow_server``: the same app in this process (uvicorn on a thread) over a model whose token stream is slowed
+  to 10 ms per token, with ``queue_size=1`` and ``request_timeout=2``: cancellation on disconnect, 503 with
+  Retry-After on a full queue, the per-request timeout, FastAPI's 422 turned into the 400 error shape.
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+
+from triforce import SamplingParams, TriForce  # noqa: E402
+from triforce.server import ServerDefaults, create_app, main_for_tests  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0)
+SRC = os.path.join(os.path.dirname(__file__), "..", "src")
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+def _wait_healthy(url: str, proc=None, log=None, timeout: float = 90.0) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{open(log).read()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"server not healthy after {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_folder, tmp_path_factory):
+    """Base URL of a server subprocess on the tiny model (default sampling: the CLI's, temperature 0.6)."""
+    log = str(tmp_path_factory.mktemp("server") / "server.log")
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "triforce.server", "--model", tiny_folder, "--host", "127.0.0.1",
+                                 "--port", "0", "--threads", "1", "--log-level", "warning"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = None
+        t0 = time.monotonic()
+        while url is None and time.monotonic() - t0 < 90:
+            m = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", open(log).read())
+            if m:
+                url = m.group(1)
+            elif proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{open(log).read()}")
+            else:
+                time.sleep(0.1)
+        assert url, open(log).read()
+        _wait_healthy(url, proc, log)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_folder):
+    """The same model in this process, without prefix reuse: every reference generation is cold."""
+    tf = TriForce.load(tiny_folder)
+    tf.engine.reuse_prefix = False
+    return tf
+
+
+def chat_ids(tf, messages):
+    ids = tf.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def ref_chat(tf, messages, max_tokens, stop=()):
+    return tf.generate(chat_ids(tf, messages), max_new_tokens=max_tokens, sampling=GREEDY, stop=stop)
+
+
+def openai_finish(reason: str) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+class SlowTF:
+    """A TriForce whose token stream sleeps ``delay`` seconds per token (everything else delegated)."""
+
+    def __init__(self, tf, delay):
+        self._tf, self._delay = tf, delay
+
+    def __getattr__(self, name):
+        return getattr(self._tf, name)
+
+    def stream(self, *args, **kwargs):
+        gen = self._tf.stream(*args, **kwargs)
+        try:
+            while True:
+                try:
+                    event = next(gen)
+                except StopIteration as stop:
+                    return stop.value
+                time.sleep(self._delay)
+                yield event
+        finally:
+            gen.close()
+
+
+@pytest.fixture(scope="module")
+def slow_server(tiny_folder):
+    """(base URL, app) of an in-process server over a slowed model: queue_size=1, request_timeout=2 s."""
+    tf = SlowTF(TriForce.load(tiny_folder), 0.01)
+    app = create_app(tf, ServerDefaults(model_id="slow", temperature=0, queue_size=1, request_timeout=2.0))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    _wait_healthy(url)
+    yield url, app
+    srv.should_exit = True
+    thread.join(10)
+    sock.close()
+
+
+def long_prompt(ref, n=300):
+    """A prompt whose greedy continuation runs at least ``n`` tokens before an EOS."""
+    for prompt in ("hello world", "the quick brown fox", "abc", "zzz", "once upon a time", "x"):
+        if len(ref.generate(prompt, max_new_tokens=n, sampling=GREEDY).token_ids) >= n:
+            return prompt
+    pytest.fail("no candidate prompt runs long enough on the tiny model")
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    m = re.search(r"^" + re.escape(name + (("{" + labels + "}") if labels else "")) + r" (\S+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_idle(url: str, timeout: float = 10.0) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        h = httpx.get(url + "/health", timeout=5).json()
+        if not h["busy"] and h["queue_depth"] == 0:
+            return
+        time.sleep(0.02)
+    raise AssertionError("server still busy")
+
+
+def assert_error_shape(r, status, param="<any>"):
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert isinstance(err["type"], str) and err["type"], err
+    if param != "<any>":
+        assert err["param"] == param, (param, err)
+    return err
+
+
+# ------------------------------------------------------------------------------------------------ basics
+def test_health_and_models(server, client, tiny_folder):
+    model_id = os.path.basename(os.path.normpath(tiny_folder))
+    h = httpx.get(server + "/health").json()
+    assert h["status"] == "ok" and h["model"] == model_id
+    assert [m.id for m in client.models.list()] == [model_id]
+    assert client.models.retrieve(model_id).id == model_id
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def test_chat_greedy_equals_direct_generate(client, ref, tiny_folder):
+    model_id = os.path.basename(os.path.normpath(tiny_folder))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
+    expect = ref_chat(ref, messages, 40)
+    r = client.chat.completions.create(model=model_id, messages=messages, max_tokens=40, temperature=0)
+    assert r.object == "chat.completion" and r.model == model_id and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == expect.text
+    assert r.choices[0].finish_reason == openai_finish(expect.finish_reason)
+    assert r.usage.prompt_tokens == len(chat_ids(ref, messages))
+    assert r.usage.completion_tokens == len(expect.token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    tri = r.triforce
+    assert tri["mode"] == "autoregressive" and tri["generated_tokens"] == len(expect.token_ids)
+    assert tri["timed_out"] is False and tri["queue_seconds"] >= 0 and "target" in tri["tiers"]
+
+
+def test_chat_streaming_equals_non_streaming(client, ref):
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    expect = ref_chat(ref, messages, 48)
+    chunks = list(client.chat.completions.create(model=client.models.list().data[0].id, messages=messages,
+                                                 max_tokens=48, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expect.text
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == openai_finish(expect.finish_reason)
+    assert finals[0].triforce["generated_tokens"] == len(expect.token_ids)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expect.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_string_and_token_ids(client, ref):
+    model = client.models.list().data[0].id
+    prompt = "the quick brown fox"
+    ids = ref.encode(prompt)
+    expect = ref.generate(ids, max_new_tokens=32, sampling=GREEDY)
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text == expect.text
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(expect.token_ids)
+    r = client.completions.create(model=model, prompt=ids, max_tokens=32, temperature=0)
+    assert r.choices[0].text == expect.text and r.choices[0].finish_reason == openai_finish(expect.finish_reason)
+    chunks = list(client.completions.create(model=model, prompt=ids, max_tokens=32, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expect.text
+    assert chunks[-1].choices[0].finish_reason == openai_finish(expect.finish_reason)
+    assert chunks[-1].usage is None  # no include_usage: no usage chunk
+
+
+def test_stop_strings_and_seeded_sampling(client, ref):
+    model = client.models.list().data[0].id
+    full = ref.generate("abc", max_new_tokens=40, sampling=GREEDY).text
+    stop = full[8:10]
+    cut = full[:full.find(stop)]
+    r = client.completions.create(model=model, prompt="abc", max_tokens=40, temperature=0, stop=stop)
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model=model, prompt="abc", max_tokens=40, temperature=0, stop=["\x7c\x7c", stop])
+    assert r.choices[0].text == cut
+    # server default sampling (temperature 0.6) with a seed: reproducible, and the seed is reported
+    a = client.completions.create(model=model, prompt="abc", max_tokens=20, seed=1234)
+    b = client.completions.create(model=model, prompt="abc", max_tokens=20, seed=1234)
+    assert a.choices[0].text == b.choices[0].text and a.triforce["seed"] == 1234
+    c = client.completions.create(model=model, prompt="abc", max_tokens=20, temperature=1.0, top_p=0.5, seed=7)
+    assert c.usage.completion_tokens >= 1
+
+
+# ------------------------------------------------------------------------------------------------ concurrency
+def test_eight_concurrent_clients_get_their_own_answers(server, ref):
+    model = httpx.get(server + "/v1/models").json()["data"][0]["id"]
+    prompts = [f"client {i} asks: what is {i} plus {i}?" for i in range(8)]
+    expected = [ref_chat(ref, [{"role": "user", "content": p}], 40) for p in prompts]
+
+    def ask(i):
+        c = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": prompts[i]}]
+        if i % 2:
+            chunks = list(c.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0,
+                                                    stream=True))
+            return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        return c.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0
+                                         ).choices[0].message.content
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(8)))
+    assert answers == [e.text for e in expected]
+    assert httpx.get(server + "/health").json()["queue_depth"] == 0
+
+
+def test_disconnect_mid_stream_then_next_request_is_prompt(server, client, ref):
+    model = client.models.list().data[0].id
+    prompt = long_prompt(ref, 300)
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", server + "/v1/completions",
+                      json={"model": model, "prompt": prompt, "max_tokens": 480, "temperature": 0, "stream": True}) as r:
+            assert r.status_code == 200
+            seen = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                    if seen == 2:
+                        break
+    t0 = time.monotonic()
+    expect = ref.generate("abc", max_new_tokens=8, sampling=GREEDY)
+    out = client.completions.create(model=model, prompt="abc", max_tokens=8, temperature=0)
+    assert out.choices[0].text == expect.text
+    assert time.monotonic() - t0 < 10
+    assert httpx.get(server + "/health").status_code == 200
+
+
+# ------------------------------------------------------------------------------------------------ validation
+C, CH = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def _chat(**kw):
+    return dict({"messages": MSG, "max_tokens": 4}, **kw)
+
+
+def _cmpl(**kw):
+    return dict({"prompt": "hi", "max_tokens": 4}, **kw)
+
+
+MALFORMED = [
+    # (path, body (bytes: raw), status, param ("<any>": not checked))
+    (CH, b"", 400, None),
+    (CH, b"{", 400, None),
+    (CH, b"not json", 400, None),
+    (CH, b'{"messages": [}', 400, None),
+    (CH, b"\xff\xfe\x00{", 400, None),
+    (C, '{"prompt": "caf\u00e9"}'.encode("latin-1"), 400, None),
+    (CH, b"[]", 400, None),
+    (CH, b'"a string"', 400, None),
+    (CH, b"null", 400, None),
+    (C, b'{"prompt": "hi", "temperature": NaN}', 400, None),
+    (C, b'{"prompt": "hi", "max_tokens": Infinity}', 400, None),
+    (CH, {}, 400, "messages"),
+    (CH, {"messages": []}, 400, "messages"),
+    (CH, {"messages": "hi"}, 400, "messages"),
+    (CH, {"messages": ["hi"]}, 400, "messages[0]"),
+    (CH, {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+    (CH, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    (CH, {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    (CH, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages[0].content[0]"),
+    (CH, {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, 400, "messages[0].role"),
+    (CH, {"messages": MSG + [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]}, 400,
+     "messages[1].tool_calls"),
+    (CH, {"messages": [{"role": "user", "content": "hi", "name": 5}]}, 400, "messages[0].name"),
+    (CH, {"messages": [{"role": "user", "content": "hi", "weird": "x"}]}, 400, "messages[0].weird"),
+    (CH, {"messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages"),
+    (CH, _chat(n=2), 400, "n"),
+    (CH, _chat(n="1"), 400, "n"),
+    (CH, _chat(logprobs=True), 400, "logprobs"),
+    (CH, _chat(top_logprobs=2), 400, "top_logprobs"),
+    (CH, _chat(presence_penalty=0.5), 400, "presence_penalty"),
+    (CH, _chat(frequency_penalty=-1), 400, "frequency_penalty"),
+    (CH, _chat(logit_bias={"5": 10}), 400, "logit_bias"),
+    (CH, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    (CH, _chat(tool_choice="auto"), 400, "tool_choice"),
+    (CH, _chat(functions=[{"name": "f"}]), 400, "functions"),
+    (CH, _chat(response_format={"type": "json_object"}), 400, "response_format"),
+    (CH, _chat(prompt="x"), 400, "prompt"),
+    (CH, _chat(foo=1), 400, "foo"),
+    (CH, _chat(max_completion_tokens=0), 400, "max_completion_tokens"),
+    (CH, _chat(max_completion_tokens=5), 400, "max_completion_tokens"),  # together with max_tokens
+    (CH, _chat(model="nope"), 404, "model"),
+    (CH, _chat(stream=True, max_tokens=0), 400, "max_tokens"),
+    (C, _cmpl(echo=True), 400, "echo"),
+    (C, _cmpl(best_of=3), 400, "best_of"),
+    (C, _cmpl(logprobs=1), 400, "logprobs"),
+    (C, _cmpl(n=3), 400, "n"),
+    (C, _cmpl(suffix="x"), 400, "suffix"),
+    (C, _cmpl(messages=MSG), 400, "messages"),
+    (C, _cmpl(tools=[]), 400, "tools"),
+    (C, {"max_tokens": 4}, 400, "prompt"),
+    (C, _cmpl(prompt=5), 400, "prompt"),
+    (C, _cmpl(prompt=[]), 400, "prompt"),
+    (C, _cmpl(prompt=[1, "a"]), 400, "prompt"),
+    (C, _cmpl(prompt=[1, 100000]), 400, "prompt"),
+    (C, _cmpl(prompt=[-1]), 400, "prompt"),
+    (C, _cmpl(prompt=["a", "b"]), 400, "prompt"),
+    (C, _cmpl(prompt=[[1, 2], [3]]), 400, "prompt"),
+    (C, _cmpl(prompt={"text": "x"}), 400, "prompt"),
+    (C, _cmpl(prompt="x" * 600), 400, "prompt"),
+    (C, _cmpl(max_tokens=0), 400, "max_tokens"),
+    (C, _cmpl(max_tokens=-5), 400, "max_tokens"),
+    (C, _cmpl(max_tokens="10"), 400, "max_tokens"),
+    (C, _cmpl(max_tokens=1.5), 400, "max_tokens"),
+    (C, _cmpl(max_tokens=True), 400, "max_tokens"),
+    (C, _cmpl(max_tokens=10 ** 12), 400, "max_tokens"),
+    (C, _cmpl(max_tokens=511), 400, "max_tokens"),  # 2 prompt tokens + 511 > the context of 512
+    (C, _cmpl(temperature=-0.1), 400, "temperature"),
+    (C, _cmpl(temperature=2.5), 400, "temperature"),
+    (C, _cmpl(temperature="hot"), 400, "temperature"),
+    (C, _cmpl(temperature=None, top_p=0), 400, "top_p"),
+    (C, _cmpl(top_p=1.5), 400, "top_p"),
+    (C, _cmpl(top_p=-0.5), 400, "top_p"),
+    (C, _cmpl(top_p="x"), 400, "top_p"),
+    (C, _cmpl(top_k=-1), 400, "top_k"),
+    (C, _cmpl(top_k=1.5), 400, "top_k"),
+    (C, _cmpl(seed="abc"), 400, "seed"),
+    (C, _cmpl(seed=-1), 400, "seed"),
+    (C, _cmpl(seed=2 ** 70), 400, "seed"),
+    (C, _cmpl(stop=5), 400, "stop"),
+    (C, _cmpl(stop=["a", 1]), 400, "stop"),
+    (C, _cmpl(stop=""), 400, "stop"),
+    (C, _cmpl(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    (C, _cmpl(stream="yes"), 400, "stream"),
+    (C, _cmpl(stream_options={"include_usage": True}), 400, "stream_options"),
+    (C, _cmpl(stream=True, stream_options="x"), 400, "stream_options"),
+    (C, _cmpl(stream=True, stream_options={"foo": 1}), 400, "stream_options.foo"),
+    (C, _cmpl(model=5), 400, "model"),
+    (C, _cmpl(model="gpt-4"), 404, "model"),
+    (C, _cmpl(stream=True, temperature=-1), 400, "temperature"),
+]
+
+
+def test_malformed_requests_get_openai_errors_and_the_server_stays_healthy(server):
+    assert len(MALFORMED) >= 50
+    with httpx.Client(base_url=server, timeout=30) as h:
+        for path, body, status, param in MALFORMED:
+            raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+            r = h.post(path, content=raw, headers={"content-type": "application/json"})
+            err = assert_error_shape(r, status, param)
+            if status == 400:
+                assert err["type"] == "invalid_request_error", err
+        assert_error_shape(h.post(C, content=b"x" * (17 * 1024 * 1024)), 413)
+        assert_error_shape(h.get("/v1/models/nope"), 404)
+        assert_error_shape(h.post("/v1/nothing", json={}), 404)
+        assert_error_shape(h.get(C), 405)
+        assert h.get("/health").status_code == 200
+        ok = h.post(C, json=_cmpl(temperature=0))
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+    metrics = httpx.get(server + "/metrics").text
+    assert re.search(r'triforce_requests_total\{endpoint="/v1/completions",status="400"\} [1-9]', metrics)
+    assert re.search(r'triforce_requests_total\{endpoint="/v1/chat/completions",status="404"\} [1-9]', metrics)
+
+
+def test_openai_client_sees_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=client.models.list().data[0].id, messages=MSG, n=2)
+    assert e.value.status_code == 400 and e.value.body["param"] == "n"
+
+
+# ------------------------------------------------------------------------------------------------ prefix reuse
+def test_second_chat_turn_reuses_the_prefix_and_matches_a_cold_run(client, ref):
+    model = client.models.list().data[0].id
+    turn1 = [{"role": "system", "content": "You answer in one line."}, {"role": "user", "content": "Tell me about foxes."}]
+    # end turn 1 early with a stop string taken from its greedy output (as an EOS would), so that the second turn
+    # (history + answer + new question) still fits in the KV cache sized for turn 1's max_tokens
+    full = ref_chat(ref, turn1, 200).text
+    stop = next(full[k:k + 2] for k in range(10, len(full) - 2) if full.find(full[k:k + 2]) >= 5)
+    answer = full[:full.find(stop)]
+    r1 = client.chat.completions.create(model=model, messages=turn1, max_tokens=200, temperature=0, stop=stop)
+    assert r1.choices[0].message.content == answer and r1.choices[0].finish_reason == "stop"
+    turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And wolves?"}]
+    r2 = client.chat.completions.create(model=model, messages=turn2, max_tokens=30, temperature=0)
+    reused = r2.triforce["tiers"]["target"]["reused_prefix_tokens"]
+    assert reused >= len(chat_ids(ref, turn1)), reused
+    cold = ref_chat(ref, turn2, 30)
+    assert r2.choices[0].message.content == cold.text
+    assert r2.usage.completion_tokens == len(cold.token_ids)
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+def test_metrics_in_prometheus_format(server, client):
+    client.completions.create(model=client.models.list().data[0].id, prompt="abc", max_tokens=5, temperature=0)
+    text = httpx.get(server + "/metrics").text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("triforce_requests", "triforce_generated_tokens", "triforce_request_latency_seconds",
+                 "triforce_queue_depth", "triforce_time_to_first_token_seconds", "triforce_requests_running"):
+        assert name in families, name
+    assert metric(server, "triforce_generated_tokens_total") >= 5
+    assert metric(server, "triforce_requests_total", 'endpoint="/v1/completions",status="200"') >= 1
+    assert metric(server, "triforce_request_latency_seconds_count", 'endpoint="/v1/completions"') >= 1
+    assert metric(server, "triforce_queue_depth") == 0
+
+
+# ------------------------------------------------------------------------------------------------ slow server
+def test_disconnect_cancels_the_generation_promptly(slow_server, ref):
+    url, _ = slow_server
+    wait_idle(url)
+    prompt = long_prompt(ref, 400)
+    cancelled = metric(url, "triforce_generations_ended_early_total", 'reason="disconnect"')
+    generated = metric(url, "triforce_generated_tokens_total")
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", url + "/v1/completions",
+                      json={"prompt": prompt, "max_tokens": 400, "stream": True}) as r:  # 400 tokens: 4+ s
+            assert r.status_code == 200
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen == 2:
+                    break
+    t0 = time.monotonic()
+    while metric(url, "triforce_generations_ended_early_total", 'reason="disconnect"') == cancelled:
+        assert time.monotonic() - t0 < 1.5, "the generation was not cancelled"
+        time.sleep(0.02)
+    assert metric(url, "triforce_generated_tokens_total") - generated < 100
+    wait_idle(url, 2)
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 5}, timeout=10)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_full_queue_answers_503_with_retry_after(slow_server, ref):
+    url, _ = slow_server  # queue_size=1: one running, one waiting, the third is refused
+    wait_idle(url)
+    prompt = long_prompt(ref, 400)
+    waiting = {}
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", url + "/v1/completions",
+                      json={"prompt": prompt, "max_tokens": 400, "stream": True}) as running:
+            assert running.status_code == 200
+            lines = running.iter_lines()  # keep the iterator: closing it would close the connection
+            while not next(lines).startswith("data: "):
+                pass
+            second = threading.Thread(target=lambda: waiting.setdefault(
+                "r", httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3}, timeout=30)))
+            second.start()
+            t0 = time.monotonic()
+            while httpx.get(url + "/health").json()["queue_depth"] < 1:
+                assert time.monotonic() - t0 < 1
+                time.sleep(0.005)
+            third = httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 3}, timeout=10)
+            err = assert_error_shape(third, 503)
+            assert err["code"] == "queue_full" and err["type"] == "server_error"
+            assert int(third.headers["retry-after"]) >= 1
+    second.join(10)
+    assert waiting["r"].status_code == 200, waiting["r"].text
+    assert metric(url, "triforce_requests_total", 'endpoint="/v1/chat/completions",status="503"') == 1
+
+
+def test_request_timeout_ends_the_generation_with_length(slow_server, ref):
+    url, _ = slow_server  # request_timeout=2 s, 10 ms per token
+    wait_idle(url)
+    prompt = long_prompt(ref, 400)
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 400}, timeout=30)
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 200, r.text
+    d = r.json()
+    assert d["choices"][0]["finish_reason"] == "length" and d["triforce"]["timed_out"] is True
+    assert 10 < d["usage"]["completion_tokens"] < 400
+    assert elapsed < 4
+    expect = ref.generate(prompt, max_new_tokens=400, sampling=GREEDY).text
+    assert expect.startswith(d["choices"][0]["text"])
+    wait_idle(url)
+
+
+def test_fastapi_422_becomes_an_openai_400(slow_server):
+    url, app = slow_server
+
+    @app.get("/typed-for-test")
+    async def typed(x: int):
+        return {"x": x}
+
+    assert httpx.get(url + "/typed-for-test?x=3").json() == {"x": 3}
+    err = assert_error_shape(httpx.get(url + "/typed-for-test?x=abc"), 400, "x")
+    assert err["type"] == "invalid_request_error"
+
+
+# ------------------------------------------------------------------------------------------------ command line
+def test_bad_options_exit_2_before_loading(capsys):
+    assert main_for_tests(["--queue-size", "0"]) == 2
+    assert "--queue-size" in capsys.readouterr().err
+    assert main_for_tests(["--request-timeout", "-1"]) == 2
+    assert "--request-timeout" in capsys.readouterr().err
+    assert main_for_tests(["--top-p", "0"]) == 2
+    assert "--top-p" in capsys.readouterr().err
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        assert main_for_tests(["--port", str(busy.getsockname()[1]), "--model", "/nonexistent"]) == 2
+        assert "cannot listen" in capsys.readouterr().err
+    finally:
+        busy.close()
