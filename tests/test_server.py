@@ -11,6 +11,7 @@ Two servers on tiny models:
   Retry-After on a full queue, the per-request timeout, FastAPI's 422 turned into the 400 error shape.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -29,7 +30,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
-from triforce import SamplingParams, TriForce  # noqa: E402
+from triforce import SamplingParams, SpeculationConfig, TriForce  # noqa: E402
 from triforce.server import ServerDefaults, create_app, main_for_tests  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0)
@@ -134,11 +135,9 @@ class SlowTF:
             gen.close()
 
 
-@pytest.fixture(scope="module")
-def slow_server(tiny_folder):
-    """(base URL, app) of an in-process server over a slowed model: queue_size=1, request_timeout=2 s."""
-    tf = SlowTF(TriForce.load(tiny_folder), 0.01)
-    app = create_app(tf, ServerDefaults(model_id="slow", temperature=0, queue_size=1, request_timeout=2.0))
+@contextlib.contextmanager
+def serve_in_thread(app):
+    """Run ``app`` with uvicorn on a thread of this process; yields its base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
@@ -146,11 +145,22 @@ def slow_server(tiny_folder):
     srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    _wait_healthy(url)
-    yield url, app
-    srv.should_exit = True
-    thread.join(10)
-    sock.close()
+    try:
+        _wait_healthy(url)
+        yield url
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def slow_server(tiny_folder):
+    """(base URL, app) of an in-process server over a slowed model: queue_size=1, request_timeout=2 s."""
+    tf = SlowTF(TriForce.load(tiny_folder), 0.01)
+    app = create_app(tf, ServerDefaults(model_id="slow", temperature=0, queue_size=1, request_timeout=2.0))
+    with serve_in_thread(app) as url:
+        yield url, app
 
 
 def long_prompt(ref, n=300):
@@ -506,6 +516,14 @@ def test_disconnect_cancels_the_generation_promptly(slow_server, ref):
         time.sleep(0.02)
     assert metric(url, "triforce_generated_tokens_total") - generated < 100
     wait_idle(url, 2)
+    # a client that gives up on a non-streamed answer cancels it too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 400}, timeout=0.3)
+    t0 = time.monotonic()
+    while metric(url, "triforce_generations_ended_early_total", 'reason="disconnect"') < cancelled + 2:
+        assert time.monotonic() - t0 < 1.5, "the non-streamed generation was not cancelled"
+        time.sleep(0.02)
+    wait_idle(url, 2)
     t0 = time.monotonic()
     r = httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 5}, timeout=10)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
@@ -567,6 +585,22 @@ def test_fastapi_422_becomes_an_openai_400(slow_server):
     assert httpx.get(url + "/typed-for-test?x=3").json() == {"x": 3}
     err = assert_error_shape(httpx.get(url + "/typed-for-test?x=abc"), 400, "x")
     assert err["type"] == "invalid_request_error"
+
+
+# ------------------------------------------------------------------------------------------------ speculation
+def test_triforce_mode_server_is_lossless_under_greedy(tiny_folder, tiny_draft_folder, ref):
+    tf = TriForce.load(tiny_folder, draft=tiny_draft_folder)
+    spec = SpeculationConfig(mode="triforce", budget=32, chunk_size=4, draft_window=16)
+    app = create_app(tf, ServerDefaults(model_id="tri", temperature=0, spec=spec))
+    messages = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 3}]
+    expect = ref_chat(ref, messages, 40)
+    with serve_in_thread(app) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = c.chat.completions.create(model="tri", messages=messages, max_tokens=40)
+        chunks = list(c.chat.completions.create(model="tri", messages=messages, max_tokens=40, stream=True))
+    assert r.choices[0].message.content == expect.text and r.usage.completion_tokens == len(expect.token_ids)
+    assert r.triforce["mode"] == "triforce" and r.triforce["tiers"]["retrieval"]["verifications"] >= 1
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expect.text
 
 
 # ------------------------------------------------------------------------------------------------ command line

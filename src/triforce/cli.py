@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object (schema in README) instead of text")
     gen.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from .server import add_serve_parser
+
+    add_serve_parser(sub)
     dl = sub.add_parser("download", help="fetch the embedded default model (SmolLM2-135M-Instruct) into the cache")
     dl.add_argument("--force", action="store_true", help="download and convert again")
     return parser
@@ -210,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "download":
             return cmd_download(args)
+        if args.command == "serve":
+            from .server import cmd_serve
+
+            return cmd_serve(args)
     except (CLIError, ModelLoadError, DownloadError, InsufficientMemoryError, ValueError) as e:
         print(f"triforce: error: {e}", file=sys.stderr)
         return 2

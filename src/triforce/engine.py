@@ -264,6 +264,10 @@ class Engine:
                              "model-free drafter; without one use mode 'autoregressive' or 'retrieval'")
         total = self._capacity(len(prompt_ids), max_new_tokens, spec)
         self.target.cfg.check_length(total)
+        context = self.target.cfg.max_position_embeddings
+        if self.target.cfg.rope_type != "dynamic" and len(prompt_ids) + max_new_tokens > context:
+            raise ValueError(f"max_new_tokens={max_new_tokens} with a {len(prompt_ids)}-token prompt exceeds the model's "
+                             f"context of {context} tokens (max_position_embeddings)")
         check_fits(self.cache_bytes(len(prompt_ids), max_new_tokens, spec), self.target.device, "this request",
                    already={"weights": self.target.weight_bytes() + (self.draft.weight_bytes() if self.draft else 0)})
 
@@ -274,12 +278,21 @@ class Engine:
         total = self._capacity(prompt_tokens, max_new_tokens, spec)
         common = dict(sampling=sampling, generator=generator, eos_ids=self.eos_ids)
         full, reused = self._full, list(self._full_tokens)
-        if full is None or full.capacity < total or not self.reuse_prefix:
-            self._full = None  # free the old cache before allocating the new one
-            full, reused = None, []
+        if full is None or not self.reuse_prefix or (full.capacity < total and self.target.cfg.rope_type == "dynamic"):
+            self._full = full = None  # free the old cache before allocating the new one
+            reused = []
+        if full is None or full.capacity < total:
             # dynamic NTK scales with the cache's capacity, so a reused cache keeps its RoPE frequencies
-            self.target.set_request_length(total)
-            full = FullKVCache(self.target.cfg, total, self.target.dtype, self.target.device)
+            if full is None:
+                self.target.set_request_length(total)
+            bigger = FullKVCache(self.target.cfg, total, self.target.dtype, self.target.device)
+            if full is not None:  # a longer request: keep the previous tokens' KV in the bigger cache
+                n = full.length
+                bigger.k[:, :, :, :n] = full.k[:, :, :, :n]
+                bigger.v[:, :, :, :n] = full.v[:, :, :, :n]
+                bigger.length = n
+            self._full = full = None
+            full = bigger
         full.record_queries = spec.uses_retrieval
         self._full, self._full_tokens = full, []
         drafter, gamma = None, 0  # the tier built so far and how many tokens it proposes per verification
@@ -331,6 +344,7 @@ class Engine:
             ValueError, InsufficientMemoryError: see :meth:`validate` (raised before anything is allocated).
         """
         prompt_ids = [int(t) for t in prompt_ids]
+        self.last_stats = None
         self.validate(prompt_ids, max_new_tokens, spec)
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")

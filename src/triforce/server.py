@@ -805,8 +805,11 @@ def create_app(tf: "TriForce", defaults: ServerDefaults | None = None) -> "FastA
                 self.job.cancel.set()
 
     async def next_event(job: _Job, request: Request) -> tuple | None:
-        """The job's next event; None once the client has disconnected."""
+        """The job's next event; None once the client has disconnected (checked at every call, i.e. between
+        tokens, and every DISCONNECT_POLL_SECONDS while waiting)."""
         while True:
+            if await request.is_disconnected():
+                return None
             try:
                 return job.events.get_nowait()
             except asyncio.QueueEmpty:
@@ -814,8 +817,7 @@ def create_app(tf: "TriForce", defaults: ServerDefaults | None = None) -> "FastA
             try:
                 return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_SECONDS)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return None
+                pass
 
     async def read_body(request: Request) -> dict:
         length = request.headers.get("content-length")
@@ -895,7 +897,7 @@ def create_app(tf: "TriForce", defaults: ServerDefaults | None = None) -> "FastA
             first_token = True
             while True:
                 ev = await next_event(job, request)
-                if ev is None or await request.is_disconnected():
+                if ev is None:
                     job.cancel.set()
                     return
                 if ev[0] == "token":
