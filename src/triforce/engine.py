@@ -189,7 +189,7 @@ class GenerationStats:
                 parts.append(f"{name}: acceptance {t['acceptance_rate']:.3f}, "
                              f"{t['mean_tokens_per_verification']:.2f} tokens/verification")
         if self.retrieval_holds_full_cache:
-            parts.append("retrieval cache = whole cache (prompt <= budget)")
+            parts.append("retrieval cache = whole cache (everything fit in the budget)")
         return "; ".join(parts)
 
 
@@ -395,8 +395,12 @@ class Engine:
     def _stats(self, top: ModelTier, spec: SpeculationConfig, prompt_tokens: int, generated: int, finish: str,
                prefill_s: float, decode_s: float, seed: int) -> GenerationStats:
         tiers = {s.name: s.to_dict() for s in top.all_stats()}
-        # the retrieval cache is built over the prompt; if the prompt fits in the budget nothing is dropped
-        holds_all = prompt_tokens <= spec.budget if spec.uses_retrieval else None
+        holds_all = None  # retrieval modes: at the end, the retrieval cache still holds every position
+        node = top.drafter
+        while node is not None:
+            if isinstance(node, RetrievalTier):
+                holds_all = node.cache.holds_everything
+            node = getattr(node, "drafter", None)
         return GenerationStats(
             mode=spec.name, prompt_tokens=prompt_tokens, generated_tokens=generated, finish_reason=finish,
             prefill_seconds=round(prefill_s, 6), decode_seconds=round(decode_s, 6),
