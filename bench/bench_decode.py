@@ -49,6 +49,30 @@ def read_bandwidth_gbs(size_mb: int = 1024, reps: int = 7) -> dict[str, float]:
     return out
 
 
+def layout_bandwidth_gbs(shapes: list[tuple[int, int]], copies: int = 8, reps: int = 5) -> dict[str, float]:
+    """GB/s of one-row matrix products over fresh copies of the given (out, in) weight shapes, in the two layouts:
+    ``out_in`` (``nn.Linear``'s W, computed as x @ W.T) and ``in_out`` (W^T contiguous, as triforce stores it)."""
+    res = {}
+    for layout in ("out_in", "in_out"):
+        mats = [torch.randn(o, i) if layout == "out_in" else torch.randn(i, o) for o, i in shapes for _ in range(copies)]
+        xs = {i: torch.randn(1, i) for _, i in shapes}
+
+        def run():
+            for w in mats:
+                if layout == "out_in":
+                    xs[w.shape[1]] @ w.T
+                else:
+                    xs[w.shape[0]] @ w
+        run()
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t)
+        res[layout] = sum(m.numel() * 4 for m in mats) / best / 1e9
+    return res
+
+
 class _Clock:
     """A transformers streamer that timestamps every generated token (the first put() is the prompt)."""
 
@@ -87,6 +111,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--skip-hf", action="store_true", help="only time triforce")
+    p.add_argument("--layouts", action="store_true", help="also time the model's matrix shapes in both weight layouts")
     p.add_argument("--out", default="bench/results/decode.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -108,6 +133,13 @@ def main() -> int:
     all_ids = lm.tokenizer(text)["input_ids"]
     bandwidths = read_bandwidth_gbs()
     bandwidth = bandwidths["gemv"]
+    if args.layouts:
+        c = lm.model.cfg
+        shapes = [((c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim, c.hidden_size),
+                  (c.hidden_size, c.num_attention_heads * c.head_dim), (2 * c.intermediate_size, c.hidden_size),
+                  (c.hidden_size, c.intermediate_size)]
+        for layout, gbs in layout_bandwidth_gbs(shapes).items():
+            bandwidths[f"model_shapes_{layout}"] = gbs
     engine = Engine(lm.model, eos_ids=(), reuse_prefix=False)
     rows = []
     for n in args.lengths:

@@ -153,13 +153,23 @@ def test_unsupported_architecture_is_refused_with_the_list(tmp_path):
     assert code == 2 and "gpt2" in err and "llama, mistral, qwen2" in err
 
 
-def test_request_that_does_not_fit_in_memory_is_refused_before_allocating(tiny_folder):
-    from triforce import SpeculationConfig, TriForce
+def test_request_that_does_not_fit_in_memory_is_refused_before_allocating():
+    from tiny import hf_model, ours
+    from triforce import Engine, SpeculationConfig
     from triforce.memory import InsufficientMemoryError
 
+    engine = Engine(ours(hf_model(max_pos=10**13)))  # a context long enough that only memory can refuse
+    with pytest.raises(InsufficientMemoryError, match=r"full KV cache .* free"):
+        engine.generate([5, 6, 7], max_new_tokens=10**12, spec=SpeculationConfig())
+    assert engine._full is None  # nothing was allocated
+
+
+def test_request_longer_than_the_context_is_refused(tiny_folder):
+    from triforce import SpeculationConfig, TriForce
+
     tf = TriForce.load(tiny_folder)
-    with pytest.raises(InsufficientMemoryError, match="full KV cache"):
-        tf.generate([5, 6, 7], max_new_tokens=10**12, spec=SpeculationConfig())
+    with pytest.raises(ValueError, match="context of 512"):
+        tf.generate([5] * 500, max_new_tokens=100, spec=SpeculationConfig())
 
 
 def test_sharded_folder_loads_the_same_weights(tmp_path):

@@ -52,6 +52,7 @@ class GenerationResult:
     stats: GenerationStats
 
     def to_dict(self) -> dict:
+        """The ``--json`` object: text, token_ids, finish_reason and the stats fields (README, "JSON output")."""
         d = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason}
         d.update(self.stats.to_dict())
         d["finish_reason"] = self.finish_reason

@@ -60,6 +60,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``triforce`` argument parser with its subcommands (generate, serve, download)."""
     parser = argparse.ArgumentParser(prog="triforce", description="Lossless long-context generation with hierarchical "
                                      "speculative decoding (TriForce).")
     parser.add_argument("--version", action="version", version=f"triforce {__version__}")
@@ -130,6 +131,11 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """``triforce generate``: check options, load, stream text (or print JSON); returns the exit status.
+
+    Raises:
+        CLIError, ValueError, ModelLoadError, InsufficientMemoryError: reported by :func:`main` as one line, exit 2.
+    """
     import torch
 
     from .api import TriForce
@@ -193,6 +199,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_download(args: argparse.Namespace) -> int:
+    """``triforce download``: fetch and convert the default model; prints its folder."""
     from .download import download_default_model
 
     path = download_default_model(force=args.force)

@@ -66,6 +66,7 @@ class ModelConfig:
 
     @property
     def rope_type(self) -> str:
+        """The RoPE variant: default, linear, dynamic, yarn or llama3."""
         return self.rope_parameters.get("rope_type", self.rope_parameters.get("type", "default"))
 
     @property

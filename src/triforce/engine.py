@@ -149,10 +149,12 @@ class SpeculationConfig:
 
     @property
     def uses_draft(self) -> bool:
+        """The hierarchy has a draft-model tier (needs a draft model)."""
         return any(k == "draft" for k, _ in self.chain)
 
     @property
     def uses_retrieval(self) -> bool:
+        """The hierarchy has a retrieval-cache tier."""
         return any(k == "retrieval" for k, _ in self.chain)
 
 
@@ -177,6 +179,7 @@ class GenerationStats:
     retrieval_holds_full_cache: bool | None = None
 
     def to_dict(self) -> dict:
+        """All fields as a JSON-ready dict."""
         return asdict(self)
 
     def summary(self) -> str:

@@ -40,6 +40,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Temperature 0: the argmax is taken."""
         return self.temperature == 0
 
 

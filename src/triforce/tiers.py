@@ -72,6 +72,7 @@ class TierStats:
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
+        """The counters plus acceptance_rate and mean_tokens_per_verification for a verifying tier."""
         d = {
             "forward_passes": self.forward_passes,
             "forward_seconds": round(self.forward_seconds, 6),
