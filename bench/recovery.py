@@ -1,7 +1,8 @@
 """Attention recovery of the retrieval cache's chunk selection, per chunk score (TriForce Sec. 3.1, Fig. 2).
 
-Recovery = the share of a query's attention mass that falls on the keys the retrieval cache keeps. The query is
-the last prompt token's (post-RoPE, as the model's attention receives it); the keys are every earlier position.
+Recovery = the share of a query's attention mass over the earlier positions that falls on the keys the retrieval
+cache keeps (the query's attention to itself, present in every cache, is left out of both). The query is the last
+prompt token's (post-RoPE, as the model's attention receives it); the keys are every earlier position.
 For each layer, each query head, each budget and each chunk score (``mean``: the paper's q . mean key; ``max``:
 the best key of the chunk; ``bound``: Quest's per-channel upper bound) it selects the chunks exactly as the
 retrieval cache does (``RetrievalCache.build``) and sums the head's softmax over the kept positions. ``oracle``
@@ -58,10 +59,8 @@ def main() -> int:
         keys = full.k[:, 0, :, :n].float()  # (L, nkv, n, hs)
         q = query[:, 0].float().reshape(cfg.num_hidden_layers, cfg.num_key_value_heads, g, -1)  # (L, nkv, g, hs)
         logits = torch.einsum("lkgd,lknd->lkgn", q, keys) / math.sqrt(cfg.head_dim)
-        # the query also attends to itself; its own key is always in every cache
-        k_self = full.k[:, 0, :, n].float()  # (L, nkv, hs)
-        self_logit = torch.einsum("lkgd,lkd->lkg", q, k_self)[..., None] / math.sqrt(cfg.head_dim)
-        probs = torch.softmax(torch.cat([logits, self_logit], -1), -1)[..., :n]  # (L, nkv, g, n)
+        probs = torch.softmax(logits, -1)  # (L, nkv, g, n): attention over the prompt's earlier positions
+
         full.rollback(n)
         for budget in args.budgets:
             for score in CHUNK_SCORES + ("oracle",):
