@@ -28,6 +28,17 @@ import torch
 BOOKS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "books")
 
 
+def best_seconds(fn, reps: int) -> float:
+    """Fastest of ``reps`` timed calls of ``fn`` after one warm-up call, in seconds."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def read_bandwidth_gbs(size_mb: int = 1024, reps: int = 7) -> dict[str, float]:
     """Best-of-``reps`` read bandwidth (GB/s) with the current threads, two ways, over ``size_mb`` MB of fp32:
 
@@ -39,13 +50,7 @@ def read_bandwidth_gbs(size_mb: int = 1024, reps: int = 7) -> dict[str, float]:
     w = x.view(-1, 4096)
     v = torch.ones(4096)
     for name, fn in (("sum", lambda: x.sum()), ("gemv", lambda: torch.mv(w, v))):
-        fn()
-        best = float("inf")
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t)
-        out[name] = x.numel() * 4 / best / 1e9
+        out[name] = x.numel() * 4 / best_seconds(fn, reps) / 1e9
     return out
 
 
@@ -63,13 +68,7 @@ def layout_bandwidth_gbs(shapes: list[tuple[int, int]], copies: int = 8, reps: i
                     xs[w.shape[1]] @ w.T
                 else:
                     xs[w.shape[0]] @ w
-        run()
-        best = float("inf")
-        for _ in range(reps):
-            t = time.perf_counter()
-            run()
-            best = min(best, time.perf_counter() - t)
-        res[layout] = sum(m.numel() * 4 for m in mats) / best / 1e9
+        res[layout] = sum(m.numel() * 4 for m in mats) / best_seconds(run, reps) / 1e9
     return res
 
 
