@@ -49,8 +49,9 @@ def test_default_mode_is_triforce_with_a_draft(tiny_folder, tiny_draft_folder):
 
 
 def test_stop_string_cuts_the_text(tiny_folder):
-    code, out, _ = run("generate", "--model", tiny_folder, "--prompt", "hello", "--max-new-tokens", "40",
-                       "--temperature", "0", "--json")
+    code, out, err = run("generate", "--model", tiny_folder, "--prompt", "hello", "--max-new-tokens", "40",
+                         "--temperature", "0", "--json")
+    assert code == 0, err
     full = json.loads(out)["text"]
     stop = full[5:7]
     code, out, err = run("generate", "--model", tiny_folder, "--prompt", "hello", "--max-new-tokens", "40",
@@ -104,12 +105,22 @@ BAD = [
     (["--max-prompt-tokens", "100000"], "--max-prompt-tokens"),
     (["--threads", "0"], "--threads"),
     (["--stop", ""], "--stop"),
+    (["--temperature", "inf"], "--temperature"),
+    (["--seed", "99999999999999999999999"], "--seed"),
+    (["--threads", "100000"], "--threads"),
+    (["--device", "nonsense"], "--device"),
+    (["--dtype", "foo"], "--dtype"),
+    (["--max-new-tokens", "2.5"], "--max-new-tokens"),
+    (["--adaptive-gamma", "--stop-below", "1.5"], "--stop-below"),
 ]
 
 
 @pytest.mark.parametrize("args,name", BAD)
 def test_bad_input_exits_2_with_one_line_naming_the_option(tiny_folder, args, name, capsys):
-    code = main(["generate", "--model", tiny_folder, "--prompt", "hello", *args])
+    try:
+        code = main(["generate", "--model", tiny_folder, "--prompt", "hello", *args])
+    except SystemExit as e:  # argparse's own checks (types, choices)
+        code = e.code
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and "Traceback" not in err
@@ -206,3 +217,31 @@ def test_python_api_stream_yields_tokens_then_returns_result(tiny_folder):
     assert [e.token_id for e in events if e.token_id is not None] == result.token_ids
     assert "".join(e.text for e in events) == result.text
     assert result.stats.generated_tokens == len(result.token_ids)
+
+
+def test_interrupt_during_prefill_keeps_a_result(tiny_folder):
+    """Ctrl-C while the prompt is processed: the result says 'interrupted', with no tokens, and no crash."""
+    from triforce import TriForce
+
+    tf = TriForce.load(tiny_folder)
+
+    def interrupt(n):
+        raise KeyboardInterrupt
+
+    result = tf.generate([5] * 100, max_new_tokens=4, prefill_progress=interrupt)
+    assert result.finish_reason == "interrupted" and result.token_ids == []
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(prompt_ids="hello"), "prompt_ids"), (dict(prompt_ids=[1.5, 2]), "prompt_ids"),
+    (dict(prompt_ids=[True, 2]), "prompt_ids"), (dict(prompt_ids=[5], seed="x"), "seed"),
+    (dict(prompt_ids=[5], seed=2**70), "seed"), (dict(prompt_ids=[5], sampling={}), "sampling"),
+    (dict(prompt_ids=[5], spec={}), "spec"), (dict(prompt_ids=[-1]), "prompt token ids"),
+    (dict(prompt_ids=[]), "prompt is empty"),
+])
+def test_api_bad_arguments_are_named(kwargs, name):
+    from tiny import hf_model, ours
+    from triforce import Engine
+
+    with pytest.raises(ValueError, match=name):
+        Engine(ours(hf_model())).generate(**kwargs)

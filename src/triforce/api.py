@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Generator, Sequence
 
 from .engine import Engine, GenerationStats, SpeculationConfig
-from .loading import LoadedModel, load_model
+from .loading import LoadedModel, ModelLoadError, load_model
 from .prompts import encode_prompt
 from .sampling import SamplingParams
 
@@ -97,7 +97,14 @@ class TriForce:
         """Load the target (default: the embedded SmolLM2-135M-Instruct) and an optional draft (a model source, or
         ``"ngram"`` for the model-free drafter); see :func:`load_model`."""
         target = load_model(model, dtype, device)
-        draft_model = "ngram" if draft == "ngram" else (load_model(draft, dtype, device) if draft else None)
+        draft_model = None
+        if draft == "ngram":
+            draft_model = "ngram"
+        elif draft is not None:
+            try:
+                draft_model = load_model(draft, dtype, device)
+            except ModelLoadError as e:
+                raise ModelLoadError(f"draft: {e}") from e
         return cls(target, draft_model)
 
     @property
@@ -107,7 +114,13 @@ class TriForce:
 
     def encode(self, prompt: str, chat: bool = False, system: str | None = None,
                max_prompt_tokens: int | None = None) -> list[int]:
-        """Prompt text -> token ids (see :func:`~triforce.prompts.encode_prompt`)."""
+        """Prompt text -> token ids (see :func:`~triforce.prompts.encode_prompt`).
+
+        Raises:
+            ValueError: ``prompt`` is not a string, or see :func:`~triforce.prompts.encode_prompt`.
+        """
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         return encode_prompt(self.tokenizer, prompt, chat=chat, system=system, max_prompt_tokens=max_prompt_tokens,
                              context_length=self.target.model.cfg.max_position_embeddings)
 
@@ -131,7 +144,9 @@ class TriForce:
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
         spec = spec or SpeculationConfig(mode=self.default_mode, drafter=self.drafter)
-        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not isinstance(prompt, str) and not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         gen = self.engine.stream(ids, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=seed,
                                  prefill_progress=prefill_progress)
         out: list[int] = []
@@ -161,6 +176,8 @@ class TriForce:
         finally:
             gen.close()
         stats = self.engine.last_stats
+        if stats is None:  # interrupted before the engine started (tokenizing, checks)
+            raise KeyboardInterrupt
         finish = finish or stats.finish_reason
         if finish == "length" and out and out[-1] in self.engine.eos_ids:
             finish = "eos"

@@ -19,6 +19,13 @@ class CLIError(Exception):
     """A user error: printed as one line, exit status 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``triforce: error: ...``, exit status 2) instead of the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"triforce: error: {message} (see `{self.prog} --help`)\n")
+
+
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", help="target model: Hugging Face folder, .gguf file or hub id (default: the embedded "
@@ -61,10 +68,10 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``triforce`` argument parser with its subcommands (generate, serve, download)."""
-    parser = argparse.ArgumentParser(prog="triforce", description="Lossless long-context generation with hierarchical "
+    parser = _Parser(prog="triforce", description="Lossless long-context generation with hierarchical "
                                      "speculative decoding (TriForce).")
     parser.add_argument("--version", action="version", version=f"triforce {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = sub.add_parser("generate", help="generate a continuation of a prompt")
     src = gen.add_argument_group("prompt")
     src.add_argument("--prompt", help="prompt text")
@@ -141,10 +148,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .api import TriForce
     from .memory import fmt_bytes
 
+    import os
+
+    from .loading import parse_device
+
     if args.threads is not None:
-        if args.threads < 1:
-            raise CLIError(f"--threads must be >= 1, got {args.threads}")
+        limit = 4 * (os.cpu_count() or 1)
+        if not 1 <= args.threads <= limit:
+            raise CLIError(f"--threads must be between 1 and {limit} (4x this machine's {os.cpu_count()} CPUs), "
+                           f"got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        raise CLIError(f"--seed must be an integer in [0, 2**63), got {args.seed}")
+    try:
+        parse_device(args.device)
+    except ValueError as e:
+        raise CLIError("--" + str(e)) from e
     try:
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
         spec = spec_from_args(args, has_draft=args.draft is not None)

@@ -105,6 +105,8 @@ class SpeculationConfig:
         if self.rebuild_below is not None and not (isinstance(self.rebuild_below, (int, float))
                                                    and 0 < self.rebuild_below <= 1):
             raise ValueError(f"rebuild_below must be in (0, 1], got {self.rebuild_below!r}")
+        if not isinstance(self.adaptive_gamma, bool):
+            raise ValueError(f"adaptive_gamma must be True or False, got {self.adaptive_gamma!r}")
         if self.stop_below is not None and not (isinstance(self.stop_below, (int, float)) and 0 < self.stop_below < 1):
             raise ValueError(f"stop_below must be in (0, 1), got {self.stop_below!r}")
         _positive_int("draft_sink", self.draft_sink, 0)
@@ -112,7 +114,8 @@ class SpeculationConfig:
         for kind, gamma in self.max_chain:
             if kind == "retrieval" and self.budget < self.chunk_size + gamma + 2:
                 raise ValueError(f"budget must be >= chunk_size + gamma + 2 = {self.chunk_size + gamma + 2} "
-                                 f"(chunk 0 plus room for a speculation block), got {self.budget}")
+                                 f"(chunk 0 plus room for a speculation block), got {self.budget}: raise --budget or "
+                                 "lower --chunk-size / the retrieval tier's gamma")
 
     @property
     def chain(self) -> list[tuple[str, int]]:
@@ -268,6 +271,9 @@ class Engine:
         total = self._capacity(len(prompt_ids), max_new_tokens, spec)
         self.target.cfg.check_length(total)
         context = self.target.cfg.max_position_embeddings
+        if self.target.cfg.rope_type != "dynamic" and len(prompt_ids) >= context:
+            raise ValueError(f"max_prompt_tokens: the prompt has {len(prompt_ids)} tokens, not fewer than the model's "
+                             f"context of {context}; keep the first N with --max-prompt-tokens N")
         if self.target.cfg.rope_type != "dynamic" and len(prompt_ids) + max_new_tokens > context:
             raise ValueError(f"max_new_tokens={max_new_tokens} with a {len(prompt_ids)}-token prompt exceeds the model's "
                              f"context of {context} tokens (max_position_embeddings)")
@@ -346,7 +352,18 @@ class Engine:
         Raises:
             ValueError, InsufficientMemoryError: see :meth:`validate` (raised before anything is allocated).
         """
-        prompt_ids = [int(t) for t in prompt_ids]
+        if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
+            raise ValueError(f"prompt_ids must be a list of token ids (int), got {type(prompt_ids).__name__}")
+        prompt_ids = list(prompt_ids)
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt_ids):
+            bad = next(t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int))
+            raise ValueError(f"prompt_ids must be token ids (int), got {bad!r}")
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if not isinstance(spec, SpeculationConfig):
+            raise ValueError(f"spec must be a SpeculationConfig, got {type(spec).__name__}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
         self.last_stats = None
         self.validate(prompt_ids, max_new_tokens, spec)
         if seed is None:
@@ -354,13 +371,13 @@ class Engine:
         generator = torch.Generator(device=self.target.device).manual_seed(seed)
         top = self.build_hierarchy(len(prompt_ids), max_new_tokens, sampling, spec, generator)
         eos = frozenset(self.eos_ids)
-        t_start = time.perf_counter()
-        top.prefill(prompt_ids, prefill_progress)
-        t_prefill = time.perf_counter()
+        t_start = t_prefill = time.perf_counter()
         seq = list(prompt_ids)
         generated, finish = 0, "length"
         stats = None
         try:
+            top.prefill(prompt_ids, prefill_progress)
+            t_prefill = time.perf_counter()
             while generated < max_new_tokens and finish == "length":
                 tokens, _ = top.step(seq, max_new_tokens - generated)
                 for t in tokens:
@@ -379,6 +396,7 @@ class Engine:
             raise
         finally:
             t_end = time.perf_counter()
+            t_prefill = t_prefill if generated or finish != "interrupted" else t_end  # interrupted in prefill
             stats = self._stats(top, spec, len(prompt_ids), generated, finish, t_prefill - t_start, t_end - t_prefill, seed)
             self.last_stats = stats
             top.truncate(len(seq) - 1)  # nothing past the output (e.g. drafts after an accepted EOS) stays cached

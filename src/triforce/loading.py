@@ -73,6 +73,26 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def parse_device(device: str | torch.device) -> torch.device:
+    """A torch device that exists here (``cpu``, ``cuda``, ``cuda:N``).
+
+    Raises:
+        ValueError: an unknown device string, or CUDA requested where it is not available (naming ``device``).
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available on this machine; use cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA devices here")
+    elif dev.type != "cpu":
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    return dev
+
+
 def _check_architecture(model_type: str | None) -> None:
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(f"unsupported architecture {model_type!r}: triforce runs "
@@ -168,6 +188,9 @@ def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype
         ValueError: an unknown dtype.
     """
     torch_dtype = parse_dtype(dtype)
+    device = parse_device(device)
+    if source is not None and not isinstance(source, (str, os.PathLike)):
+        raise ModelLoadError(f"model source must be a path or hub id string, got {source!r}")
     if source is None:
         from .download import download_default_model
 
