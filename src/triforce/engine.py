@@ -32,7 +32,6 @@ from .speculative import rejection_sample
 
 MODES = ("autoregressive", "retrieval", "draft", "triforce")
 TIER_KINDS = ("ngram", "draft", "retrieval")
-FINISH_REASONS = ("eos", "stop", "length", "interrupted")
 
 
 def _positive_int(name: str, value, minimum: int = 1) -> None:
