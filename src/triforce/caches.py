@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .rope import apply_rope
 
 
 class CacheError(RuntimeError):
@@ -403,6 +404,7 @@ class StreamingCache(KVCache):
         if window < 1:
             raise ValueError(f"draft_window must be >= 1, got {window}")
         self.sink, self.window, self.slack, self.rope = sink, window, slack, rope
+        self.groups = cfg.num_kv_groups
         self.capacity = sink + window + slack
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -438,15 +440,14 @@ class StreamingCache(KVCache):
         q_pos = positions[:, None]
         sink_mask = sink_pos[None, :] <= q_pos  # (T, n_sink)
         win_mask = (win_pos[None, :] <= q_pos) & (win_pos[None, :] > q_pos - self.window)  # (T, n_win)
-        self._mask = torch.cat([sink_mask, win_mask], dim=1)  # (T, n_sink + n_win)
+        # (g*T, n_sink + n_win): the g query heads of a KV head are stacked along time, as in gqa_attention
+        self._mask = torch.cat([sink_mask, win_mask], dim=1).repeat(self.groups, 1)
         # query re-rotation for the sink scores: from t to min(t, sink + window - 1)
         sink_q_pos = torch.clamp(positions, max=self.sink + self.window - 1)
         self._sink_rope = self.rope.cos_sin(sink_q_pos, self.k.dtype) if n_sink else None
         self._slot_lo = self._slot(start)
 
     def attend(self, layer, q, k, v, q_pre):
-        from .rope import apply_rope
-
         t = self._t
         self.k[layer, :, :, self._slot_lo:self._slot_lo + t] = k
         self.v[layer, :, :, self._slot_lo:self._slot_lo + t] = v
@@ -465,8 +466,7 @@ class StreamingCache(KVCache):
             parts.append(q_sink @ keys_s.transpose(-1, -2))
         parts.append(qw @ keys_w.transpose(-1, -2))
         scores = torch.cat(parts, dim=-1).float() * scale  # (B, nkv, g*T, ns + nw)
-        mask = self._mask.repeat(g, 1)  # (g*T, ns + nw)
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~self._mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out = probs @ torch.cat([vals_s, vals_w], dim=2)  # (B, nkv, g*T, hs)
         return out.view(b, nh, t, hs)
