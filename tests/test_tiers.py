@@ -25,6 +25,21 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert d.propose([1, 2, 3], 4)[0] == []  # nothing to copy
 
 
+def test_ngram_min_match_length_skips_short_matches():
+    seq = [1, 2, 3, 9, 1, 2, 4, 7, 8, 5, 1, 3]  # only a unigram match ([3] -> 9) for the suffix
+    d = NGramDrafter(vocab_size=20, n=3, min_n=2)
+    d.prefill(seq)
+    assert d.propose(seq, 2)[0] == []  # the unigram match is below min_n
+    seq2 = seq[:-1] + [2]  # suffix [1, 2]: bigram match followed by 4, 7
+    d.prefill(seq2)
+    assert d.propose(seq2, 2)[0] == [4, 7]
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="ngram_min"):
+            NGramDrafter(vocab_size=20, n=3, min_n=bad)
+    with pytest.raises(ValueError, match="ngram_min"):
+        SpeculationConfig(ngram_n=2, ngram_min=3)
+
+
 def test_ngram_stops_after_eos_and_indexes_committed_tokens():
     d = NGramDrafter(vocab_size=10, n=2, eos_ids=(0,))
     d.prefill([5, 6, 0, 7, 5])

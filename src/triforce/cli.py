@@ -61,6 +61,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--draft-sink", type=int, default=16, help="StreamingLLM sink tokens of the draft cache")
     k.add_argument("--draft-window", type=int, default=240, help="StreamingLLM window of the draft cache")
     k.add_argument("--ngram-n", type=int, default=4, help="longest suffix the n-gram drafter matches (4)")
+    k.add_argument("--ngram-min", type=int, default=1, help="shortest suffix the n-gram drafter may match (1)")
     k.add_argument("--tiers", help="explicit hierarchy under the full-cache target, bottom first, KIND:GAMMA entries "
                                    "with KIND in ngram, draft, retrieval (e.g. ngram:8,draft:4,retrieval:6); "
                                    "overrides --mode")
@@ -100,6 +101,7 @@ def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpeculationConf
                              chunk_size=args.chunk_size, rebuild_every=args.rebuild_every,
                              draft_sink=args.draft_sink, draft_window=args.draft_window,
                              drafter="ngram" if args.draft == "ngram" else "model", ngram_n=args.ngram_n,
+                             ngram_min=args.ngram_min,
                              tiers=args.tiers, chunk_score=args.chunk_score,
                              rebuild_below=args.rebuild_below, stop_below=args.stop_below,
                              adaptive_gamma=args.adaptive_gamma)
@@ -112,7 +114,7 @@ def _option_error(e: ValueError) -> CLIError:
     """Map a library ValueError ('top_p must be ...') to the option name ('--top-p must be ...')."""
     msg = str(e)
     for name in ("max_prompt_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "gamma1", "gamma2", "budget",
-                 "chunk_size", "rebuild_every", "draft_sink", "draft_window", "mode", "dtype", "system", "ngram_n",
+                 "chunk_size", "rebuild_every", "draft_sink", "draft_window", "mode", "dtype", "system", "ngram_n", "ngram_min",
                  "tiers", "chunk_score", "rebuild_below", "stop_below"):
         if msg.startswith(name):
             return CLIError("--" + name.replace("_", "-") + msg[len(name):])

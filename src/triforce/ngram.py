@@ -24,20 +24,25 @@ class NGramDrafter:
 
     Args:
         vocab_size: V, the width of the returned one-hot distributions.
-        n: longest suffix length matched (>= 1); shorter suffixes are tried down to 1 token.
+        n: longest suffix length matched (>= 1); shorter suffixes are tried down to ``min_n`` tokens.
+        min_n: shortest suffix that may match (1 <= min_n <= n). A one-token match is often a common word whose
+            earlier follower is a poor guess; requiring 2 or 3 tokens trades proposals for acceptance.
         eos_ids: proposals stop after one of these.
         device: where the one-hot distributions are made.
 
     Raises:
-        ValueError: n < 1.
+        ValueError: n < 1, or min_n outside [1, n].
 
     Only committed tokens (verified by the top tier) are indexed; the suffix itself may include uncommitted ones.
     """
 
-    def __init__(self, vocab_size: int, n: int = 4, eos_ids: tuple[int, ...] = (), device: str | torch.device = "cpu"):
+    def __init__(self, vocab_size: int, n: int = 4, eos_ids: tuple[int, ...] = (), device: str | torch.device = "cpu",
+                 min_n: int = 1):
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"ngram_n must be an integer >= 1, got {n!r}")
-        self.vocab_size, self.n, self.device = vocab_size, n, device
+        if not isinstance(min_n, int) or not 1 <= min_n <= n:
+            raise ValueError(f"ngram_min must be an integer in [1, ngram_n={n}], got {min_n!r}")
+        self.vocab_size, self.n, self.min_n, self.device = vocab_size, n, min_n, device
         self.eos_ids = frozenset(eos_ids)
         self.stats = TierStats("ngram")
         self.drafter = None
@@ -63,7 +68,7 @@ class NGramDrafter:
         """Up to ``n`` tokens following the latest earlier occurrence of the longest matching suffix (may be none)."""
         self.stats.forward_passes += 1
         out: list[int] = []
-        for m in range(min(self.n, len(seq)), 0, -1):
+        for m in range(min(self.n, len(seq)), self.min_n - 1, -1):
             end = self._index.get(tuple(seq[-m:]))
             if end is not None and end < len(seq):
                 for t in seq[end:end + n]:
