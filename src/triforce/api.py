@@ -93,10 +93,13 @@ class TriForce:
 
     @classmethod
     def load(cls, model: str | None = None, draft: str | None = None, dtype: str = "float32",
-             device: str = "cpu") -> "TriForce":
+             device: str = "cpu", tp=None) -> "TriForce":
         """Load the target (default: the embedded SmolLM2-135M-Instruct) and an optional draft (a model source, or
-        ``"ngram"`` for the model-free drafter); see :func:`load_model`."""
-        target = load_model(model, dtype, device)
+        ``"ngram"`` for the model-free drafter); see :func:`load_model`. With ``tp`` (a
+        :class:`~triforce.parallel.TensorParallel`) the target is this rank's shard and the draft is replicated."""
+        target = load_model(model, dtype, device, tp=tp)
+        if tp is not None:
+            device = tp.device
         draft_model = None
         if draft == "ngram":
             draft_model = "ngram"

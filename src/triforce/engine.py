@@ -288,7 +288,7 @@ class Engine:
                         spec: SpeculationConfig, generator: torch.Generator) -> ModelTier:
         """Allocate the caches and chain the tiers for ``spec.mode``; returns the top (verifier) tier."""
         total = self._capacity(prompt_tokens, max_new_tokens, spec)
-        common = dict(sampling=sampling, generator=generator, eos_ids=self.eos_ids)
+        common = dict(sampling=sampling, generator=generator, eos_ids=self.eos_ids, tp=self.target.tp)
         full, reused = self._full, list(self._full_tokens)
         if full is None or not self.reuse_prefix or (full.capacity < total and self.target.cfg.rope_type == "dynamic"):
             self._full = full = None  # free the old cache before allocating the new one
@@ -372,6 +372,8 @@ class Engine:
         self.validate(prompt_ids, max_new_tokens, spec)
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")
+            if self.target.tp is not None:  # every rank draws from rank 0's seed
+                seed = self.target.tp.broadcast_int(seed)
         generator = torch.Generator(device=self.target.device).manual_seed(seed)
         top = self.build_hierarchy(len(prompt_ids), max_new_tokens, sampling, spec, generator)
         eos = frozenset(self.eos_ids)

@@ -134,13 +134,17 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _read_folder(folder: Path, dtype: torch.dtype, device: str | torch.device):
+def _read_folder(folder: Path, dtype: torch.dtype, device: str | torch.device, tp=None):
     from safetensors import safe_open
     from transformers import AutoConfig, AutoTokenizer
 
     raw = json.loads((folder / "config.json").read_text())
     _check_architecture(raw.get("model_type"))
     hf_config = AutoConfig.from_pretrained(str(folder))
+    if tp is not None:  # refuse a size that does not divide the heads before reading any weight
+        from .parallel import check_tp_size
+
+        check_tp_size(ModelConfig.from_hf(hf_config), tp.world_size)
     files = _safetensors_files(folder)
     itemsize = torch.empty((), dtype=dtype).element_size()
     numel = 0
@@ -170,13 +174,14 @@ def _looks_like_hub_id(source: str) -> bool:
 
 
 def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu") -> LoadedModel:
+               device: str | torch.device = "cpu", tp=None) -> LoadedModel:
     """Load a Llama-family model and its tokenizer from a folder, a GGUF file, a hub id, or the default model.
 
     Args:
         source: see the module docstring; None loads the embedded default (downloading it once).
         dtype: weights and KV-cache dtype: float32, bfloat16 or float16.
         device: torch device string (``cpu``, ``cuda``, ``cuda:1``).
+        tp: a :class:`~triforce.parallel.TensorParallel`: load only this rank's shard (see ``parallel.py``).
 
     Returns:
         :class:`LoadedModel`.
@@ -185,7 +190,7 @@ def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype
         ModelLoadError: the source does not exist, has no weights, or cannot be fetched.
         UnsupportedModelError: an architecture we do not run (the message lists the supported ones).
         InsufficientMemoryError: the weights do not fit in free memory (both figures in the message).
-        ValueError: an unknown dtype.
+        ValueError: an unknown dtype, or a ``tp`` size that does not divide the heads (valid sizes listed).
     """
     torch_dtype = parse_dtype(dtype)
     device = parse_device(device)
@@ -204,7 +209,7 @@ def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype
         state = {k: v.to(torch_dtype) for k, v in state.items()}
     elif path.is_dir():
         if (path / "config.json").is_file():
-            hf_config, state, tokenizer = _read_folder(path, torch_dtype, device)
+            hf_config, state, tokenizer = _read_folder(path, torch_dtype, device, tp)
         else:
             ggufs = sorted(path.glob("*.gguf"))
             if len(ggufs) != 1:
@@ -220,10 +225,10 @@ def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype
         except Exception as e:  # network errors, unknown repo, gated repo
             raise ModelLoadError(f"could not fetch {source!r} from the Hugging Face hub ({type(e).__name__}); "
                                  "pass a local folder or GGUF file instead") from e
-        return load_model(folder, dtype, device)
+        return load_model(folder, dtype, device, tp)
     else:
         raise ModelLoadError(f"model {source!r} not found: pass a local Hugging Face folder, a .gguf file, or a hub "
                              "id like 'org/name'")
     cfg = ModelConfig.from_hf(hf_config)
-    model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=device)
+    model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=device if tp is None else tp.device, tp=tp)
     return LoadedModel(model, tokenizer, hf_config, source)

@@ -66,6 +66,7 @@ class Attention(nn.Module):
         self.nh, self.nkv, self.hs = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hs, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.nh * self.hs, cfg.hidden_size, bias=cfg.o_bias)
+        self.tp = None  # TensorParallel: this rank holds nh, nkv local heads; o_proj's output is all-reduced
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int) -> torch.Tensor:
         b, t, _ = x.shape
@@ -77,7 +78,8 @@ class Attention(nn.Module):
         q = apply_rope(q_pre, cos, sin)
         k = apply_rope(k, cos, sin)
         out = cache.attend(layer, q, k, v, q_pre)  # (B, nh, T, hs)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hs))
+        out = self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hs))  # (B, T, d), partial sum under TP
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
@@ -88,10 +90,12 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.tp = None  # TensorParallel: this rank holds intermediate channels; down_proj's output is all-reduced
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)  # (B, T, d), partial sum under TP
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class Block(nn.Module):
@@ -126,6 +130,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None  # built on first use, on the weights' device
+        self.tp = None  # TensorParallel when this model is one rank's shard (see parallel.py)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -179,12 +184,24 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                        device: torch.device | str = "cpu") -> "Transformer":
+                        device: torch.device | str = "cpu", tp=None) -> "Transformer":
         """Build a model from a Hugging Face state dict (names as in ``LlamaForCausalLM``).
 
+        Args:
+            cfg, state: the whole model's configuration and weights.
+            dtype, device: of the weights.
+            tp: a :class:`~triforce.parallel.TensorParallel`: build this rank's shard (``model.cfg`` then has the
+                local head counts and MLP width; see ``parallel.py``).
+
         Raises:
-            ValueError: a weight is missing or has the wrong shape (the name is in the message).
+            ValueError: a weight is missing or has the wrong shape (the name is in the message), or ``tp`` does not
+                divide the heads (the valid sizes are in the message).
         """
+        if tp is not None:
+            from .parallel import shard_config, shard_state_dict
+
+            state = shard_state_dict(cfg, state, tp.rank, tp.world_size)
+            cfg = shard_config(cfg, tp.world_size)
         with torch.device("meta"):
             model = cls(cfg)
         state = {k.removeprefix("model."): v for k, v in state.items()}
@@ -229,6 +246,10 @@ class Transformer(nn.Module):
         model.load_state_dict(new, strict=False, assign=True)
         model = model.to(device=device, dtype=dtype)
         model.rope = RotaryEmbedding(cfg, device=device)
+        if tp is not None:
+            model.tp = tp
+            for block in model.layers:
+                block.self_attn.tp = block.mlp.tp = tp
         model.eval()
         return model
 

@@ -138,6 +138,8 @@ class ModelTier:
             of the tier's softmax at temperature 1) is below this (None: never).
         adaptive_gamma: as a verifier, grow gamma by 1 after a fully accepted block (up to ``2 * gamma``) and
             shrink it by 1 when fewer than half were accepted (down to 1).
+        tp: under tensor parallelism, the :class:`~triforce.parallel.TensorParallel` whose rank 0 takes every
+            verification decision and broadcasts it (the ranks stay in lockstep).
 
     Both adaptive rules depend only on tokens and distributions already computed, never on the draws still to
     come, so the verification stays exact.
@@ -147,7 +149,7 @@ class ModelTier:
                  generator: torch.Generator, eos_ids: tuple[int, ...] = (), drafter: Drafter | None = None,
                  gamma: int = 0, is_top: bool = False, prefill_chunk: int = 512,
                  verify_fn: VerifyFn = rejection_sample, stop_below: float | None = None,
-                 adaptive_gamma: bool = False) -> None:
+                 adaptive_gamma: bool = False, tp=None) -> None:
         if drafter is not None and gamma < 1:
             raise ValueError(f"gamma must be >= 1 for tier {name!r} with a drafter, got {gamma}")
         self.name, self.model, self.cache = name, model, cache
@@ -157,6 +159,7 @@ class ModelTier:
         self.prefill_chunk = prefill_chunk
         self.verify_fn = verify_fn
         self.stop_below, self.adaptive_gamma = stop_below, adaptive_gamma
+        self.tp = tp
         self.gamma_max = 2 * gamma
         self.confidence: torch.Tensor | None = None  # (len(emitted),) of the last step, when stop_below is set
         self.cached: list[int] = []  # tokens whose KV is in the cache: always a prefix of the sequence
@@ -237,6 +240,8 @@ class ModelTier:
         d = torch.tensor([drafts], dtype=torch.long, device=p.device)
         q = q[None] if q is not None else p.new_zeros((1, 0, p.shape[-1]))
         n_acc, nxt = self.verify_fn(d, q, p[None], self.generator, greedy=self.sampling.greedy)
+        if self.tp is not None:  # rank 0 decides; every rank applies the same outcome
+            n_acc, nxt = self.tp.broadcast_decision(n_acc, nxt)
         n_acc = int(n_acc[0])
         emitted = drafts[:n_acc]
         if not (n_acc == k and k and drafts[-1] in self.eos_ids):  # no bonus after an accepted EOS
