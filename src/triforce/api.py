@@ -74,12 +74,14 @@ class TriForce:
         target: the loaded target model.
         draft: an optional loaded draft model sharing the target's tokenizer, or ``"ngram"`` for the model-free
             n-gram drafter.
+        offload_kv, on_chip_layers: KV-cache offloading (see :class:`~triforce.engine.Engine`).
 
     Raises:
         TokenizerMismatchError: the draft's vocabulary differs from the target's.
     """
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | str | None = None) -> None:
+    def __init__(self, target: LoadedModel, draft: LoadedModel | str | None = None, offload_kv: bool = False,
+                 on_chip_layers: int | None = None) -> None:
         self.drafter = "ngram" if draft == "ngram" else "model"
         if draft == "ngram":
             draft = None
@@ -89,14 +91,16 @@ class TriForce:
             check_same_tokenizer(target.tokenizer, draft.tokenizer)
         self.target, self.draft = target, draft
         self.tokenizer = target.tokenizer
-        self.engine = Engine(target.model, draft.model if draft else None, eos_ids=target.eos_ids)
+        self.engine = Engine(target.model, draft.model if draft else None, eos_ids=target.eos_ids,
+                             offload_kv=offload_kv, on_chip_layers=on_chip_layers)
 
     @classmethod
     def load(cls, model: str | None = None, draft: str | None = None, dtype: str = "float32",
-             device: str = "cpu", tp=None) -> "TriForce":
+             device: str = "cpu", tp=None, offload_kv: bool = False, on_chip_layers: int | None = None) -> "TriForce":
         """Load the target (default: the embedded SmolLM2-135M-Instruct) and an optional draft (a model source, or
         ``"ngram"`` for the model-free drafter); see :func:`load_model`. With ``tp`` (a
-        :class:`~triforce.parallel.TensorParallel`) the target is this rank's shard and the draft is replicated."""
+        :class:`~triforce.parallel.TensorParallel`) the target is this rank's shard and the draft is replicated;
+        ``offload_kv`` / ``on_chip_layers``: see :class:`~triforce.engine.Engine`."""
         target = load_model(model, dtype, device, tp=tp)
         if tp is not None:
             device = tp.device
@@ -108,7 +112,7 @@ class TriForce:
                 draft_model = load_model(draft, dtype, device)
             except ModelLoadError as e:
                 raise ModelLoadError(f"draft: {e}") from e
-        return cls(target, draft_model)
+        return cls(target, draft_model, offload_kv=offload_kv, on_chip_layers=on_chip_layers)
 
     @property
     def default_mode(self) -> str:

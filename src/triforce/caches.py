@@ -119,26 +119,57 @@ class FullKVCache(KVCache):
 
     Layout: ``k, v`` of shape (L, B, nkv, capacity, hs), so one head's keys are contiguous for decode.
 
+    **Offloading** (``offload=True``, TriForce Sec. 4.3 / Appendix: the full cache in host memory): ``k, v`` live in
+    host memory (pinned when the device is CUDA) and hold every layer. The first ``on_chip_layers`` layers also stay
+    on the device; the others are streamed to one of two device buffers layer by layer, the next offloaded layer
+    being copied on a separate CUDA stream while the current one computes (double buffering). New keys and values
+    are written to the device copy and to host memory. On a CPU device the same code runs, with synchronous copies
+    into the buffers. Readers of ``k``/``v`` (the retrieval cache) always see every layer there.
+
     Args:
         cfg: model configuration.
         capacity: positions to preallocate (prompt + max_new_tokens + largest block + 1).
-        dtype, device: storage dtype and device.
+        dtype, device: storage dtype and the compute device.
         batch: B.
         record_queries: keep each layer's post-RoPE queries of the last forward (for building a retrieval cache).
+        offload: keep the cache in host memory and stream it to ``device`` (see above).
+        on_chip_layers: with ``offload``, how many leading layers stay on the device (0 .. L; None: 0).
 
     Raises:
+        ValueError: ``on_chip_layers`` outside [0, L].
         CacheError: (from :meth:`begin_forward`) a block that would go past ``capacity``.
     """
 
     def __init__(self, cfg: ModelConfig, capacity: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", batch: int = 1, record_queries: bool = False) -> None:
-        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+                 device: torch.device | str = "cpu", batch: int = 1, record_queries: bool = False,
+                 offload: bool = False, on_chip_layers: int | None = None) -> None:
+        L = cfg.num_hidden_layers
+        shape = (L, batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        self.device = torch.device(device)
+        self.offload = bool(offload)
+        self.on_chip_layers = L if not offload else (on_chip_layers or 0)
+        if not isinstance(self.on_chip_layers, int) or not 0 <= self.on_chip_layers <= L:
+            raise ValueError(f"on_chip_layers must be an integer in [0, {L}], got {on_chip_layers!r}")
+        if not offload:
+            self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        else:
+            pin = self.device.type == "cuda"
+            self.k = torch.zeros(shape, dtype=dtype, pin_memory=pin)  # host: every layer
+            self.v = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+            n_chip = self.on_chip_layers
+            self._chip_k = torch.zeros((n_chip, *shape[1:]), dtype=dtype, device=self.device)
+            self._chip_v = torch.zeros_like(self._chip_k)
+            n_buf = min(2, L - n_chip)  # double buffer for the streamed layers
+            self._buf_k = [torch.zeros(shape[1:], dtype=dtype, device=self.device) for _ in range(n_buf)]
+            self._buf_v = [torch.zeros(shape[1:], dtype=dtype, device=self.device) for _ in range(n_buf)]
+            self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            self._ready: dict[int, object] = {}  # layer -> CUDA event marking its prefetch complete
+            self.streamed_bytes = 0  # host -> device bytes copied so far (for benchmarks)
         self.capacity = capacity
         self.length = 0
         self.record_queries = record_queries
-        self.queries: list[torch.Tensor | None] = [None] * cfg.num_hidden_layers  # each (B, nh, T, hs)
+        self.queries: list[torch.Tensor | None] = [None] * L  # each (B, nh, T, hs)
         self.query_start = -1  # absolute position of queries[l][:, :, 0]
         self._mask: torch.Tensor | None = None
 
@@ -147,25 +178,73 @@ class FullKVCache(KVCache):
         if start + t > self.capacity:
             raise CacheError(f"full KV cache overflow: {start + t} positions > capacity {self.capacity}")
         self._start, self._t = start, t
-        self._mask = None if t == 1 else _causal_offset_mask(start, t, start + t, self.k.device)
+        self._mask = None if t == 1 else _causal_offset_mask(start, t, start + t, self.device)
         if self.record_queries:
             self.query_start = start
+        if self.offload and self.on_chip_layers < self.k.shape[0]:
+            self._prefetch(self.on_chip_layers)
+
+    def _prefetch(self, layer: int) -> None:
+        """Start copying ``layer``'s cached positions [0, start) from host memory into its device buffer."""
+        n = self._start
+        buf = (layer - self.on_chip_layers) % 2
+        if self._stream is None:
+            self._buf_k[buf][:, :, :n].copy_(self.k[layer, :, :, :n])
+            self._buf_v[buf][:, :, :n].copy_(self.v[layer, :, :, :n])
+        else:
+            # the buffer may still be read by the attention of layer - 2, enqueued on the compute stream
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                self._buf_k[buf][:, :, :n].copy_(self.k[layer, :, :, :n], non_blocking=True)
+                self._buf_v[buf][:, :, :n].copy_(self.v[layer, :, :, :n], non_blocking=True)
+                self._ready[layer] = torch.cuda.Event()
+                self._ready[layer].record(self._stream)
+        self.streamed_bytes += 2 * self.k[layer, :, :, :n].numel() * self.k.element_size()
+
+    def _layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device tensors (B, nkv, capacity, hs) that hold ``layer``'s keys and values for this forward."""
+        if not self.offload:
+            return self.k[layer], self.v[layer]
+        if layer < self.on_chip_layers:
+            return self._chip_k[layer], self._chip_v[layer]
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ready.pop(layer))
+        if layer + 1 < self.k.shape[0]:
+            self._prefetch(layer + 1)  # overlaps with this layer's attention
+        buf = (layer - self.on_chip_layers) % 2
+        return self._buf_k[buf], self._buf_v[buf]
 
     def attend(self, layer, q, k, v, q_pre):
         s, t = self._start, self._t
-        self.k[layer, :, :, s:s + t] = k
-        self.v[layer, :, :, s:s + t] = v
+        keys, values = self._layer_kv(layer)
+        keys[:, :, s:s + t] = k
+        values[:, :, s:s + t] = v
+        if self.offload:  # write-through: host memory holds every layer
+            self.k[layer, :, :, s:s + t].copy_(k, non_blocking=True)
+            self.v[layer, :, :, s:s + t].copy_(v, non_blocking=True)
         if self.record_queries:
             self.queries[layer] = q
-        return gqa_attention(q, self.k[layer, :, :, :s + t], self.v[layer, :, :, :s + t], self._mask)
+        return gqa_attention(q, keys[:, :, :s + t], values[:, :, :s + t], self._mask)
 
     def end_forward(self) -> None:
+        if self.offload and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # host copies complete before anyone reads k/v
         self.length = self._start + self._t
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise CacheError(f"full KV cache: cannot roll back to {length} (length {self.length})")
         self.length = length
+
+    def copy_prefix_from(self, other: "FullKVCache", n: int) -> None:
+        """Take positions [0, n) of ``other`` (same model, smaller or equal capacity); ``length`` becomes n."""
+        self.k[:, :, :, :n] = other.k[:, :, :, :n].to(self.k.device)
+        self.v[:, :, :, :n] = other.v[:, :, :, :n].to(self.v.device)
+        if self.offload and self.on_chip_layers:
+            c = self.on_chip_layers
+            self._chip_k[:, :, :, :n] = self.k[:c, :, :, :n].to(self.device)
+            self._chip_v[:, :, :, :n] = self.v[:c, :, :, :n].to(self.device)
+        self.length = n
 
     def query_at(self, position: int) -> torch.Tensor:
         """Post-RoPE queries of every layer at ``position`` from the last forward: (L, B, nh, hs).
@@ -230,10 +309,10 @@ class RetrievalCache(KVCache):
         self.cfg, self.full = cfg, full
         self.budget, self.chunk_size = budget, chunk_size
         L, B, nkv, _, hs = full.k.shape
-        self.k = torch.zeros((L, B, nkv, budget, hs), dtype=full.k.dtype, device=full.k.device)
+        self.k = torch.zeros((L, B, nkv, budget, hs), dtype=full.k.dtype, device=full.device)
         self.v = torch.zeros_like(self.k)
         # selected source position per slot, -1 for an empty slot: (L, B, nkv, budget) int64
-        self.selected = torch.full((L, B, nkv, budget), -1, dtype=torch.long, device=full.k.device)
+        self.selected = torch.full((L, B, nkv, budget), -1, dtype=torch.long, device=full.device)
         self.n_selected = 0  # slots filled by the selection
         self.build_len = 0
         self.length = 0
@@ -267,7 +346,8 @@ class RetrievalCache(KVCache):
         n_chunks = math.ceil(length / c)
         pad = n_chunks * c - length
         for layer in range(L if length > 0 else 0):  # one layer at a time: fp32 scoring of one layer's keys
-            keys = self.full.k[layer:layer + 1, :, :, :length]  # (1, B, nkv, n, hs)
+            dev = self.k.device  # the full cache may be offloaded to host memory: one layer at a time to the device
+            keys = self.full.k[layer:layer + 1, :, :, :length].to(dev)  # (1, B, nkv, n, hs)
             qg = query[layer:layer + 1].float().reshape(1, B, nkv, -1, hs)  # (1, B, nkv, g, hs)
             scores = self._chunk_scores(keys.float(), qg, n_chunks, pad)  # (1, B, nkv, n_chunks)
             scores[..., 0] = float("inf")  # chunk 0, the attention sink, is always kept
@@ -276,7 +356,7 @@ class RetrievalCache(KVCache):
             self.selected[layer:layer + 1, ..., :m] = order
             idx = order[..., None].expand(1, B, nkv, m, hs)
             self.k[layer:layer + 1, :, :, :m] = torch.gather(keys, 3, idx)
-            self.v[layer:layer + 1, :, :, :m] = torch.gather(self.full.v[layer:layer + 1, :, :, :length], 3, idx)
+            self.v[layer:layer + 1, :, :, :m] = torch.gather(self.full.v[layer:layer + 1, :, :, :length].to(dev), 3, idx)
         self.n_selected = m
         self.build_len = self.length = self.synced = length
         self.builds += 1
@@ -350,9 +430,9 @@ class RetrievalCache(KVCache):
             if slots.numel():
                 L, B, nkv, _, hs = self.k.shape
                 src = self.selected[..., slots]  # (L, B, nkv, ns)
-                idx = src[..., None].expand(L, B, nkv, slots.numel(), hs)
-                self.k[:, :, :, slots] = torch.gather(self.full.k, 3, idx)
-                self.v[:, :, :, slots] = torch.gather(self.full.v, 3, idx)
+                idx = src[..., None].expand(L, B, nkv, slots.numel(), hs).to(self.full.k.device)
+                self.k[:, :, :, slots] = torch.gather(self.full.k, 3, idx).to(self.k.device)
+                self.v[:, :, :, slots] = torch.gather(self.full.v, 3, idx).to(self.k.device)
         self.length = length
         self.synced = min(self.synced, length)
 
@@ -365,8 +445,9 @@ class RetrievalCache(KVCache):
         if end > self.synced:
             pos = torch.arange(self.synced, end, device=self.k.device)
             slots = self._slots(pos)
-            self.k[:, :, :, slots] = self.full.k[:, :, :, pos]
-            self.v[:, :, :, slots] = self.full.v[:, :, :, pos]
+            src = pos.to(self.full.k.device)
+            self.k[:, :, :, slots] = self.full.k[:, :, :, src].to(self.k.device)
+            self.v[:, :, :, slots] = self.full.v[:, :, :, src].to(self.k.device)
             self.synced = end
 
 

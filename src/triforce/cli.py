@@ -35,6 +35,10 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and KV dtype")
     g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
     g.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--offload-kv", action="store_true", help="keep the full KV cache in (pinned) host memory and "
+                   "stream it to the device layer by layer with prefetch; retrieval and draft caches stay on the device")
+    g.add_argument("--on-chip-layers", type=int, help="with --offload-kv: leading layers kept on the device "
+                                                      "(default: chosen from free device memory)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks; launch with `torchrun --nproc-per-node N "
                                                       "-m triforce generate ... --tp N` (gloo on CPU, NCCL on GPU)")
     s = p.add_argument_group("sampling")
@@ -123,7 +127,7 @@ def _option_error(e: ValueError) -> CLIError:
     msg = str(e)
     for name in ("max_prompt_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "gamma1", "gamma2", "budget",
                  "chunk_size", "rebuild_every", "draft_sink", "draft_window", "mode", "dtype", "system", "ngram_n", "ngram_min",
-                 "tiers", "chunk_score", "rebuild_below", "stop_below"):
+                 "tiers", "chunk_score", "rebuild_below", "stop_below", "on_chip_layers"):
         if msg.startswith(name):
             return CLIError("--" + name.replace("_", "-") + msg[len(name):])
     return CLIError(msg)
@@ -197,9 +201,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if tp is not None and tp.rank != 0:  # only rank 0 prints
         sys.stdout = open(os.devnull, "w")
         args.no_progress = True
-    tf = TriForce.load(args.model, args.draft, dtype=args.dtype, device=args.device, tp=tp)
+    if args.on_chip_layers is not None and not args.offload_kv:
+        raise CLIError("--on-chip-layers needs --offload-kv")
+    if args.on_chip_layers is not None and args.on_chip_layers < 0:
+        raise CLIError(f"--on-chip-layers must be >= 0, got {args.on_chip_layers}")
+    try:
+        tf = TriForce.load(args.model, args.draft, dtype=args.dtype, device=args.device, tp=tp,
+                           offload_kv=args.offload_kv, on_chip_layers=args.on_chip_layers)
+    except ValueError as e:
+        raise _option_error(e) from e
     try:
         ids = tf.encode(text, chat=args.chat, system=args.system, max_prompt_tokens=args.max_prompt_tokens)
+        if args.offload_kv:  # the memory planner's choice, reported before the prefill
+            tf.engine.validate(ids, args.max_new_tokens, spec)
+            print(tf.engine.placement.summary(), file=sys.stderr)
     except ValueError as e:
         raise _option_error(e) from e
     from tqdm import tqdm

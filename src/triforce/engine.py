@@ -23,7 +23,7 @@ from typing import Callable, Generator
 import torch
 
 from .caches import CHUNK_SCORES, FullKVCache, RetrievalCache, StreamingCache, kv_bytes
-from .memory import check_fits, peak_memory_bytes
+from .memory import KVPlacement, check_fits, peak_memory_bytes, plan_kv_placement
 from .model import Transformer
 from .sampling import SamplingParams
 from .tiers import ModelTier, RetrievalTier, StreamingTier, VerifyFn
@@ -183,6 +183,7 @@ class GenerationStats:
     seed: int
     tiers: dict = field(default_factory=dict)
     retrieval_holds_full_cache: bool | None = None
+    kv_placement: dict | None = None
 
     def to_dict(self) -> dict:
         """All fields as a JSON-ready dict."""
@@ -211,14 +212,27 @@ class Engine:
         eos_ids: tokens that end generation.
         reuse_prefix: keep the full KV cache between requests and prefill only what follows the longest common
             prefix of the new prompt with the previous request's tokens (multi-turn chat over a long document).
+        offload_kv: keep the verifier's full KV cache in host memory and stream it to the device layer by layer
+            with one layer of prefetch (:class:`~triforce.caches.FullKVCache`); the retrieval and draft caches stay
+            on the device.
+        on_chip_layers: with ``offload_kv``, leading layers kept on the device (None: the memory planner chooses
+            from free device memory, :func:`~triforce.memory.plan_kv_placement`).
 
     ``tier_verify`` maps a tier name to a replacement verification rule (tests inject broken variants).
     """
 
     def __init__(self, target: Transformer, draft: Transformer | None = None, eos_ids: tuple[int, ...] = (),
-                 reuse_prefix: bool = True) -> None:
+                 reuse_prefix: bool = True, offload_kv: bool = False, on_chip_layers: int | None = None) -> None:
         self.target, self.draft = target, draft
         self.reuse_prefix = reuse_prefix
+        if not isinstance(offload_kv, bool):
+            raise ValueError(f"offload_kv must be True or False, got {offload_kv!r}")
+        L = target.cfg.num_hidden_layers
+        if on_chip_layers is not None and (not offload_kv or isinstance(on_chip_layers, bool)
+                                           or not isinstance(on_chip_layers, int) or not 0 <= on_chip_layers <= L):
+            raise ValueError(f"on_chip_layers must be an integer in [0, {L}] and needs offload_kv, got {on_chip_layers!r}")
+        self.offload_kv, self.on_chip_layers = offload_kv, on_chip_layers
+        self.placement: KVPlacement | None = None  # the last request's offloading plan
         self.eos_ids = tuple(eos_ids)
         self.last_stats: GenerationStats | None = None
         # prefix reuse: the verifier's full cache and the tokens it holds, kept from the previous request
@@ -280,8 +294,23 @@ class Engine:
         if self.target.cfg.rope_type != "dynamic" and len(prompt_ids) + max_new_tokens > context:
             raise ValueError(f"max_new_tokens={max_new_tokens} with a {len(prompt_ids)}-token prompt exceeds the model's "
                              f"context of {context} tokens (max_position_embeddings)")
-        check_fits(self.cache_bytes(len(prompt_ids), max_new_tokens, spec), self.target.device, "this request",
-                   already={"weights": self.target.weight_bytes() + (self.draft.weight_bytes() if self.draft else 0)})
+        needed = self.cache_bytes(len(prompt_ids), max_new_tokens, spec)
+        weights = {"weights": self.target.weight_bytes() + (self.draft.weight_bytes() if self.draft else 0)}
+        if not self.offload_kv:
+            check_fits(needed, self.target.device, "this request", already=weights)
+            return
+        full = needed.pop("full KV cache")
+        L = self.target.cfg.num_hidden_layers
+        fixed = self.on_chip_layers
+        if fixed is None and self._full is not None and self._full.offload and self._full.capacity >= total:
+            fixed = self._full.on_chip_layers  # the cache kept for prefix reuse keeps its placement
+        self.placement = plan_kv_placement(L, full // L, self.target.device, sum(needed.values()), fixed)
+        on_device = dict(needed, **{"on-chip KV layers and stream buffers": self.placement.device_bytes})
+        if self.target.device.type == "cpu":  # one memory pool
+            check_fits(dict(on_device, **{"offloaded full KV cache": full}), "cpu", "this request", already=weights)
+        else:
+            check_fits(on_device, self.target.device, "this request", already=weights)
+            check_fits({"offloaded full KV cache": full}, "cpu", "this request's host memory")
 
     # ------------------------------------------------------------------ hierarchy
     def build_hierarchy(self, prompt_tokens: int, max_new_tokens: int, sampling: SamplingParams,
@@ -290,19 +319,21 @@ class Engine:
         total = self._capacity(prompt_tokens, max_new_tokens, spec)
         common = dict(sampling=sampling, generator=generator, eos_ids=self.eos_ids, tp=self.target.tp)
         full, reused = self._full, list(self._full_tokens)
+        placement = self.placement if self.offload_kv else None
+        on_chip = placement.on_chip_layers if placement else self.target.cfg.num_hidden_layers
+        moved = full is not None and (full.offload != self.offload_kv or full.on_chip_layers != on_chip)
         if full is None or not self.reuse_prefix or (full.capacity < total and self.target.cfg.rope_type == "dynamic"):
             self._full = full = None  # free the old cache before allocating the new one
             reused = []
-        if full is None or full.capacity < total:
+        if full is None or full.capacity < total or moved:
             # dynamic NTK scales with the cache's capacity, so a reused cache keeps its RoPE frequencies
             if full is None:
                 self.target.set_request_length(total)
-            bigger = FullKVCache(self.target.cfg, total, self.target.dtype, self.target.device)
-            if full is not None:  # a longer request: keep the previous tokens' KV in the bigger cache
-                n = full.length
-                bigger.k[:, :, :, :n] = full.k[:, :, :, :n]
-                bigger.v[:, :, :, :n] = full.v[:, :, :, :n]
-                bigger.length = n
+            bigger = FullKVCache(self.target.cfg, max(total, full.capacity if full is not None else 0),
+                                 self.target.dtype, self.target.device, offload=self.offload_kv,
+                                 on_chip_layers=placement.on_chip_layers if placement else None)
+            if full is not None:  # a longer request, or a new placement: keep the previous tokens' KV
+                bigger.copy_prefix_from(full, full.length)
             self._full = full = None
             full = bigger
         full.record_queries = spec.uses_retrieval
@@ -435,4 +466,6 @@ class Engine:
             mean_time_between_tokens_ms=round(1000 * decode_s / generated, 4) if generated else 0.0,
             peak_memory_bytes=peak_memory_bytes(self.target.device), seed=seed, tiers=tiers,
             retrieval_holds_full_cache=holds_all,
+            kv_placement=dict(self.placement.to_dict(), streamed_bytes=self._full.streamed_bytes)
+            if self.offload_kv and self.placement is not None and self._full is not None else None,
         )
