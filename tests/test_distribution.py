@@ -132,3 +132,13 @@ def test_mode_matches_exact_distribution_20k(models, mode, setting):
     params = SETTINGS[setting]
     counts = empirical(Engine(target, draft), prompt, params, _spec(mode), N_SLOW, seed=7 + MODES.index(mode))
     assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
+
+
+def test_int8_lower_tiers_with_bf16_caches_match_exact_distribution(models):
+    """Cheaper lower tiers (int8 weights, bf16 retrieval and draft caches) under the fp32 verifier stay exact."""
+    hf, target, draft, prompt = models
+    params = SETTINGS["T0.6-p0.9-k5"]
+    spec = SpeculationConfig(mode="triforce", budget=8, chunk_size=2, gamma1=2, gamma2=2, draft_sink=2, draft_window=4,
+                             lower_weights="int8", lower_kv_dtype="bfloat16")
+    counts = empirical(Engine(target, draft), prompt, params, spec, N_FAST, seed=79)
+    assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3

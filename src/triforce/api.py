@@ -74,14 +74,14 @@ class TriForce:
         target: the loaded target model.
         draft: an optional loaded draft model sharing the target's tokenizer, or ``"ngram"`` for the model-free
             n-gram drafter.
-        offload_kv, on_chip_layers: KV-cache offloading (see :class:`~triforce.engine.Engine`).
+        offload_kv, on_chip_layers, kv_dtype: KV-cache offloading and dtype (see :class:`~triforce.engine.Engine`).
 
     Raises:
         TokenizerMismatchError: the draft's vocabulary differs from the target's.
     """
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | str | None = None, offload_kv: bool = False,
-                 on_chip_layers: int | None = None) -> None:
+                 on_chip_layers: int | None = None, kv_dtype: str | None = None) -> None:
         self.drafter = "ngram" if draft == "ngram" else "model"
         if draft == "ngram":
             draft = None
@@ -92,16 +92,29 @@ class TriForce:
         self.target, self.draft = target, draft
         self.tokenizer = target.tokenizer
         self.engine = Engine(target.model, draft.model if draft else None, eos_ids=target.eos_ids,
-                             offload_kv=offload_kv, on_chip_layers=on_chip_layers)
+                             offload_kv=offload_kv, on_chip_layers=on_chip_layers, kv_dtype=kv_dtype)
 
     @classmethod
     def load(cls, model: str | None = None, draft: str | None = None, dtype: str = "float32",
-             device: str = "cpu", tp=None, offload_kv: bool = False, on_chip_layers: int | None = None) -> "TriForce":
+             device: str = "cpu", tp=None, offload_kv: bool = False, on_chip_layers: int | None = None,
+             kv_dtype: str | None = None, quantize: str | None = None) -> "TriForce":
         """Load the target (default: the embedded SmolLM2-135M-Instruct) and an optional draft (a model source, or
         ``"ngram"`` for the model-free drafter); see :func:`load_model`. With ``tp`` (a
         :class:`~triforce.parallel.TensorParallel`) the target is this rank's shard and the draft is replicated;
-        ``offload_kv`` / ``on_chip_layers``: see :class:`~triforce.engine.Engine`."""
+        ``offload_kv`` / ``on_chip_layers`` / ``kv_dtype``: see :class:`~triforce.engine.Engine`; ``quantize="int8"``
+        runs the target itself with weight-only int8 (``quant.py``; it changes the output distribution).
+
+        Raises:
+            ValueError: an unknown ``quantize`` or ``kv_dtype`` (before loading), or see :func:`load_model`."""
+        if quantize not in (None, "int8"):
+            raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
+        if kv_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"kv_dtype must be one of float32, bfloat16, float16, got {kv_dtype!r}")
         target = load_model(model, dtype, device, tp=tp)
+        if quantize:
+            from .quant import lower_precision_copy
+
+            target.model = lower_precision_copy(target.model, quantize)
         if tp is not None:
             device = tp.device
         draft_model = None
@@ -112,7 +125,7 @@ class TriForce:
                 draft_model = load_model(draft, dtype, device)
             except ModelLoadError as e:
                 raise ModelLoadError(f"draft: {e}") from e
-        return cls(target, draft_model, offload_kv=offload_kv, on_chip_layers=on_chip_layers)
+        return cls(target, draft_model, offload_kv=offload_kv, on_chip_layers=on_chip_layers, kv_dtype=kv_dtype)
 
     @property
     def default_mode(self) -> str:

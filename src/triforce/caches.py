@@ -49,8 +49,11 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
         mask: None (every key visible) or bool (T, S) / (B, nkv, T, S), True = visible.
 
     Returns:
-        (B, nh, T, hs), same dtype as q. Softmax in the kernel's precision (fp32 accumulation on CPU).
+        (B, nh, T, hs), same dtype as q. Softmax in the kernel's precision (fp32 accumulation on CPU). Keys and
+        values stored in another dtype (a cheaper cache of a lower tier) are attended in their dtype.
     """
+    if k.dtype != q.dtype:
+        return gqa_attention(q.to(k.dtype), k, v, mask).to(q.dtype)
     b, nh, t, hs = q.shape
     nkv = k.shape[1]
     g = nh // nkv
@@ -286,6 +289,7 @@ class RetrievalCache(KVCache):
         full: the target's full cache (source of keys/values and of the build query).
         budget: slots per layer and KV head (counts chunk 0, the selected chunks and generated tokens).
         chunk_size: tokens per chunk.
+        dtype: storage dtype (None: the full cache's); a cheaper one costs no exactness, the verifier decides.
         score: how a chunk is scored, for each KV head, with the group's queries q_h:
 
             * ``mean`` (the paper's rule): ``sum_h q_h . mean(K_c)``;
@@ -298,7 +302,8 @@ class RetrievalCache(KVCache):
             in the message).
     """
 
-    def __init__(self, cfg: ModelConfig, full: FullKVCache, budget: int, chunk_size: int, score: str = "mean") -> None:
+    def __init__(self, cfg: ModelConfig, full: FullKVCache, budget: int, chunk_size: int, score: str = "mean",
+                 dtype: torch.dtype | None = None) -> None:
         if score not in CHUNK_SCORES:
             raise ValueError(f"chunk_score must be one of {', '.join(CHUNK_SCORES)}, got {score!r}")
         self.score = score
@@ -309,7 +314,7 @@ class RetrievalCache(KVCache):
         self.cfg, self.full = cfg, full
         self.budget, self.chunk_size = budget, chunk_size
         L, B, nkv, _, hs = full.k.shape
-        self.k = torch.zeros((L, B, nkv, budget, hs), dtype=full.k.dtype, device=full.device)
+        self.k = torch.zeros((L, B, nkv, budget, hs), dtype=dtype or full.k.dtype, device=full.device)
         self.v = torch.zeros_like(self.k)
         # selected source position per slot, -1 for an empty slot: (L, B, nkv, budget) int64
         self.selected = torch.full((L, B, nkv, budget), -1, dtype=torch.long, device=full.device)
@@ -408,8 +413,8 @@ class RetrievalCache(KVCache):
         self._mask = torch.where(is_gen[None, :], gen_pos[None, :] <= q_pos, (slot < self.n_selected)[None, :].expand(t, -1))
 
     def attend(self, layer, q, k, v, q_pre):
-        self.k[layer][:, :, self._slot_idx] = k
-        self.v[layer][:, :, self._slot_idx] = v
+        self.k[layer][:, :, self._slot_idx] = k.to(self.k.dtype)
+        self.v[layer][:, :, self._slot_idx] = v.to(self.v.dtype)
         return gqa_attention(q, self.k[layer], self.v[layer], self._mask)
 
     def end_forward(self) -> None:
@@ -431,8 +436,8 @@ class RetrievalCache(KVCache):
                 L, B, nkv, _, hs = self.k.shape
                 src = self.selected[..., slots]  # (L, B, nkv, ns)
                 idx = src[..., None].expand(L, B, nkv, slots.numel(), hs).to(self.full.k.device)
-                self.k[:, :, :, slots] = torch.gather(self.full.k, 3, idx).to(self.k.device)
-                self.v[:, :, :, slots] = torch.gather(self.full.v, 3, idx).to(self.k.device)
+                self.k[:, :, :, slots] = torch.gather(self.full.k, 3, idx).to(self.k.device, self.k.dtype)
+                self.v[:, :, :, slots] = torch.gather(self.full.v, 3, idx).to(self.k.device, self.k.dtype)
         self.length = length
         self.synced = min(self.synced, length)
 
@@ -446,8 +451,8 @@ class RetrievalCache(KVCache):
             pos = torch.arange(self.synced, end, device=self.k.device)
             slots = self._slots(pos)
             src = pos.to(self.full.k.device)
-            self.k[:, :, :, slots] = self.full.k[:, :, :, src].to(self.k.device)
-            self.v[:, :, :, slots] = self.full.v[:, :, :, src].to(self.k.device)
+            self.k[:, :, :, slots] = self.full.k[:, :, :, src].to(self.k.device, self.k.dtype)
+            self.v[:, :, :, slots] = self.full.v[:, :, :, src].to(self.k.device, self.k.dtype)
             self.synced = end
 
 
@@ -540,6 +545,7 @@ class StreamingCache(KVCache):
         nkv = k.shape[1]
         g = nh // nkv
         scale = 1.0 / math.sqrt(hs)
+        out_dtype, q, q_pre = q.dtype, q.to(self.k.dtype), q_pre.to(self.k.dtype)  # attend in the cache's dtype
         qw = q.reshape(b, nkv, g * t, hs)
         parts = []
         if ns:
@@ -550,7 +556,7 @@ class StreamingCache(KVCache):
         scores = scores.masked_fill(~self._mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out = probs @ torch.cat([vals_s, vals_w], dim=2)  # (B, nkv, g*T, hs)
-        return out.view(b, nh, t, hs)
+        return out.view(b, nh, t, hs).to(out_dtype)
 
     def end_forward(self) -> None:
         self.length = self._start + self._t

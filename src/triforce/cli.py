@@ -35,6 +35,10 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and KV dtype")
     g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
     g.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of every KV cache (default: --dtype); the full cache's dtype is the verifier's")
+    g.add_argument("--quantize", choices=["int8"], help="weight-only int8 for the target itself (changes its outputs "
+                                                        "like --dtype does; see --lower-weights for a lossless use)")
     g.add_argument("--offload-kv", action="store_true", help="keep the full KV cache in (pinned) host memory and "
                    "stream it to the device layer by layer with prefetch; retrieval and draft caches stay on the device")
     g.add_argument("--on-chip-layers", type=int, help="with --offload-kv: leading layers kept on the device "
@@ -68,6 +72,11 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--draft-window", type=int, default=240, help="StreamingLLM window of the draft cache")
     k.add_argument("--ngram-n", type=int, default=4, help="longest suffix the n-gram drafter matches (4)")
     k.add_argument("--ngram-min", type=int, default=1, help="shortest suffix the n-gram drafter may match (1)")
+    k.add_argument("--lower-weights", choices=["int8", "bfloat16"],
+                   help="cheaper weights for the tiers below the verifier (retrieval tier, draft model): lossless, "
+                        "the verifier decides every token (default: as loaded)")
+    k.add_argument("--lower-kv-dtype", choices=["bfloat16", "float16"],
+                   help="dtype of the retrieval and draft caches (lossless; default: as --kv-dtype)")
     k.add_argument("--tiers", help="explicit hierarchy under the full-cache target, bottom first, KIND:GAMMA entries "
                                    "with KIND in ngram, draft, retrieval (e.g. ngram:8,draft:4,retrieval:6); "
                                    "overrides --mode")
@@ -116,7 +125,8 @@ def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpeculationConf
                              ngram_min=args.ngram_min,
                              tiers=args.tiers, chunk_score=args.chunk_score,
                              rebuild_below=args.rebuild_below, stop_below=args.stop_below,
-                             adaptive_gamma=args.adaptive_gamma)
+                             adaptive_gamma=args.adaptive_gamma, lower_weights=args.lower_weights,
+                             lower_kv_dtype=args.lower_kv_dtype)
     if spec.uses_draft and (args.draft is None or args.draft == "ngram"):
         raise CLIError(f"--tiers {args.tiers} has a draft tier: give --draft MODEL")
     return spec
@@ -207,7 +217,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError(f"--on-chip-layers must be >= 0, got {args.on_chip_layers}")
     try:
         tf = TriForce.load(args.model, args.draft, dtype=args.dtype, device=args.device, tp=tp,
-                           offload_kv=args.offload_kv, on_chip_layers=args.on_chip_layers)
+                           offload_kv=args.offload_kv, on_chip_layers=args.on_chip_layers, kv_dtype=args.kv_dtype,
+                           quantize=args.quantize)
     except ValueError as e:
         raise _option_error(e) from e
     try:

@@ -31,6 +31,7 @@ from .ngram import NGramDrafter
 from .speculative import rejection_sample
 
 MODES = ("autoregressive", "retrieval", "draft", "triforce")
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TIER_KINDS = ("ngram", "draft", "retrieval")
 
 
@@ -63,6 +64,10 @@ class SpeculationConfig:
             tokens falls below this fraction (None: off).
         chunk_score: retrieval chunk score, one of ``mean`` (the paper's), ``max``, ``bound`` (see
             :class:`~triforce.caches.RetrievalCache`).
+        lower_weights: weights of the tiers below the verifier (the retrieval tier's copy of the target, and the
+            draft model): None (as loaded), ``int8`` (weight-only) or ``bfloat16`` (see ``quant.py``). Lossless:
+            the verifier decides every token; only acceptance can change.
+        lower_kv_dtype: dtype of the retrieval and draft caches: None (as the model), ``bfloat16`` or ``float16``.
         tiers: an explicit hierarchy under the full-cache target, bottom first, ``kind:gamma`` entries with kind in
             :data:`TIER_KINDS` (``ngram`` only at the bottom), e.g. ``"ngram:8,draft:4,retrieval:6"``: each gamma is
             how many tokens that tier proposes per verification by the tier above. Overrides ``mode``.
@@ -86,6 +91,8 @@ class SpeculationConfig:
     rebuild_below: float | None = None
     stop_below: float | None = None
     adaptive_gamma: bool = False
+    lower_weights: str | None = None
+    lower_kv_dtype: str | None = None
     tiers: str | None = None
 
     def __post_init__(self) -> None:
@@ -112,6 +119,10 @@ class SpeculationConfig:
             raise ValueError(f"adaptive_gamma must be True or False, got {self.adaptive_gamma!r}")
         if self.stop_below is not None and not (isinstance(self.stop_below, (int, float)) and 0 < self.stop_below < 1):
             raise ValueError(f"stop_below must be in (0, 1), got {self.stop_below!r}")
+        if self.lower_weights not in (None, "int8", "bfloat16"):
+            raise ValueError(f"lower_weights must be None, 'int8' or 'bfloat16', got {self.lower_weights!r}")
+        if self.lower_kv_dtype not in (None, *KV_DTYPES):
+            raise ValueError(f"lower_kv_dtype must be None or one of {', '.join(KV_DTYPES)}, got {self.lower_kv_dtype!r}")
         _positive_int("draft_sink", self.draft_sink, 0)
         _positive_int("draft_window", self.draft_window)
         for kind, gamma in self.max_chain:
@@ -217,13 +228,21 @@ class Engine:
             on the device.
         on_chip_layers: with ``offload_kv``, leading layers kept on the device (None: the memory planner chooses
             from free device memory, :func:`~triforce.memory.plan_kv_placement`).
+        kv_dtype: dtype of every KV cache (``float32``, ``bfloat16``, ``float16``; None: the target's dtype). The
+            full cache's dtype is the verifier's, so it changes the output distribution like ``--dtype`` does;
+            ``SpeculationConfig.lower_kv_dtype`` changes only the lower tiers' caches, at no loss.
 
     ``tier_verify`` maps a tier name to a replacement verification rule (tests inject broken variants).
     """
 
     def __init__(self, target: Transformer, draft: Transformer | None = None, eos_ids: tuple[int, ...] = (),
-                 reuse_prefix: bool = True, offload_kv: bool = False, on_chip_layers: int | None = None) -> None:
+                 reuse_prefix: bool = True, offload_kv: bool = False, on_chip_layers: int | None = None,
+                 kv_dtype: str | None = None) -> None:
         self.target, self.draft = target, draft
+        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+        self.kv_dtype = KV_DTYPES[kv_dtype] if kv_dtype else target.dtype  # every cache's default dtype
+        self._lower: dict[tuple[int, str], Transformer] = {}  # lower-precision copies, by (id(model), scheme)
         self.reuse_prefix = reuse_prefix
         if not isinstance(offload_kv, bool):
             raise ValueError(f"offload_kv must be True or False, got {offload_kv!r}")
@@ -243,13 +262,33 @@ class Engine:
     # ------------------------------------------------------------------ planning
     def cache_bytes(self, prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig) -> dict[str, int]:
         """Bytes each cache of a request would allocate, by cache."""
-        dtype = self.target.dtype
+        dtype = self.kv_dtype
+        lower = KV_DTYPES[spec.lower_kv_dtype] if spec.lower_kv_dtype else None
         out = {"full KV cache": kv_bytes(self.target.cfg, self._capacity(prompt_tokens, max_new_tokens, spec), dtype)}
         if spec.uses_retrieval:
-            out["retrieval cache"] = kv_bytes(self.target.cfg, spec.budget, dtype)
+            out["retrieval cache"] = kv_bytes(self.target.cfg, spec.budget, lower or dtype)
         if spec.uses_draft and self.draft is not None:
-            out["draft cache"] = kv_bytes(self.draft.cfg, self._draft_capacity(spec), self.draft.dtype)
+            out["draft cache"] = kv_bytes(self.draft.cfg, self._draft_capacity(spec), lower or self.draft.dtype)
+        if spec.lower_weights:
+            models = ([self.target] if spec.uses_retrieval else []) + ([self.draft] if spec.uses_draft and self.draft else [])
+            new = sum(m.weight_bytes() // (4 if spec.lower_weights == "int8" else 2) for m in models
+                      if (id(m), spec.lower_weights) not in self._lower)
+            if new:
+                out[f"{spec.lower_weights} copies of the lower tiers' weights"] = new
         return out
+
+    def _lower_model(self, model: Transformer, weights: str | None) -> Transformer:
+        """``model`` itself, or its lower-precision copy for the tiers below the verifier (made once, kept)."""
+        if weights is None:
+            return model
+        key = (id(model), weights)
+        if key not in self._lower:
+            from .quant import lower_precision_copy
+
+            self._lower[key] = lower_precision_copy(model, weights)
+        lower = self._lower[key]
+        lower.rope = model.rope  # RoPE is fixed per request (dynamic NTK): follow the source model
+        return lower
 
     @staticmethod
     def _capacity(prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig) -> int:
@@ -330,7 +369,7 @@ class Engine:
             if full is None:
                 self.target.set_request_length(total)
             bigger = FullKVCache(self.target.cfg, max(total, full.capacity if full is not None else 0),
-                                 self.target.dtype, self.target.device, offload=self.offload_kv,
+                                 self.kv_dtype, self.target.device, offload=self.offload_kv,
                                  on_chip_layers=placement.on_chip_layers if placement else None)
             if full is not None:  # a longer request, or a new placement: keep the previous tokens' KV
                 bigger.copy_prefix_from(full, full.length)
@@ -346,15 +385,18 @@ class Engine:
                 node = NGramDrafter(self.target.cfg.vocab_size, spec.ngram_n, self.eos_ids, self.target.device,
                                     min_n=spec.ngram_min)
             elif kind == "draft":
-                d = self.draft
-                d.set_request_length(total)
+                self.draft.set_request_length(total)
+                d = self._lower_model(self.draft, spec.lower_weights)
+                kv = KV_DTYPES[spec.lower_kv_dtype] if spec.lower_kv_dtype else (
+                    self.kv_dtype if self.draft.dtype == self.target.dtype else self.draft.dtype)
                 cache = StreamingCache(d.cfg, spec.draft_sink, spec.draft_window,
-                                       self._lookahead(spec) + self.DRAFT_PREFILL_CHUNK, d.rope, d.dtype, d.device)
+                                       self._lookahead(spec) + self.DRAFT_PREFILL_CHUNK, d.rope, kv, d.device)
                 node = StreamingTier("draft", d, cache, drafter=drafter, gamma=gamma,
                                      prefill_chunk=self.DRAFT_PREFILL_CHUNK, verify_fn=verify, **adaptive, **common)
             else:
-                cache = RetrievalCache(self.target.cfg, full, spec.budget, spec.chunk_size, spec.chunk_score)
-                node = RetrievalTier("retrieval", self.target, cache, drafter=drafter, gamma=gamma, full=full,
+                cache = RetrievalCache(self.target.cfg, full, spec.budget, spec.chunk_size, spec.chunk_score,
+                                       dtype=KV_DTYPES[spec.lower_kv_dtype] if spec.lower_kv_dtype else None)
+                node = RetrievalTier("retrieval", self._lower_model(self.target, spec.lower_weights), cache, drafter=drafter, gamma=gamma, full=full,
                                      lookahead=(2 * proposes if spec.adaptive_gamma else proposes) + 1,
                                      rebuild_every=spec.rebuild_every, rebuild_below=spec.rebuild_below,
                                      verify_fn=verify, **adaptive,

@@ -134,20 +134,21 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """Weights dtype."""
-        return self.lm_head.weight_t.dtype
+        """Activations dtype (the weights' dtype, except in a lower-precision copy, see ``quant.py``)."""
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
         """Weights device."""
-        return self.lm_head.weight_t.device
+        return self.norm.weight.device
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings (B, T) int64 -> (B, T, d)."""
         if self.embed_tokens is not None:
             return self.embed_tokens(input_ids)
         b, t = input_ids.shape
-        return self.lm_head.weight_t.index_select(1, input_ids.reshape(-1)).T.reshape(b, t, -1)
+        table = self.lm_head.weight_t if isinstance(self.lm_head, Linear) else self.tied_embedding  # (d, V)
+        return table.index_select(1, input_ids.reshape(-1)).T.reshape(b, t, -1)
 
     def set_request_length(self, total_tokens: int) -> None:
         """Fix RoPE for a request of ``total_tokens`` positions (only dynamic NTK depends on it; see ``rope.py``)."""

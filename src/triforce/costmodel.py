@@ -1,0 +1,397 @@
+"""Cost model of hierarchical speculative decoding: step latency per tier, predicted time per token and speedup.
+
+Sources: Leviathan, Kalman, Matias, "Fast Inference from Transformers via Speculative Decoding" (arXiv 2211.17192),
+Sec. 3.3 (expected tokens per verification, Eq. 1) and Sec. 3.4 (walltime: improvement factor
+``(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1))``, Theorem 3.8); TriForce (Sun et al., arXiv 2404.11912),
+Sec. 4.3 and Appendix (the same analysis applied twice: the draft speeds up the retrieval-cache tier, which speeds
+up the full-cache target).
+
+Two parts:
+
+* :func:`measure_tier_latencies` times each tier's forward at fixed context lengths, with caches filled with random
+  KV (:func:`triforce.synthetic.fill_random_kv`), so no prefill is needed and any context can be timed;
+* :func:`predict` combines those latencies with measured acceptance rates into seconds per token and a speedup.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from .caches import FullKVCache, RetrievalCache, StreamingCache, kv_bytes
+from .model import Transformer
+from .ngram import NGramDrafter
+from .synthetic import fill_random_kv
+
+#: what :func:`measure_tier_latencies` times, in seconds (medians); see its docstring.
+LATENCY_KEYS = ("draft_step", "draft_pass", "ngram_propose", "retrieval_decode", "retrieval_pass", "full_decode",
+                "full_pass")
+#: verifying tiers, as named in ``GenerationStats.tiers`` (the keys of ``acceptance`` in :func:`predict`).
+VERIFIER_NAMES = ("draft", "retrieval", "target")
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Expected tokens one verification emits: ``(1 - alpha^(gamma+1)) / (1 - alpha)``, ``gamma + 1`` at alpha = 1.
+
+    Leviathan et al. 2023 (arXiv 2211.17192), Sec. 3.3, Eq. 1: with each of ``gamma`` drafted tokens accepted
+    independently with probability ``alpha`` (the acceptance rate), a verification emits the accepted prefix plus
+    one recovered or bonus token.
+
+    Args:
+        alpha: acceptance rate, a float in [0, 1].
+        gamma: drafted tokens per verification, an integer >= 0.
+
+    Returns:
+        Tokens per verification, in [1, gamma + 1].
+
+    Raises:
+        ValueError: alpha outside [0, 1] or gamma not an integer >= 0.
+    """
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha (acceptance rate) must be a number in [0, 1], got {alpha!r}")
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0:
+        raise ValueError(f"gamma must be an integer >= 0, got {gamma!r}")
+    if alpha == 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+# ----------------------------------------------------------------------------------------------- measurement
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def measure_tier_latencies(target: Transformer, draft: Transformer | None, contexts: list[int], *, gamma1: int = 4,
+                           gamma2: int = 6, budget: int = 4096, chunk_size: int = 8, draft_sink: int = 16,
+                           draft_window: int = 240, reps: int = 5, progress: Callable[[int], None] | None = None,
+                           seed: int = 0) -> list[dict]:
+    """Median latency of each tier's forward at each context length, caches filled with random KV (no prefill).
+
+    For each context n the caches are allocated, filled by :func:`~triforce.synthetic.fill_random_kv` to
+    represent positions [0, n), and each forward below runs at positions n, n+1, ... over random token ids, then
+    the cache is rolled back to n (``cache.rollback``), so every repetition sees the same context. The forwards are
+    interleaved: each repetition runs every kind once, in an order rotated from one repetition to the next, after
+    one untimed warm-up of each, so background load affects all kinds alike. Medians over ``reps``.
+
+    What is timed (seconds per call; the block sizes are the ones ``tiers.py`` feeds in steady state):
+
+    * ``full_decode``: target over the full KV cache, 1 token (autoregressive decoding; a top tier without drafter).
+    * ``full_pass``: target over the full KV cache, ``gamma2 + 1`` tokens: the pending token plus the ``gamma2``
+      proposals the target verifies (``ModelTier.step`` feeds ``seq[len(cached):] + drafts``; the recovered/bonus
+      token of the previous step is not cached yet, hence +1), logits for every position.
+    * ``retrieval_decode``: target over a ``budget``-slot :class:`~triforce.caches.RetrievalCache` built from the
+      full cache (random query), 1 token: a retrieval tier without drafter (``retrieval`` mode) or the last step of
+      a proposal.
+    * ``retrieval_pass``: the same cache, ``gamma1 + 1`` tokens: the pending token plus the ``gamma1`` draft tokens
+      it verifies. In ``triforce`` mode the retrieval tier builds each ``gamma2``-token proposal from several
+      steps, each verifying ``min(gamma1, still needed - 1)`` drafts, so shorter blocks (down to a 1-token decode)
+      also occur; :func:`predict` (``engine_*`` figures) interpolates between the two measurements for them. After
+      the target accepts a whole block, the first step also feeds the target's bonus token (one more).
+      The retrieval cache attends over all ``budget`` slots whatever the context (a masked slot still costs), so
+      at a context shorter than the budget this tier reads the same bytes as at a long one.
+    * ``draft_step``: draft model over a StreamingLLM cache (``draft_sink`` + ``draft_window``), 1 token. None
+      without a draft model.
+    * ``draft_pass``: the draft model over ``gamma1 + 1`` tokens, its cost as a verifier (``--tiers ngram:G,draft:...``
+      feeds ``G + 1`` tokens; measured at ``gamma1 + 1``). None without a draft model.
+    * ``ngram_propose``: one :class:`~triforce.ngram.NGramDrafter` proposal of ``gamma2`` tokens (a dict lookup and
+      a one-hot tensor; microseconds, i.e. ~0 next to any model forward), over an index of ``min(n, 8192)`` tokens.
+
+    Args:
+        target: the target model (tiers 1 and 2).
+        draft: the draft model, or None (then the bottom tier is the model-free n-gram drafter).
+        contexts: context lengths n (integers >= 1), timed in this order. Positions past the target's
+            ``max_position_embeddings`` are allowed (RoPE is computed for any position; timing only) and flagged.
+        gamma1, gamma2: speculation lengths (>= 1), see above.
+        budget: retrieval cache slots (>= chunk_size + max(gamma1, gamma2) + 2).
+        chunk_size: retrieval chunk size (>= 1).
+        draft_sink, draft_window: StreamingLLM cache of the draft (>= 0, >= 1).
+        reps: timed repetitions per kind and context (>= 1).
+        progress: called with 1 after each timed forward (e.g. ``tqdm.update``), or None.
+        seed: seed of the random KV, queries and tokens.
+
+    Returns:
+        One dict per context: ``context``, the :data:`LATENCY_KEYS` (median seconds, None where not measured),
+        ``spread`` (``[min, max]`` seconds per key), ``blocks`` (tokens per timed forward), ``reps``,
+        ``beyond_model_context`` (bool), and ``bytes`` read per forward by tier: ``target_weights``,
+        ``full_kv`` (n positions), ``retrieval_kv`` (budget slots), ``draft_weights``, ``draft_kv``.
+
+    Raises:
+        ValueError: a parameter out of range (named in the message), raised before any allocation.
+
+    Memory is not checked here (a context whose caches do not fit fails in the allocator); ``bench/cost_model.py``
+    checks the largest context with :func:`triforce.memory.check_fits` first.
+    """
+    if not isinstance(target, Transformer):
+        raise ValueError(f"target must be a triforce Transformer, got {type(target).__name__}")
+    if draft is not None and not isinstance(draft, Transformer):
+        raise ValueError(f"draft must be a triforce Transformer or None, got {type(draft).__name__}")
+    if isinstance(contexts, (str, bytes)) or not hasattr(contexts, "__iter__"):
+        raise ValueError(f"contexts must be a list of integers >= 1, got {contexts!r}")
+    contexts = list(contexts)
+    if not contexts:
+        raise ValueError("contexts must list at least one context length")
+    for n in contexts:
+        _check_int("contexts", n, 1)
+    for name, value, minimum in (("gamma1", gamma1, 1), ("gamma2", gamma2, 1), ("chunk_size", chunk_size, 1),
+                                 ("draft_sink", draft_sink, 0), ("draft_window", draft_window, 1), ("reps", reps, 1)):
+        _check_int(name, value, minimum)
+    _check_int("budget", budget, chunk_size + max(gamma1, gamma2) + 2)
+    if draft is not None and draft.cfg.vocab_size > target.cfg.vocab_size:
+        raise ValueError(f"draft vocabulary ({draft.cfg.vocab_size}) is larger than the target's "
+                         f"({target.cfg.vocab_size}); the draft must share the target's tokenizer")
+
+    cfg, dev = target.cfg, target.device
+    rng = random.Random(seed)
+    results = []
+    for n in contexts:
+        capacity = n + max(gamma1, gamma2) + 2
+        target.set_request_length(capacity)
+        full = FullKVCache(cfg, capacity, target.dtype, dev)
+        fill_random_kv(full, n, seed)
+        retrieval = RetrievalCache(cfg, full, budget, chunk_size)
+        fill_random_kv(retrieval, n, seed + 1)
+        stream = None
+        if draft is not None:
+            draft.set_request_length(capacity)
+            slack = gamma1 + gamma2 + 4
+            stream = StreamingCache(draft.cfg, draft_sink, draft_window, slack, draft.rope, draft.dtype, draft.device)
+            fill_random_kv(stream, n, seed + 2)
+
+        def ids(t: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+            tok = torch.tensor([[rng.randrange(vocab) for _ in range(t)]], dtype=torch.long, device=dev)
+            return tok, torch.arange(n, n + t, device=dev)
+
+        def forward(model: Transformer, cache, t: int) -> Callable[[], None]:
+            def run() -> None:
+                tok, pos = ids(t, model.cfg.vocab_size)
+                model(tok, pos, cache, num_logits=t)
+                cache.rollback(n)
+            return run
+
+        kinds: dict[str, Callable[[], None]] = {
+            "full_decode": forward(target, full, 1),
+            "full_pass": forward(target, full, gamma2 + 1),
+            "retrieval_decode": forward(target, retrieval, 1),
+            "retrieval_pass": forward(target, retrieval, gamma1 + 1),
+        }
+        if draft is not None:
+            kinds["draft_step"] = forward(draft, stream, 1)
+            kinds["draft_pass"] = forward(draft, stream, gamma1 + 1)
+        kinds["ngram_propose"] = _ngram_call(cfg.vocab_size, min(n, 8192), gamma2, rng, dev)
+
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        names = list(kinds)
+        for k in names:  # warm-up
+            kinds[k]()
+        for rep in range(reps):
+            shift = rep % len(names)
+            for k in names[shift:] + names[:shift]:
+                _sync(dev)
+                t0 = time.perf_counter()
+                kinds[k]()
+                _sync(dev)
+                times[k].append(time.perf_counter() - t0)
+                if progress is not None:
+                    progress(1)
+        row: dict = {"context": n}
+        for k in LATENCY_KEYS:
+            row[k] = statistics.median(times[k]) if k in times else None
+        row["spread"] = {k: [min(v), max(v)] for k, v in times.items()}
+        row["blocks"] = {"full_decode": 1, "full_pass": gamma2 + 1, "retrieval_decode": 1,
+                         "retrieval_pass": gamma1 + 1, "draft_step": 1, "draft_pass": gamma1 + 1,
+                         "ngram_propose": gamma2}
+        row["reps"] = reps
+        row["beyond_model_context"] = capacity > cfg.max_position_embeddings
+        row["bytes"] = {
+            "target_weights": target.weight_bytes(),
+            "full_kv": kv_bytes(cfg, n, target.dtype),
+            "retrieval_kv": kv_bytes(cfg, budget, target.dtype),
+            "draft_weights": draft.weight_bytes() if draft is not None else 0,
+            "draft_kv": kv_bytes(draft.cfg, min(n, draft_sink + draft_window), draft.dtype) if draft is not None else 0,
+        }
+        results.append(row)
+        del full, retrieval, stream, kinds
+        gc.collect()
+    return results
+
+
+def _ngram_call(vocab: int, n: int, gamma: int, rng: random.Random, device) -> Callable[[], None]:
+    """A timed n-gram proposal of ``gamma`` tokens over an index of ``n`` random tokens whose suffix recurs."""
+    tokens = [rng.randrange(vocab) for _ in range(n)]
+    drafter = NGramDrafter(vocab, 4, (), device)
+    drafter.prefill(tokens)
+    seq = tokens + tokens[: min(4, n)]  # the last 4 tokens occurred at the start: a match to follow
+
+    def run() -> None:
+        drafter.propose(seq, gamma)
+    return run
+
+
+# ----------------------------------------------------------------------------------------------- prediction
+_PROPOSE_KEY = {"draft": "draft_step", "retrieval": "retrieval_decode"}  # a drafter-less model tier: 1 token/forward
+_PASS_KEY = {"draft": "draft_pass", "retrieval": "retrieval_pass", "target": "full_pass"}
+_DECODE_KEY = {"draft": "draft_step", "retrieval": "retrieval_decode", "target": "full_decode"}
+
+
+def _latency(latencies: dict, key: str, why: str) -> float:
+    value = latencies.get(key)
+    if value is None:
+        raise ValueError(f"latencies[{key!r}] is needed for {why}; measure it (measure_tier_latencies) or give it")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"latencies[{key!r}] must be a number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def predict(chain: list[tuple[str, int]], latencies: dict, acceptance: dict[str, float]) -> dict:
+    """Predicted seconds per token and speedup over autoregressive decoding for a speculation hierarchy.
+
+    Notation: ``chain = [(k_0, g_0), ..., (k_{m-1}, g_{m-1})]`` bottom first, as ``SpeculationConfig.chain``
+    (kinds ``ngram``, ``draft``, ``retrieval``); tier m is the full-cache target. Tier i >= 1 verifies the
+    ``g_{i-1}`` tokens tier i-1 proposes, with acceptance rate ``a_i = acceptance[name_i]`` (``name`` = the kind,
+    ``target`` for tier m), and ``E_i = expected_tokens(a_i, g_{i-1})`` tokens emitted per verification
+    (Leviathan et al., arXiv 2211.17192, Eq. 1). ``V_i`` is tier i's verification pass (``draft_pass``,
+    ``retrieval_pass``, ``full_pass``), ``D`` = ``full_decode``.
+
+    Cost of the bottom tier's proposal of g tokens: ``P_0(g) = g * draft_step`` (draft model),
+    ``g * retrieval_decode`` (retrieval tier), ``ngram_propose`` (n-gram drafter: one lookup; 0 when absent).
+
+    Each verification of tier i costs the proposal below plus its own pass and yields ``E_i`` tokens, so its cost
+    per produced token is::
+
+        c_i = (P_{i-1}(g_{i-1}) + V_i) / E_i,      P_i(g) = g * c_i
+
+    and the prediction is ``seconds_per_token = c_m``, ``speedup = D / c_m`` (``D`` itself without a chain). At
+    depth 1 with ``V_m = D`` this is Leviathan et al.'s improvement factor (Sec. 3.4, Theorem 3.8)
+    ``E / (g c + 1)`` with ``c = P_0(g) / (g D)``; TriForce (Sec. 4.3, Appendix) applies it at two levels.
+
+    The ``engine_*`` figures follow the schedule of ``tiers.py`` exactly, under the same independent-acceptance
+    assumption: a tier asked for n tokens runs steps until it has them, each step verifying
+    ``k = min(g, n_left - 1)`` drafts (k = 0: a 1-token decode, ``draft_step`` / ``retrieval_decode``) and
+    emitting j + 1 tokens with ``P(j) = a^j (1 - a)`` for j < k, ``a^k`` for j = k. With ``Q_i(n)`` the expected
+    cost of tier i proposing n tokens (``Q_0 = P_0``)::
+
+        Q_i(n) = sum_j P(j) [Q_{i-1}(k) + V_i(k + 1) + Q_i(n - j - 1)],  Q_i(0) = 0
+
+    where ``V_i(t)`` interpolates linearly between the 1-token decode and the measured pass over
+    ``latencies["blocks"]`` tokens (constant when ``blocks`` is absent). The top tier is never truncated:
+    ``engine_seconds_per_token = (Q_{m-1}(g_{m-1}) + V_m(g_{m-1} + 1)) / E_m``.
+
+    Args:
+        chain: ``[(kind, gamma), ...]`` bottom first; kinds in ``ngram`` (bottom only), ``draft``, ``retrieval``;
+            gamma an integer >= 1.
+        latencies: one row of :func:`measure_tier_latencies` (seconds), or any dict with the keys the chain needs.
+        acceptance: acceptance rate in [0, 1] of each verifying tier, keyed by tier name as in
+            ``GenerationStats.tiers`` (``draft``, ``retrieval``, ``target``).
+
+    Returns:
+        ``{"chain", "seconds_per_token", "speedup", "autoregressive_seconds_per_token", "engine_seconds_per_token",
+        "engine_speedup", "tiers": [{"name", "verifies", "gamma", "acceptance", "expected_tokens",
+        "pass_seconds", "seconds_per_token"}, ...]}`` (tiers bottom-up, the target last).
+
+    Raises:
+        ValueError: a malformed chain, a missing or out-of-range acceptance or latency (the key is named).
+    """
+    if isinstance(chain, (str, bytes)) or not hasattr(chain, "__iter__"):
+        raise ValueError(f"chain must be a list of (kind, gamma) pairs, got {chain!r}")
+    chain = [tuple(e) for e in chain]
+    for i, entry in enumerate(chain):
+        if len(entry) != 2 or entry[0] not in ("ngram", "draft", "retrieval") or isinstance(entry[1], bool) \
+                or not isinstance(entry[1], int) or entry[1] < 1:
+            raise ValueError(f"chain entries must be (kind, gamma) with kind in ngram, draft, retrieval and gamma an "
+                             f"integer >= 1, got {entry!r}")
+        if entry[0] == "ngram" and i:
+            raise ValueError("chain: ngram can only be the bottom tier")
+    if len({k for k, _ in chain}) != len(chain):
+        raise ValueError(f"chain: each kind at most once, got {chain!r}")
+    if not isinstance(latencies, dict):
+        raise ValueError(f"latencies must be a dict of seconds, got {type(latencies).__name__}")
+    if not isinstance(acceptance, dict):
+        raise ValueError(f"acceptance must be a dict tier name -> rate, got {type(acceptance).__name__}")
+    ar = _latency(latencies, "full_decode", "the autoregressive baseline")
+    names = [k for k, _ in chain[1:]] + ["target"]  # verifying tiers, bottom-up
+    alphas = {}
+    for name in (names if chain else []):
+        a = acceptance.get(name)
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
+            raise ValueError(f"acceptance[{name!r}] must be a rate in [0, 1] (the {name} tier verifies the tier below), "
+                             f"got {a!r}")
+        alphas[name] = float(a)
+    out = {"chain": [list(e) for e in chain], "autoregressive_seconds_per_token": ar}
+    if not chain:
+        out.update(seconds_per_token=ar, speedup=1.0, engine_seconds_per_token=ar, engine_speedup=1.0, tiers=[])
+        return out
+
+    bottom, g0 = chain[0]
+    if bottom == "ngram":
+        ng = latencies.get("ngram_propose") or 0.0
+        propose_bottom = lambda g: float(ng)  # noqa: E731  (one lookup, whatever g)
+    else:
+        unit = _latency(latencies, _PROPOSE_KEY[bottom], f"a {bottom} bottom tier")
+        propose_bottom = lambda g: g * unit  # noqa: E731
+    blocks = latencies.get("blocks") or {}
+
+    def pass_cost(name: str, t: int) -> float:
+        """V(t): the tier's forward over t tokens, interpolated between its decode and its measured pass."""
+        full = _latency(latencies, _PASS_KEY[name], f"the {name} tier's verification")
+        b = blocks.get(_PASS_KEY[name])
+        dec = latencies.get(_DECODE_KEY[name])
+        if not b or b <= 1 or dec is None:
+            return full
+        return max(0.0, dec + (full - dec) * (t - 1) / (b - 1))
+
+    tiers = []
+    cost_below = propose_bottom  # paper formula: P_{i-1}(g)
+    engine_below = propose_bottom  # exact schedule: Q_{i-1}(n)
+    c = 0.0
+    for i, name in enumerate(names):
+        g = chain[i][1]
+        a = alphas[name]
+        e = expected_tokens(a, g)
+        v = _latency(latencies, _PASS_KEY[name], f"the {name} tier's verification")
+        c = (cost_below(g) + v) / e
+        tiers.append({"name": name, "verifies": chain[i][0], "gamma": g, "acceptance": a, "expected_tokens": e,
+                      "pass_seconds": v, "seconds_per_token": c})
+        cost_below = (lambda cc: (lambda gg: gg * cc))(c)
+        if name != "target":
+            engine_below = _engine_q(name, g, a, engine_below, pass_cost,
+                                     _latency(latencies, _DECODE_KEY[name], f"the {name} tier's 1-token step"))
+    top_g = chain[-1][1]
+    engine = (engine_below(top_g) + pass_cost("target", top_g + 1)) / expected_tokens(alphas["target"], top_g)
+    out.update(seconds_per_token=c, speedup=ar / c if c > 0 else float("inf"),
+               engine_seconds_per_token=engine, engine_speedup=ar / engine if engine > 0 else float("inf"),
+               tiers=tiers)
+    return out
+
+
+def _engine_q(name: str, g: int, a: float, below: Callable[[int], float], pass_cost: Callable[[str, int], float],
+              decode: float) -> Callable[[int], float]:
+    """Q(n): expected cost of tier ``name`` proposing n tokens through ``tiers.py``'s step loop (see :func:`predict`)."""
+    memo: dict[int, float] = {0: 0.0}
+
+    def q(n: int) -> float:
+        for m in range(1, n + 1):
+            if m in memo:
+                continue
+            k = min(g, m - 1)
+            if k == 0:
+                memo[m] = decode + memo[m - 1]
+                continue
+            step = below(k) + pass_cost(name, k + 1)
+            rest = sum((a ** j) * (1 - a) * memo[m - j - 1] for j in range(k)) + (a ** k) * memo[m - k - 1]
+            memo[m] = step + rest
+        return memo[n]
+    return q
+
+
+__all__ = ["LATENCY_KEYS", "VERIFIER_NAMES", "expected_tokens", "measure_tier_latencies", "predict"]

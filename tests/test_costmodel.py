@@ -1,0 +1,250 @@
+"""Cost model (expected tokens, predicted time per token) and synthetic paper-shaped models / random KV caches."""
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from triforce.caches import FullKVCache, RetrievalCache, StreamingCache
+from triforce.config import ModelConfig
+from triforce.costmodel import expected_tokens, measure_tier_latencies, predict
+from triforce.engine import Engine, SpeculationConfig
+from triforce.sampling import SamplingParams
+from triforce.synthetic import SYNTHETIC_SHAPES, fill_random_kv, random_model, random_query, synthetic_config
+
+
+def tiny_cfg(**kw) -> ModelConfig:
+    """A small GQA Llama config (4 query heads, 2 KV heads) for cache tests."""
+    d = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=4096)
+    d.update(kw)
+    return ModelConfig(**d)
+
+
+# ------------------------------------------------------------------------------------------ expected tokens
+def test_expected_tokens_exact_values():
+    assert expected_tokens(0.5, 3) == pytest.approx(1.875)  # 1 + .5 + .25 + .125
+    assert expected_tokens(0.8, 4) == pytest.approx(1 + 0.8 + 0.64 + 0.512 + 0.4096)
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.0, 6) == 1.0
+    assert expected_tokens(0.9, 0) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("alpha, gamma", [(-0.1, 2), (1.5, 2), ("0.5", 2), (0.5, -1), (0.5, 2.0), (0.5, True)])
+def test_expected_tokens_rejects_bad_input(alpha, gamma):
+    with pytest.raises(ValueError, match="alpha|gamma"):
+        expected_tokens(alpha, gamma)
+
+
+# ------------------------------------------------------------------------------------------ predict
+LAT = {"draft_step": 0.002, "draft_pass": 0.003, "ngram_propose": 0.0001, "retrieval_decode": 0.010,
+       "retrieval_pass": 0.012, "full_decode": 0.030, "full_pass": 0.036}
+
+
+def E(a, g):
+    return sum(a ** i for i in range(g + 1))
+
+
+def test_predict_depth_1_matches_hand_formula_and_leviathan():
+    p = predict([("draft", 4)], LAT, {"target": 0.8})
+    c = (4 * 0.002 + 0.036) / E(0.8, 4)
+    assert p["seconds_per_token"] == pytest.approx(c)
+    assert p["speedup"] == pytest.approx(0.030 / c)
+    assert p["tiers"][0]["name"] == "target" and p["tiers"][0]["verifies"] == "draft"
+    # with a verification pass as costly as a decode, it is Leviathan et al.'s factor E / (gamma c + 1)
+    lat = dict(LAT, full_pass=LAT["full_decode"])
+    ratio = 0.002 / 0.030
+    assert predict([("draft", 4)], lat, {"target": 0.8})["speedup"] == pytest.approx(E(0.8, 4) / (4 * ratio + 1))
+
+
+def test_predict_depth_2_and_3_match_hand_formula():
+    acc = {"draft": 0.5, "retrieval": 0.9, "target": 0.7}
+    p = predict([("draft", 4), ("retrieval", 6)], LAT, acc)
+    c1 = (4 * 0.002 + 0.012) / E(0.9, 4)
+    c2 = (6 * c1 + 0.036) / E(0.7, 6)
+    assert [t["seconds_per_token"] for t in p["tiers"]] == pytest.approx([c1, c2])
+    assert p["seconds_per_token"] == pytest.approx(c2) and p["speedup"] == pytest.approx(0.030 / c2)
+
+    p3 = predict([("ngram", 8), ("draft", 4), ("retrieval", 6)], LAT, acc)
+    d1 = (0.0001 + 0.003) / E(0.5, 8)
+    d2 = (4 * d1 + 0.012) / E(0.9, 4)
+    d3 = (6 * d2 + 0.036) / E(0.7, 6)
+    assert p3["seconds_per_token"] == pytest.approx(d3)
+    assert [t["name"] for t in p3["tiers"]] == ["draft", "retrieval", "target"]
+
+    p_ret = predict([("retrieval", 6)], LAT, {"target": 0.7})  # retrieval mode: the retrieval tier decodes 6 tokens
+    assert p_ret["seconds_per_token"] == pytest.approx((6 * 0.010 + 0.036) / E(0.7, 6))
+    assert predict([], LAT, {})["speedup"] == 1.0
+
+
+def test_predict_engine_schedule_by_hand():
+    """tiers.py: a retrieval tier asked for 6 tokens with gamma1 = 4 runs a 4-draft step and then what is left."""
+    # everything accepted: one step of 4 drafts emits 5, then a 1-token decode
+    p = predict([("draft", 4), ("retrieval", 6)], LAT, {"retrieval": 1.0, "target": 1.0})
+    q6 = 4 * 0.002 + 0.012 + 0.010
+    assert p["engine_seconds_per_token"] == pytest.approx((q6 + 0.036) / 7)
+    # nothing accepted: each step emits 1 token; drafts per step 4, 4, 3, 2, 1, then a decode
+    p0 = predict([("draft", 4), ("retrieval", 6)], LAT, {"retrieval": 0.0, "target": 0.0})
+    q6 = 14 * 0.002 + 5 * 0.012 + 0.010
+    assert p0["engine_seconds_per_token"] == pytest.approx(q6 + 0.036)
+    # with measured block sizes, a 3-token block costs the linear interpolation of decode (1) and pass (5 tokens)
+    lat = dict(LAT, blocks={"retrieval_pass": 5, "full_pass": 7})
+    p2 = predict([("draft", 2), ("retrieval", 6)], lat, {"retrieval": 1.0, "target": 1.0})
+    v3 = 0.010 + (0.012 - 0.010) * 2 / 4
+    assert p2["engine_seconds_per_token"] == pytest.approx((2 * (2 * 0.002 + v3) + 0.036) / 7)  # 3 + 3 tokens
+
+
+@pytest.mark.parametrize("chain, acc, match", [
+    ([("draft", 4), ("retrieval", 6)], {"target": 0.5}, "acceptance\\['retrieval'\\]"),
+    ([("draft", 4)], {"target": 1.2}, "acceptance\\['target'\\]"),
+    ([("draft", 0)], {"target": 0.5}, "gamma"),
+    ([("retrieval", 2), ("ngram", 3)], {"ngram": 0.5, "target": 0.5}, "ngram"),
+    ([("oracle", 2)], {"target": 0.5}, "kind"),
+])
+def test_predict_rejects_bad_input(chain, acc, match):
+    with pytest.raises(ValueError, match=match):
+        predict(chain, LAT, acc)
+
+
+def test_predict_names_a_missing_latency():
+    with pytest.raises(ValueError, match="draft_step"):
+        predict([("draft", 4)], {"full_decode": 0.03, "full_pass": 0.04}, {"target": 0.5})
+
+
+# ------------------------------------------------------------------------------------------ synthetic shapes
+def test_synthetic_config_shapes():
+    c = synthetic_config("llama2-7b")
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            c.intermediate_size, c.vocab_size, c.max_position_embeddings) == (4096, 32, 32, 32, 128, 11008, 32000, 131072)
+    assert c.rope_type == "default" and c.rope_parameters["rope_theta"] == 10000.0
+    assert synthetic_config("llama2-7b", layers=2).num_hidden_layers == 2
+    c8 = synthetic_config("llama3.1-8b")
+    assert (c8.num_key_value_heads, c8.vocab_size, c8.intermediate_size, c8.rope_type) == (8, 128256, 14336, "llama3")
+    d = synthetic_config("llama-68m")
+    assert (d.hidden_size, d.num_hidden_layers, d.num_attention_heads, d.intermediate_size, d.vocab_size) == \
+        (768, 2, 12, 3072, 32000)
+    assert synthetic_config("llama-68m", vocab_size=128256).vocab_size == 128256
+    for name, shape in SYNTHETIC_SHAPES.items():  # what transformers reads from the same config.json fields
+        assert synthetic_config(name) == ModelConfig.from_hf(LlamaConfig(**shape))
+
+
+def test_synthetic_config_rejects_unknown_names_and_bad_layers():
+    with pytest.raises(ValueError, match="llama2-7b, llama3.1-8b, llama-68m"):
+        synthetic_config("llama2-70b")
+    with pytest.raises(ValueError, match="layers"):
+        synthetic_config("llama2-7b", layers=0)
+
+
+def test_random_model_is_labelled_and_seeded():
+    m = random_model(synthetic_config("llama-68m", layers=1), seed=3)
+    assert m.synthetic is True and m.synthetic_shape == "llama-68m" and m.name == "synthetic llama-68m (1 of 2 layers)"
+    w = m.layers[0].self_attn.qkv_proj.weight_t
+    assert w.std().item() == pytest.approx(0.02, rel=0.02)
+    assert torch.equal(m.layers[0].input_layernorm.weight, torch.ones(768))
+    m2 = random_model(synthetic_config("llama-68m", layers=1), seed=3)
+    assert torch.equal(w, m2.layers[0].self_attn.qkv_proj.weight_t)
+    assert random_model(tiny_cfg()).name == "synthetic custom (2 layers)"
+
+
+# ------------------------------------------------------------------------------------------ random KV caches
+class RecordingCache(FullKVCache):
+    """Keeps each layer's query and attention output of the last forward."""
+
+    def attend(self, layer, q, k, v, q_pre):
+        out = super().attend(layer, q, k, v, q_pre)
+        self.seen = getattr(self, "seen", {})
+        self.seen[layer] = (q.clone(), out.clone())
+        return out
+
+
+def test_fill_random_kv_full_cache_is_attended_as_stored():
+    cfg = tiny_cfg()
+    model = random_model(cfg, std=0.2)
+    cache = RecordingCache(cfg, 64, torch.float32, "cpu")
+    fill_random_kv(cache, 40, seed=1)
+    assert cache.length == 40
+    filled = cache.k[:, :, :, :40].clone(), cache.v[:, :, :, :40].clone()
+    assert filled[0].std().item() == pytest.approx(1.0, rel=0.15)
+    logits = model(torch.tensor([[5]]), torch.tensor([40]), cache)
+    assert cache.length == 41 and torch.isfinite(logits).all()
+    assert torch.equal(cache.k[:, :, :, :40], filled[0]) and torch.equal(cache.v[:, :, :, :40], filled[1])
+    g = cfg.num_kv_groups
+    for layer in range(cfg.num_hidden_layers):  # attention over the 40 random keys + the new one, computed by hand
+        q, out = cache.seen[layer]
+        k = cache.k[layer, :, :, :41].repeat_interleave(g, dim=1)
+        v = cache.v[layer, :, :, :41].repeat_interleave(g, dim=1)
+        ref = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(cfg.head_dim), -1) @ v
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # the same fill gives the same cache and the same logits; rollback keeps the context
+    cache.rollback(40)
+    again = FullKVCache(cfg, 64, torch.float32, "cpu")
+    fill_random_kv(again, 40, seed=1)
+    assert torch.equal(again.k[:, :, :, :40], filled[0])
+    torch.testing.assert_close(model(torch.tensor([[5]]), torch.tensor([40]), again), logits, rtol=0, atol=0)
+    other = FullKVCache(cfg, 64, torch.float32, "cpu")
+    fill_random_kv(other, 40, seed=2)
+    assert not torch.equal(other.k[:, :, :, :40], filled[0])
+
+
+def test_fill_random_kv_retrieval_and_streaming_caches():
+    cfg = tiny_cfg()
+    model = random_model(cfg, std=0.2)
+    full = FullKVCache(cfg, 80, torch.float32, "cpu")
+    fill_random_kv(full, 70, seed=1)
+    ref = model(torch.tensor([[7, 8]]), torch.arange(70, 72), full)
+    full.rollback(70)
+    # a retrieval cache whose budget holds every position attends exactly like the full cache
+    everything = RetrievalCache(cfg, full, budget=96, chunk_size=8)
+    fill_random_kv(everything, 70, seed=5)
+    assert everything.length == 70 and everything.holds_everything
+    torch.testing.assert_close(model(torch.tensor([[7, 8]]), torch.arange(70, 72), everything), ref, rtol=1e-5, atol=1e-5)
+    # a small budget selects with the random query (TriForce Sec. 4.1): chunk 0 always kept
+    small = RetrievalCache(cfg, full, budget=24, chunk_size=8)
+    small.build(70, random_query(cfg, 1, seed=5))
+    assert small.length == 70 and set(range(8)) <= set(small.selected[0, 0, 0].tolist())
+    # StreamingLLM cache: sinks + the last window positions, as the policy would keep them
+    sc = StreamingCache(cfg, sink=4, window=16, slack=8, rope=model.rope)
+    fill_random_kv(sc, 300, seed=3)
+    assert sc.length == 300 and sc.visible_positions(300) == list(range(4)) + list(range(285, 300))
+    a = model(torch.tensor([[9, 10, 11]]), torch.arange(300, 303), sc)
+    sc.rollback(300)
+    torch.testing.assert_close(model(torch.tensor([[9, 10, 11]]), torch.arange(300, 303), sc), a, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="length"):
+        fill_random_kv(FullKVCache(cfg, 10), 11)
+
+
+# ------------------------------------------------------------------------------------------ engine + latencies
+def test_random_model_runs_the_engine_with_greedy_equality():
+    target = random_model(synthetic_config("llama-68m"), seed=0)
+    draft = random_model(synthetic_config("llama-68m", layers=1), seed=1)
+    engine = Engine(target, draft, eos_ids=())
+    prompt = torch.randint(3, 32000, (90,), generator=torch.Generator().manual_seed(0)).tolist()
+    outs = {}
+    for mode in ("autoregressive", "retrieval", "triforce"):
+        spec = SpeculationConfig(mode=mode, budget=32, gamma1=2, gamma2=4, chunk_size=4)
+        outs[mode], stats = engine.generate(prompt, max_new_tokens=12, sampling=SamplingParams(temperature=0.0),
+                                            spec=spec, seed=0)
+        assert stats.generated_tokens == 12
+    assert outs["retrieval"] == outs["autoregressive"] and outs["triforce"] == outs["autoregressive"]
+
+
+def test_measure_tier_latencies_shape_and_rollback():
+    cfg = tiny_cfg()
+    target, draft = random_model(cfg, seed=0), random_model(tiny_cfg(num_hidden_layers=1), seed=1)
+    ticks = []
+    rows = measure_tier_latencies(target, draft, [50, 120], gamma1=2, gamma2=3, budget=32, chunk_size=4,
+                                  draft_sink=4, draft_window=16, reps=2, progress=ticks.append)
+    assert [r["context"] for r in rows] == [50, 120]
+    assert len(ticks) == 2 * 2 * 7
+    for r in rows:
+        assert all(r[k] is not None and r[k] > 0 for k in ("draft_step", "draft_pass", "retrieval_pass",
+                                                           "retrieval_decode", "full_pass", "full_decode"))
+        assert r["blocks"]["full_pass"] == 4 and r["blocks"]["retrieval_pass"] == 3
+        assert r["bytes"]["full_kv"] == 2 * 2 * 2 * r["context"] * 8 * 4
+    no_draft = measure_tier_latencies(target, None, [50], gamma1=2, gamma2=3, budget=32, chunk_size=4, reps=1)
+    assert no_draft[0]["draft_step"] is None and no_draft[0]["ngram_propose"] is not None
+    with pytest.raises(ValueError, match="budget"):
+        measure_tier_latencies(target, None, [50], budget=8)
+    with pytest.raises(ValueError, match="contexts"):
+        measure_tier_latencies(target, None, [0])
