@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# GPU checks (issue: scale out) from a plain checkout, tiny and synthetic models only, under 4 minutes on one GPU:
+# logits parity GPU vs CPU, greedy equality of every mode on the GPU, per-tier step latency of a synthetic
+# Llama-2-7B at 32K / 64K / 120K tokens in bf16 with and without KV offloading. JSON to $OUT (or bench/results).
+#   bash bench/gpu_check.sh                      # on a machine with a GPU
+#   bash bench/gpu_check.sh --device cpu --smoke # the same code paths on a CPU, tiny sizes
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=src
+exec timeout 235 python bench/gpu_check.py "$@"
