@@ -87,3 +87,30 @@ def test_sliding_window_shorter_than_request_is_refused():
     cfg.check_length(64)
     with pytest.raises(ValueError, match="sliding_window=64"):
         cfg.check_length(65)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_give_the_same_greedy_tokens():
+    """torch.compile of the norms and MLP (inductor; about 2 minutes of compilation on this CPU)."""
+    from tiny import pair
+    from triforce.engine import Engine, SpeculationConfig
+    from triforce.sampling import SamplingParams
+
+    target, draft = pair(seed=0)
+    engine = Engine(target, draft)
+    greedy = SamplingParams(temperature=0)
+    prompt = list(range(3, 40))
+    ref = engine.generate(prompt, max_new_tokens=16, sampling=greedy)[0]
+    with pytest.raises(ValueError, match="compile mode"):
+        target.compile_blocks("fast")
+    target.compile_blocks("default")
+    spec = SpeculationConfig(mode="retrieval", budget=16, chunk_size=4, gamma2=3)
+    assert engine.generate(prompt, max_new_tokens=16, sampling=greedy, spec=spec)[0] == ref
+
+
+def test_compile_mode_is_checked():
+    from tiny import pair
+
+    target, _ = pair(seed=0)
+    with pytest.raises(ValueError, match="compile mode must be one of default, reduce-overhead, max-autotune"):
+        target.compile_blocks("fast")

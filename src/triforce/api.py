@@ -127,6 +127,13 @@ class TriForce:
                 raise ModelLoadError(f"draft: {e}") from e
         return cls(target, draft_model, offload_kv=offload_kv, on_chip_layers=on_chip_layers, kv_dtype=kv_dtype)
 
+    def compile(self, mode: str = "default") -> None:
+        """``torch.compile`` the target's (and the draft's) fixed-shape block code; see
+        :meth:`~triforce.model.Transformer.compile_blocks` (ValueError for an unknown mode)."""
+        self.target.model.compile_blocks(mode)
+        if self.draft is not None:
+            self.draft.model.compile_blocks(mode)
+
     @property
     def default_mode(self) -> str:
         """``triforce`` when a drafter (model or n-gram) is given, else ``autoregressive``."""

@@ -39,6 +39,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="dtype of every KV cache (default: --dtype); the full cache's dtype is the verifier's")
     g.add_argument("--quantize", choices=["int8"], help="weight-only int8 for the target itself (changes its outputs "
                                                         "like --dtype does; see --lower-weights for a lossless use)")
+    g.add_argument("--compile", choices=["default", "reduce-overhead", "max-autotune"],
+                   help="torch.compile each block's norms and MLP (reduce-overhead: CUDA graphs on GPUs); the first "
+                        "steps are slow while kernels compile")
     g.add_argument("--offload-kv", action="store_true", help="keep the full KV cache in (pinned) host memory and "
                    "stream it to the device layer by layer with prefetch; retrieval and draft caches stay on the device")
     g.add_argument("--on-chip-layers", type=int, help="with --offload-kv: leading layers kept on the device "
@@ -219,6 +222,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         tf = TriForce.load(args.model, args.draft, dtype=args.dtype, device=args.device, tp=tp,
                            offload_kv=args.offload_kv, on_chip_layers=args.on_chip_layers, kv_dtype=args.kv_dtype,
                            quantize=args.quantize)
+        if args.compile:
+            tf.compile(args.compile)
     except ValueError as e:
         raise _option_error(e) from e
     try:
