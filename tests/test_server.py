@@ -611,6 +611,10 @@ def test_bad_options_exit_2_before_loading(capsys):
     assert "--request-timeout" in capsys.readouterr().err
     assert main_for_tests(["--top-p", "0"]) == 2
     assert "--top-p" in capsys.readouterr().err
+    assert main_for_tests(["--tp", "2"]) == 2
+    assert "--tp: triforce serve runs in one process" in capsys.readouterr().err
+    assert main_for_tests(["--on-chip-layers", "2"]) == 2
+    assert "--on-chip-layers needs --offload-kv" in capsys.readouterr().err
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)

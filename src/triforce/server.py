@@ -1004,6 +1004,11 @@ def _defaults_from_args(args: argparse.Namespace) -> ServerDefaults:
 
     if args.threads is not None and args.threads < 1:
         raise CLIError(f"--threads must be >= 1, got {args.threads}")
+    if args.tp != 1:
+        raise CLIError("--tp: triforce serve runs in one process; tensor parallelism is for `torchrun ... -m triforce "
+                       "generate --tp N`")
+    if args.on_chip_layers is not None and not args.offload_kv:
+        raise CLIError("--on-chip-layers needs --offload-kv")
     if not 0 <= args.port <= 65535:
         raise CLIError(f"--port must be in [0, 65535], got {args.port}")
     if args.queue_size < 1:
@@ -1066,7 +1071,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
-        tf = TriForce.load(args.model, args.draft, dtype=args.dtype, device=args.device)
+        tf = TriForce.load(args.model, args.draft, dtype=args.dtype, device=args.device, offload_kv=args.offload_kv,
+                           on_chip_layers=args.on_chip_layers, kv_dtype=args.kv_dtype, quantize=args.quantize)
+        if args.compile:
+            tf.compile(args.compile)
         app = create_app(tf, defaults)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
