@@ -245,3 +245,18 @@ def test_api_bad_arguments_are_named(kwargs, name):
 
     with pytest.raises(ValueError, match=name):
         Engine(ours(hf_model())).generate(**kwargs)
+
+
+def test_options_a_mode_ignores_are_warned(tiny_folder):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "triforce", "generate", "--model", tiny_folder, "--prompt", "abc",
+                        "--max-new-tokens", "2", "--gamma1", "3", "--budget", "64", "--no-progress"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0
+    assert "warning: --gamma1, --budget not used by autoregressive" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "triforce", "generate", "--model", tiny_folder, "--prompt", "abc",
+                        "--max-new-tokens", "2", "--mode", "retrieval", "--budget", "64", "--chunk-size", "4",
+                        "--no-progress"], capture_output=True, text=True)
+    assert r.returncode == 0 and "warning" not in r.stderr

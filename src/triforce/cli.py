@@ -135,6 +135,25 @@ def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpeculationConf
     return spec
 
 
+def ignored_options(args: argparse.Namespace, spec: SpeculationConfig) -> list[str]:
+    """Speculation options given a non-default value that the chosen hierarchy does not use (for a warning)."""
+    kinds = [k for k, _ in spec.chain]
+    uses = {
+        "gamma1": spec.tiers is None and spec.mode == "triforce",
+        "gamma2": spec.tiers is None and spec.mode != "autoregressive",
+        "budget": "retrieval" in kinds, "chunk_size": "retrieval" in kinds, "chunk_score": "retrieval" in kinds,
+        "rebuild_every": "retrieval" in kinds, "rebuild_below": "retrieval" in kinds,
+        "draft_sink": "draft" in kinds, "draft_window": "draft" in kinds,
+        "ngram_n": "ngram" in kinds, "ngram_min": "ngram" in kinds,
+        "adaptive_gamma": bool(kinds), "stop_below": any(k in ("draft", "retrieval") for k in kinds),
+        "lower_weights": any(k in ("draft", "retrieval") for k in kinds),
+        "lower_kv_dtype": any(k in ("draft", "retrieval") for k in kinds),
+    }
+    defaults = SpeculationConfig()
+    return ["--" + name.replace("_", "-") for name, used in uses.items()
+            if not used and getattr(args, name, None) not in (None, getattr(defaults, name))]
+
+
 def _option_error(e: ValueError) -> CLIError:
     """Map a library ValueError ('top_p must be ...') to the option name ('--top-p must be ...')."""
     msg = str(e)
@@ -194,6 +213,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
         spec = spec_from_args(args, has_draft=args.draft is not None)
+        unused = ignored_options(args, spec)
+        if unused:
+            print(f"triforce: warning: {', '.join(unused)} not used by {spec.name} (see --mode / --tiers)", file=sys.stderr)
         if args.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {args.max_new_tokens}")
         if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
