@@ -1,0 +1,171 @@
+"""`triforce bench`: one end-to-end run on a tiny random model folder, the comparison and metric helpers, bad options."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from triforce import bench
+from triforce.cli import main
+
+PROMPT = "the quick brown fox jumps over the lazy dog. " * 4
+NEW_TOKENS = 8
+METHODS = ["hf-ar", "autoregressive", "retrieval", "draft", "triforce-int8"]
+
+
+@pytest.fixture(scope="module")
+def bench_result(tiny_folder, tmp_path_factory):
+    """One greedy bench run (1 rep) of hf-ar, our autoregressive, retrieval and draft (n-gram drafter)."""
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "triforce", "bench", "--model", tiny_folder, "--prompt", PROMPT, "--new-tokens",
+         str(NEW_TOKENS), "--temperature", "0", "--reps", "1", "--threads", "1", "--budget", "32", "--chunk-size", "4",
+         "--gamma2", "4", "--methods", ",".join(METHODS), "--json", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text()), proc.stderr
+
+
+def test_every_method_ran_with_the_same_greedy_tokens(bench_result, tiny_folder):
+    result, stderr = bench_result
+    methods = result["methods"]
+    assert sorted(methods) == sorted(METHODS)
+    assert result["synthetic"] is False and result["settings"]["interleaved"] is True
+    ids = [ord(c) - 29 for c in PROMPT]  # the char tokenizer of tests/tiny.py: ASCII 32.. -> ids 3..
+    assert result["settings"]["prompt_tokens"] == len(ids)
+    # the reference itself against transformers called directly
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    for name, r in methods.items():
+        assert r["status"] == "ok", (name, r)
+        assert r["token_ids"] == [ref], name
+        assert r["generated_tokens"] == [NEW_TOKENS]
+        assert r["greedy"] == {"same_tokens": True, "first_difference": None, "reps_identical": True}
+        assert isinstance(r["peak_memory_bytes"], int) and r["peak_memory_bytes"] > 0
+        tbt = r["mean_time_between_tokens_ms"]["median"]
+        assert tbt > 0 and r["tokens_per_second"]["median"] == pytest.approx(1000 / tbt, rel=1e-3)
+        assert r["speedup_vs_hf_ar"] == pytest.approx(methods["hf-ar"]["mean_time_between_tokens_ms"]["median"] / tbt,
+                                                      rel=1e-3)
+    assert result["greedy"]["reference"] == "hf-ar" and result["greedy"]["all_same"] is True
+    assert result["greedy_mismatches"] == []
+    assert "warning" not in stderr
+    assert methods["autoregressive"]["speedup_vs_autoregressive"] == 1.0
+    # acceptance per verifying tier, from our engine's counters
+    for name in ("retrieval", "draft"):
+        acc = methods[name]["acceptance"]["target"]
+        assert acc["proposed"] > 0 and 0 <= acc["accepted"] <= acc["proposed"]
+        assert acc["acceptance_rate"] == pytest.approx(acc["accepted"] / acc["proposed"], abs=1e-6)
+    assert methods["draft"]["chain"] == [["ngram", 4]] and methods["retrieval"]["chain"] == [["retrieval", 4]]
+    assert "acceptance" not in methods["hf-ar"]
+
+
+def test_cost_model_prediction_is_reported(bench_result):
+    methods = bench_result[0]["methods"]
+    for name in ("retrieval", "draft"):
+        pred = methods[name]["predicted"]["prediction"]
+        assert pred["chain"] == methods[name]["chain"]
+        assert pred["tiers"][-1]["acceptance"] == pytest.approx(methods[name]["acceptance"]["target"]["acceptance_rate"])
+        assert methods[name]["predicted_speedup_vs_autoregressive"] == pred["speedup"] > 0
+        assert methods[name]["measured_over_predicted"] == pytest.approx(
+            methods[name]["speedup_vs_autoregressive"] / pred["speedup"], rel=1e-3)
+
+
+def test_png_chart(bench_result, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.png"
+    assert bench.write_png(bench_result[0], str(path)) is None
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_greedy_flags_a_different_method():
+    tokens = {"hf-ar": [[5, 6, 7, 8]], "autoregressive": [[5, 6, 7, 8], [5, 6, 7, 8]], "broken": [[5, 6, 9, 8]],
+              "short": [[5, 6]], "flaky": [[5, 6, 7, 8], [5, 1, 7, 8]]}
+    out = bench.compare_greedy(tokens, "hf-ar")
+    assert out["hf-ar"] == {"same_tokens": True, "first_difference": None, "reps_identical": True}
+    assert out["autoregressive"] == {"same_tokens": True, "first_difference": None, "reps_identical": True}
+    assert out["broken"] == {"same_tokens": False, "first_difference": 2, "reps_identical": True}
+    assert out["short"] == {"same_tokens": False, "first_difference": 2, "reps_identical": True}
+    assert out["flaky"] == {"same_tokens": False, "first_difference": 1, "reps_identical": False}
+    with pytest.raises(KeyError):
+        bench.compare_greedy(tokens, "llama.cpp")
+
+
+def test_rep_metrics_and_spread_exact_values():
+    m = bench.rep_metrics([0.5, 0.6, 0.8, 0.9])
+    assert m["time_to_first_token_s"] == 0.5 and m["total_seconds"] == 0.9
+    assert m["mean_time_between_tokens_ms"] == pytest.approx(400 / 3, abs=1e-3)
+    assert m["tokens_per_second"] == pytest.approx(7.5, abs=1e-3)
+    assert bench.rep_metrics([0.2])["mean_time_between_tokens_ms"] is None
+    assert bench.spread([3.0, 1.0, 2.0, None, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0, "iqr": 3.0}  # quartiles 1.75, 4.75
+    assert bench.spread([None])["median"] is None
+
+
+def test_aggregate_tiers_sums_over_reps():
+    reps = [{"target": {"verifications": 2, "proposed": 8, "accepted": 6, "mean_tokens_per_verification": 4.0,
+                        "forward_passes": 3, "forward_seconds": 0.5},
+             "ngram": {"forward_passes": 0}},
+            {"target": {"verifications": 3, "proposed": 12, "accepted": 3, "mean_tokens_per_verification": 2.0,
+                        "forward_passes": 4, "forward_seconds": 0.25}}]
+    out = bench.aggregate_tiers(reps)
+    assert list(out) == ["target"]
+    t = out["target"]
+    assert (t["verifications"], t["proposed"], t["accepted"], t["forward_passes"]) == (5, 20, 9, 7)
+    assert t["acceptance_rate"] == 0.45 and t["mean_tokens_per_verification"] == pytest.approx(14 / 5)
+    assert t["forward_seconds"] == 0.75
+
+
+def test_plan_skips_what_cannot_run(monkeypatch):
+    args = bench.add_bench_parser(_subparsers()).parse_args([])
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)
+    run, skipped = bench.plan_methods(args)
+    assert run == ["hf-ar", "hf-lookup", "autoregressive", "draft", "retrieval", "triforce", "retrieval-int8",
+                   "triforce-int8"]
+    assert "--draft MODEL" in skipped["hf-assisted"] and "llama-cpp-python" in skipped["llama.cpp"]
+    args = bench.add_bench_parser(_subparsers()).parse_args(["--synthetic", "llama2-7b", "--layers", "1"])
+    run, skipped = bench.plan_methods(args)
+    assert run == list(bench.SYNTHETIC_METHODS) and "synthetic" in skipped["hf-lookup"]
+
+
+def _subparsers():
+    import argparse
+
+    return argparse.ArgumentParser().add_subparsers()
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--reps", "0"], "--reps"),
+    (["--new-tokens", "0"], "--new-tokens"),
+    (["--methods", "hf-ar,vllm"], "--methods"),
+    (["--methods", "hf-ar,hf-ar"], "--methods"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-k", "-2"], "--top-k"),
+    (["--budget", "5"], "--budget"),
+    (["--gamma2", "0"], "--gamma2"),
+    (["--threads", "0"], "--threads"),
+    (["--dtype", "int3"], "--dtype"),
+    (["--book", "no-such-book.txt"], "--book"),
+    (["--prompt", "a", "--book", "pg1342.txt"], "--prompt"),
+    (["--prompt-file", "/no/such/file.txt"], "--prompt-file"),
+    (["--model", "/no/such/model"], "--model"),
+    (["--layers", "2"], "--layers"),
+    (["--synthetic", "gpt-5"], "--synthetic"),
+    (["--synthetic", "llama2-7b", "--prompt", "x"], "--synthetic"),
+    (["--png", "chart.jpg"], "--png"),
+    (["--json", "/no/such/dir/out.json"], "--json"),
+    (["--reps", "many"], "--reps"),
+])
+def test_bad_options_exit_2_naming_the_option(argv, option, capsys):
+    with pytest.raises(SystemExit) as e:  # argparse type errors exit from the parser
+        code = main(["bench", *argv])
+        raise SystemExit(code)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and option in err, err
