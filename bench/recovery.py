@@ -1,12 +1,11 @@
 """Attention recovery of the retrieval cache's chunk selection, per chunk score (TriForce Sec. 3.1, Fig. 2).
 
-Recovery = the share of a query's attention mass over the earlier positions that falls on the keys the retrieval
-cache keeps (the query's attention to itself, present in every cache, is left out of both). The query is the last
-prompt token's (post-RoPE, as the model's attention receives it); the keys are every earlier position.
-For each layer, each query head, each budget and each chunk score (``mean``: the paper's q . mean key; ``max``:
-the best key of the chunk; ``bound``: Quest's per-channel upper bound) it selects the chunks exactly as the
-retrieval cache does (``RetrievalCache.build``) and sums the head's softmax over the kept positions. ``oracle``
-keeps the best individual tokens. Means over heads, layers and books; JSON output with per-layer values.
+A thin wrapper over :mod:`triforce.analyze` (``triforce analyze --analyses recovery`` computes the same, with a PNG):
+recovery = the share of the last prompt token's attention mass over the earlier positions that falls on the keys
+the retrieval cache keeps (its own key, present in every cache, left out of both), per layer, budget and chunk
+score (``mean``: the paper's q . mean key; ``max``: the best key of the chunk; ``bound``: Quest's per-channel upper
+bound; ``oracle``: the best individual tokens of each query head). Selection = ``RetrievalCache.build`` itself.
+Means over heads, layers and books; JSON output with per-layer values.
 
     python bench/recovery.py --books pg1342.txt pg84.txt pg2701.txt --prompt-tokens 7500 \
         --budgets 256 512 1024 2048 --out bench/results/recovery.json
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -37,59 +35,31 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     from triforce import load_model
-    from triforce.caches import CHUNK_SCORES, FullKVCache, RetrievalCache
-    from triforce.prompts import strip_gutenberg
+    from triforce.analyze import (book_prompt, prefill_recorded, recovery_at_query, recovery_table, resolve_book,
+                                  summarize_recovery)
 
     lm = load_model(None)
-    model, cfg = lm.model, lm.model.cfg
-    g = cfg.num_kv_groups
-    results: dict = {}
+    per_book = {}
     for book in args.books:
-        path = os.path.join(BOOKS, book)
-        if not os.path.isfile(path):
-            print(f"skipping {book}: not found", file=sys.stderr)
+        try:
+            path = resolve_book(book, BOOKS)
+        except FileNotFoundError as e:
+            print(f"skipping {book}: {e}", file=sys.stderr)
             continue
-        ids = lm.tokenizer(strip_gutenberg(open(path, encoding="utf-8").read()))["input_ids"][:args.prompt_tokens]
-        n = len(ids) - 1  # keys: positions [0, n); query: position n (the last prompt token)
-        full = FullKVCache(cfg, len(ids), record_queries=True)
-        for i in range(0, len(ids), 512):
-            chunk = ids[i:i + 512]
-            model(torch.tensor([chunk]), torch.arange(i, i + len(chunk)), full, num_logits=1)
-        query = full.query_at(n)  # (L, 1, nh, hs)
-        keys = full.k[:, 0, :, :n].float()  # (L, nkv, n, hs)
-        q = query[:, 0].float().reshape(cfg.num_hidden_layers, cfg.num_key_value_heads, g, -1)  # (L, nkv, g, hs)
-        logits = torch.einsum("lkgd,lknd->lkgn", q, keys) / math.sqrt(cfg.head_dim)
-        probs = torch.softmax(logits, -1)  # (L, nkv, g, n): attention over the prompt's earlier positions
-
-        full.rollback(n)
-        for budget in args.budgets:
-            for score in CHUNK_SCORES + ("oracle",):
-                if score == "oracle":
-                    top = probs.topk(min(budget, n), dim=-1).values.sum(-1)  # best tokens per query head
-                    rec = top
-                else:
-                    cache = RetrievalCache(cfg, full, budget, args.chunk_size, score)
-                    cache.build(n, query)
-                    sel = cache.selected[:, 0, :, :cache.n_selected]  # (L, nkv, m)
-                    kept = torch.zeros(cfg.num_hidden_layers, cfg.num_key_value_heads, n)
-                    kept.scatter_(-1, sel, 1.0)
-                    rec = (probs * kept[:, :, None]).sum(-1)  # (L, nkv, g)
-                per_layer = rec.mean(dim=(1, 2)).tolist()
-                results.setdefault(str(budget), {}).setdefault(score, {})[book] = per_layer
+        ids = book_prompt(lm.tokenizer, path, args.prompt_tokens)
+        full, query, _ = prefill_recorded(lm.model, ids)
+        per_book[book] = recovery_at_query(lm.model, full, query, len(ids) - 1, args.budgets, args.chunk_size)
         print(f"{book}: done", file=sys.stderr, flush=True)
-    summary = {b: {s: round(sum(sum(v) / len(v) for v in books.values()) / len(books), 4) for s, books in d.items()}
-               for b, d in results.items()}
-    layers = {b: {s: [round(sum(v[i] for v in books.values()) / len(books), 4) for i in range(cfg.num_hidden_layers)]
-                  for s, books in d.items()} for b, d in results.items()}
+    if not per_book:
+        print("no book found; nothing measured", file=sys.stderr)
+        return 0
+    summary = summarize_recovery(per_book)
     out = {"command": "python " + " ".join(sys.argv), "prompt_tokens": args.prompt_tokens,
-           "chunk_size": args.chunk_size, "books": args.books, "mean_recovery": summary, "per_layer": layers}
+           "chunk_size": args.chunk_size, "books": list(per_book), **summary}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
-    print("| budget | " + " | ".join(list(CHUNK_SCORES) + ["oracle"]) + " |")
-    print("|---|" + "---|" * (len(CHUNK_SCORES) + 1))
-    for b, row in summary.items():
-        print(f"| {b} | " + " | ".join(f"{row[s]:.3f}" for s in list(CHUNK_SCORES) + ["oracle"]) + " |")
+    print(recovery_table(summary))
     return 0
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import platform
 import subprocess
@@ -116,67 +115,25 @@ def command_line(argv) -> str:
 # ---------------------------------------------------------------------------------------------------- prompts
 def book_prompt(tokenizer, path: Path, n: int) -> list[int]:
     """The first ``n`` tokens of the book with its Project Gutenberg header and footer removed (no chat template)."""
-    from triforce.prompts import strip_gutenberg
+    from triforce.analyze import book_prompt as _book_prompt
 
-    text = strip_gutenberg(path.read_text(encoding="utf-8", errors="replace"))
-    # tokenize a generous character prefix (BPE of a prefix equals the whole text's tokens except near the cut)
-    chars = 8 * n
-    while True:
-        ids = tokenizer(text[:chars], verbose=False)["input_ids"]
-        if len(ids) >= n + 64 or chars >= len(text):
-            break
-        chars *= 2
-    if len(ids) < n:
-        raise ValueError(f"{path.name} has only {len(ids)} tokens after stripping, fewer than {n}")
-    return [int(t) for t in ids[:n]]
+    return _book_prompt(tokenizer, path, n)
 
 
 # ---------------------------------------------------------------------------------------------------- recovery
 def attention_recovery(model, ids: list[int], budgets: list[int], chunk_size: int) -> dict[int, float]:
     """Fraction of the last prompt token's attention mass over positions [0, P-1) on the retrieval selection.
 
-    A separate prefill into a fresh full cache (recording queries); for each budget a RetrievalCache is built at
-    P-1 with the query of position P-1, exactly as the engine builds it; its selected positions are compared
-    with the exact softmax attention of every query head (mean over layers and heads).
+    A separate prefill into a fresh full cache (recording queries); the selection is ``RetrievalCache.build`` at P-1
+    with the query of position P-1, exactly as the engine builds it (mean over layers and query heads; the
+    computation is :func:`triforce.analyze.recovery_at_query`, also behind ``triforce analyze``).
     """
-    import torch
-    from triforce.caches import FullKVCache, RetrievalCache
+    from triforce.analyze import prefill_recorded, recovery_at_query
 
-    cfg = model.cfg
-    P = len(ids)
-    saved_rope = model.rope  # the engine's RoPE for its (possibly reused) cache: restored below
-    try:
-        model.set_request_length(P)
-        full = FullKVCache(cfg, P, model.dtype, model.device, record_queries=True)
-        step = 512
-        for i in range(0, P, step):
-            chunk = ids[i:i + step]
-            model(torch.tensor([chunk], device=model.device), torch.arange(i, i + len(chunk), device=model.device),
-                  full, num_logits=1)
-    finally:
-        model.rope = saved_rope
-    n = P - 1
-    q = full.query_at(n).float()  # (L, B, nh, hs)
-    L, B, nh, hs = q.shape
-    nkv = cfg.num_key_value_heads
-    g = nh // nkv
-    keys = full.k[:, :, :, :n].float()  # (L, B, nkv, n, hs)
-    # the token's real attention spans [0, P-1]: include its own key, then renormalise over [0, P-1)
-    own = full.k[:, :, :, n].float()  # (L, B, nkv, hs)
-    qg = q.reshape(L, B, nkv, g, hs)
-    scores = torch.einsum("lbkgd,lbknd->lbkgn", qg, keys) / math.sqrt(hs)
-    own_score = torch.einsum("lbkgd,lbkd->lbkg", qg, own)[..., None] / math.sqrt(hs)
-    probs = torch.softmax(torch.cat([scores, own_score], -1), -1)[..., :n]
-    probs = probs / probs.sum(-1, keepdim=True)  # (L, B, nkv, g, n)
-    out = {}
-    for b in budgets:
-        rc = RetrievalCache(cfg, full, b, chunk_size)
-        rc.build(n, full.query_at(n))
-        sel = rc.selected[..., :rc.n_selected]  # (L, B, nkv, m)
-        idx = sel[:, :, :, None, :].expand(L, B, nkv, g, sel.shape[-1])
-        out[b] = float(torch.gather(probs, -1, idx).sum(-1).mean())
+    full, query, _ = prefill_recorded(model, ids)  # restores the model's RoPE afterwards
+    rec = recovery_at_query(model, full, query, len(ids) - 1, budgets, chunk_size, scores=("mean",))["mean"]
     del full
-    return out
+    return {b: sum(v) / len(v) for b, v in rec.items()}
 
 
 # ---------------------------------------------------------------------------------------------------- summary

@@ -126,8 +126,10 @@ class SpeculationConfig:
         _positive_int("draft_sink", self.draft_sink, 0)
         _positive_int("draft_window", self.draft_window)
         for kind, gamma in self.max_chain:
-            if kind == "retrieval" and self.budget < self.chunk_size + gamma + 2:
-                raise ValueError(f"budget must be >= chunk_size + gamma + 2 = {self.chunk_size + gamma + 2} "
+            # chunk 0 + a speculation block (gamma + 1) + the first committed token: a rebuild right after the first
+            # verification would need the query of the last prompt token, which that verification did not compute
+            if kind == "retrieval" and self.budget < self.chunk_size + gamma + 3:
+                raise ValueError(f"budget must be >= chunk_size + gamma + 3 = {self.chunk_size + gamma + 3} "
                                  f"(chunk 0 plus room for a speculation block), got {self.budget}: raise --budget or "
                                  "lower --chunk-size / the retrieval tier's gamma")
 

@@ -336,8 +336,8 @@ class RetrievalTier(ModelTier):
         self.full, self.lookahead, self.rebuild_every = full, lookahead, rebuild_every
         self.rebuild_below = rebuild_below
         self._recent: list[tuple[int, int]] = []  # (accepted, proposed) of recent verifications by the tier above
-        if self.cache.budget - self.cache.chunk_size < lookahead + 1:
-            raise ValueError(f"budget must be at least chunk_size + gamma2 + 2 = {self.cache.chunk_size + lookahead + 1} "
+        if self.cache.budget - self.cache.chunk_size < lookahead + 2:  # see SpeculationConfig's check
+            raise ValueError(f"budget must be at least chunk_size + gamma2 + 3 = {self.cache.chunk_size + lookahead + 2} "
                              f"so generated tokens fit beside chunk 0, got {self.cache.budget}")
 
     def prefill(self, prompt: list[int], progress: Callable[[int], None] | None = None) -> None:
