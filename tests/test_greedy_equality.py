@@ -158,3 +158,15 @@ def test_smallest_budget_rebuilds_after_the_first_verification(engine):
             ref, _ = engine.generate(prompt, max_new_tokens=20, sampling=GREEDY)
             out, stats = engine.generate(prompt, max_new_tokens=20, sampling=GREEDY, spec=spec)
             assert out == ref and stats.tiers["retrieval"]["rebuilds"] > 1
+
+
+def test_packed_weights_keep_every_mode_equal_to_autoregressive():
+    target, draft = pair(seed=8)
+    if not (target.pack_weights() and draft.pack_weights()):
+        pytest.skip("oneDNN linear kernels unavailable in this torch build")
+    engine = Engine(target, draft)
+    for prompt in _prompts(6, seed=8):
+        ref, _ = engine.generate(prompt, max_new_tokens=20, sampling=GREEDY)
+        for mode in MODES:
+            spec = SpeculationConfig(mode=mode, budget=24, chunk_size=4, gamma1=3, gamma2=5, draft_sink=2, draft_window=8)
+            assert engine.generate(prompt, max_new_tokens=20, sampling=GREEDY, spec=spec)[0] == ref, mode

@@ -114,3 +114,20 @@ def test_compile_mode_is_checked():
     target, _ = pair(seed=0)
     with pytest.raises(ValueError, match="compile mode must be one of default, reduce-overhead, max-autotune"):
         target.compile_blocks("fast")
+
+
+def test_packed_weights_match_transformers():
+    """oneDNN-prepacked projections (multi-row products on CPU) keep our logits equal to transformers'."""
+    hf = hf_model(0, layers=2)
+    model = ours(hf)
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+    if not model.pack_weights():
+        pytest.skip("oneDNN linear kernels unavailable in this torch build")
+    assert model.layers[0].mlp.gate_up_proj.packed is not None
+    with torch.no_grad():
+        ref = hf(ids).logits
+    out = model(ids, torch.arange(20), FullKVCache(model.cfg, 32))  # 20 rows: the packed path
+    assert (out - ref).abs().max() < 1e-4
+    cache = FullKVCache(model.cfg, 32)  # one row at a time: the (in, out) path, same logits
+    rows = torch.cat([model(ids[:, i:i + 1], torch.tensor([i]), cache) for i in range(20)], dim=1)
+    assert (rows - ref).abs().max() < 1e-4

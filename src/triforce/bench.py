@@ -142,6 +142,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1] (0.9)")
     g.add_argument("--top-k", type=int, default=0, help="0 = disabled (0)")
     g.add_argument("--seed", type=int, default=0, help="repetition r of every method uses seed + r (0)")
+    m.add_argument("--packed-weights", action="store_true", help="our methods: oneDNN-prepacked weights for "
+                                                                    "multi-token passes (CPU, fp32; see generate --help)")
     k = p.add_argument_group("speculation")
     k.add_argument("--budget", type=int, default=4096, help="retrieval cache slots (4096)")
     k.add_argument("--chunk-size", type=int, default=8, help="retrieval chunk size (8)")
@@ -553,6 +555,10 @@ class _OursRunner:
 
                 check_same_tokenizer(lm.tokenizer, draft_lm.tokenizer)
                 draft = draft_lm.model
+        if cfg.get("packed_weights"):
+            for model in (target, draft):
+                if model is not None:
+                    model.pack_weights()
         self.target, self.draft = target, draft
         self.engine = Engine(target, draft, eos_ids=())
         self.sampling = SamplingParams(temperature=cfg["temperature"], top_p=cfg["top_p"], top_k=cfg["top_k"])
@@ -910,7 +916,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     config = {"model": args.model, "draft": args.draft, "dtype": args.dtype, "threads": threads,
               "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
               "budget": args.budget, "chunk_size": args.chunk_size, "gamma1": args.gamma1, "gamma2": args.gamma2,
-              "synthetic": args.synthetic, "layers": args.layers}
+              "synthetic": args.synthetic, "layers": args.layers, "packed_weights": args.packed_weights}
     results: dict[str, dict] = {m: {"status": "skipped", "reason": r, "description": METHODS[m][1]}
                                 for m, r in skipped.items()}
     bar_off = args.no_progress or None
@@ -1027,7 +1033,8 @@ def run_bench(args: argparse.Namespace) -> dict:
                      "prompt_tokens": len(ids), "new_tokens": args.new_tokens, "temperature": args.temperature,
                      "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "dtype": args.dtype,
                      "threads": threads, "reps": args.reps, "budget": args.budget, "chunk_size": args.chunk_size,
-                     "gamma1": args.gamma1, "gamma2": args.gamma2, "interleaved": True,
+                     "gamma1": args.gamma1, "gamma2": args.gamma2, "packed_weights": args.packed_weights,
+                     "interleaved": True,
                      "warmup": f"{WARMUP_NEW_TOKENS} tokens after the first {WARMUP_PROMPT_TOKENS} prompt tokens"},
         "machine": _machine(), "definitions": DEFINITIONS,
         "greedy": greedy_report, "greedy_mismatches": mismatches,

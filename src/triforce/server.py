@@ -1072,7 +1072,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         tf = TriForce.load(args.model, args.draft, dtype=args.dtype, device=args.device, offload_kv=args.offload_kv,
-                           on_chip_layers=args.on_chip_layers, kv_dtype=args.kv_dtype, quantize=args.quantize)
+                           on_chip_layers=args.on_chip_layers, kv_dtype=args.kv_dtype, quantize=args.quantize,
+                           packed_weights=args.packed_weights)
         if args.compile:
             tf.compile(args.compile)
         app = create_app(tf, defaults)
