@@ -264,7 +264,7 @@ class Transformer(nn.Module):
         A speculative verification multiplies gamma + 1 rows by each weight matrix. On this project's CPU, MKL's
         general matrix product takes about 6x the one-row time for 7 rows, while oneDNN with a weight reordered for
         its kernels (``torch.ops.mkldnn``, what ``torch.compile``'s CPU freezing uses) takes about 1.3-2x
-        (``bench/bench_decode.py --packed``). One-row decode steps keep the (in, out) layout. Costs one more copy
+        (``bench/rows.py``). One-row decode steps keep the (in, out) layout. Costs one more copy
         of the weights in memory.
 
         Returns:
