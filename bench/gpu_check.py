@@ -113,6 +113,19 @@ def _time(fn, device, reps: int) -> tuple[float, list[float]]:
     return statistics.median(times), [min(times), max(times)]
 
 
+def _time_forward(model, cache, n: int, t: int, reps: int) -> tuple[float, list[float]]:
+    """Median seconds of a forward of t random tokens at positions n.. over ``cache``, rolled back after each."""
+    device = model.device
+    ids = torch.randint(0, model.cfg.vocab_size, (1, t), device=device)
+    pos = torch.arange(n, n + t, device=device)
+
+    def fwd():
+        model(ids, pos, cache, num_logits=t)
+        cache.rollback(n)
+
+    return _time(fwd, device, reps)
+
+
 def latencies(device: torch.device, contexts: list[int], layers: int, dtype: torch.dtype, reps: int,
               offload: bool, budget: int = 4096, gamma1: int = 4, gamma2: int = 6) -> dict:
     """Per-tier forward latency of the synthetic llama2-7b (+ llama-68m draft) at each context, seconds."""
@@ -132,40 +145,20 @@ def latencies(device: torch.device, contexts: list[int], layers: int, dtype: tor
                 else:  # the host copy of 30-60 GB: zeros (timing does not depend on the values)
                     cache.length = n
                 for label, t in (("decode", 1), ("pass", gamma2 + 1)):
-                    ids = torch.randint(0, tcfg.vocab_size, (1, t), device=device)
-                    pos = torch.arange(n, n + t, device=device)
-
-                    def fwd():
-                        target(ids, pos, cache, num_logits=t)
-                        cache.rollback(n)
-
-                    row[f"{name}_{label}_s"], row[f"{name}_{label}_spread_s"] = _time(fwd, device, reps)
+                    row[f"{name}_{label}_s"], row[f"{name}_{label}_spread_s"] = _time_forward(target, cache, n, t, reps)
                 if name == "full":
                     retr = RetrievalCache(tcfg, cache, budget, 8)
                     retr.build(n, random_query(tcfg, 1, 0, torch.float32, device))
                     for label, t in (("decode", 1), ("pass", gamma1 + 1)):
-                        ids = torch.randint(0, tcfg.vocab_size, (1, t), device=device)
-                        pos = torch.arange(n, n + t, device=device)
-
-                        def rfwd():
-                            target(ids, pos, retr, num_logits=t)
-                            retr.rollback(n)
-
-                        row[f"retrieval_{label}_s"], row[f"retrieval_{label}_spread_s"] = _time(rfwd, device, reps)
+                        row[f"retrieval_{label}_s"], row[f"retrieval_{label}_spread_s"] = _time_forward(
+                            target, retr, n, t, reps)
                     del retr
                 del cache
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             sc = StreamingCache(dcfg, 16, 240, 64, draft.rope, dtype, device)
             fill_random_kv(sc, n)
-            ids = torch.randint(0, dcfg.vocab_size, (1, 1), device=device)
-            pos = torch.tensor([n], device=device)
-
-            def dfwd():
-                draft(ids, pos, sc, num_logits=1)
-                sc.rollback(n)
-
-            row["draft_step_s"], row["draft_step_spread_s"] = _time(dfwd, device, reps)
+            row["draft_step_s"], row["draft_step_spread_s"] = _time_forward(draft, sc, n, 1, reps)
         except (RuntimeError, MemoryError) as e:  # e.g. out of (pinned) memory at 120K: say so, keep going
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)

@@ -107,6 +107,17 @@ def test_tp2_equals_tp1_in_every_mode_greedy_and_seeded():
         assert not diff, f"rank {rank}: tp=2 differs from tp=1 in {diff}"
 
 
+def _smol_runs(engine: Engine, prompt: list[int]) -> dict:
+    """Greedy tokens of three modes and seeded sampled tokens of the n-gram TriForce hierarchy."""
+    out = {}
+    for name, spec in (("autoregressive", SpeculationConfig()),
+                       ("retrieval", SpeculationConfig(mode="retrieval", budget=64, chunk_size=8, gamma2=4)),
+                       ("ngram", SpeculationConfig(mode="triforce", drafter="ngram", budget=64, gamma1=4, gamma2=4))):
+        out[name] = engine.generate(prompt, max_new_tokens=16, sampling=GREEDY, spec=spec)[0]
+    out["sampled"] = engine.generate(prompt, max_new_tokens=16, sampling=SAMPLED, spec=spec, seed=7)[0]
+    return out
+
+
 def _smol_worker(rank: int, world: int, port: int, folder: str, prompt: list, queue) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
@@ -116,14 +127,7 @@ def _smol_worker(rank: int, world: int, port: int, folder: str, prompt: list, qu
 
     tp = init_tensor_parallel(world)
     lm = load_model(folder, tp=tp)
-    engine = Engine(lm.model, eos_ids=lm.eos_ids)
-    out = {}
-    for name, spec in (("autoregressive", SpeculationConfig()),
-                       ("retrieval", SpeculationConfig(mode="retrieval", budget=64, chunk_size=8, gamma2=4)),
-                       ("ngram", SpeculationConfig(mode="triforce", drafter="ngram", budget=64, gamma1=4, gamma2=4))):
-        out[name] = engine.generate(prompt, max_new_tokens=16, sampling=GREEDY, spec=spec)[0]
-    out["sampled"] = engine.generate(prompt, max_new_tokens=16, sampling=SAMPLED, spec=spec, seed=7)[0]
-    queue.put((rank, out))
+    queue.put((rank, _smol_runs(Engine(lm.model, eos_ids=lm.eos_ids), prompt)))
     import torch.distributed as dist
 
     dist.destroy_process_group()
@@ -135,14 +139,8 @@ def test_tp3_smollm2_equals_tp1(smollm2, book_text):
 
     lm = load_model(smollm2)
     prompt = lm.tokenizer(book_text[:1200])["input_ids"][:200]
-    engine = Engine(lm.model, eos_ids=lm.eos_ids)
-    ref = {}
-    for name, spec in (("autoregressive", SpeculationConfig()),
-                       ("retrieval", SpeculationConfig(mode="retrieval", budget=64, chunk_size=8, gamma2=4)),
-                       ("ngram", SpeculationConfig(mode="triforce", drafter="ngram", budget=64, gamma1=4, gamma2=4))):
-        ref[name] = engine.generate(prompt, max_new_tokens=16, sampling=GREEDY, spec=spec)[0]
-    ref["sampled"] = engine.generate(prompt, max_new_tokens=16, sampling=SAMPLED, spec=spec, seed=7)[0]  # ngram triforce
-    del engine, lm
+    ref = _smol_runs(Engine(lm.model, eos_ids=lm.eos_ids), prompt)
+    del lm
     results = _spawn(_smol_worker, 3, _free_port(), smollm2, prompt)
     for rank in range(3):
         (out,) = results[rank]
