@@ -97,14 +97,16 @@ class TriForce:
     @classmethod
     def load(cls, model: str | None = None, draft: str | None = None, dtype: str = "float32",
              device: str = "cpu", tp=None, offload_kv: bool = False, on_chip_layers: int | None = None,
-             kv_dtype: str | None = None, quantize: str | None = None, packed_weights: bool = False) -> "TriForce":
+             kv_dtype: str | None = None, quantize: str | None = None,
+             packed_weights: bool | None = None) -> "TriForce":
         """Load the target (default: the embedded SmolLM2-135M-Instruct) and an optional draft (a model source, or
         ``"ngram"`` for the model-free drafter); see :func:`load_model`. With ``tp`` (a
         :class:`~triforce.parallel.TensorParallel`) the target is this rank's shard and the draft is replicated;
         ``offload_kv`` / ``on_chip_layers`` / ``kv_dtype``: see :class:`~triforce.engine.Engine`; ``quantize="int8"``
         runs the target itself with weight-only int8 (``quant.py``; it changes the output distribution);
         ``packed_weights`` adds oneDNN-prepacked weights for multi-token passes on the CPU
-        (:meth:`~triforce.model.Transformer.pack_weights`; one more copy of the weights).
+        (:meth:`~triforce.model.Transformer.pack_weights`; one more copy of the weights); None (auto): on a CPU in
+        fp32 when that copy takes at most a quarter of the free memory.
 
         Raises:
             ValueError: an unknown ``quantize`` or ``kv_dtype`` (before loading), or see :func:`load_model`."""
@@ -127,6 +129,8 @@ class TriForce:
                 draft_model = load_model(draft, dtype, device)
             except ModelLoadError as e:
                 raise ModelLoadError(f"draft: {e}") from e
+        if packed_weights is None:
+            packed_weights = target.model.packing_fits()
         if packed_weights:
             target.model.pack_weights()
             if isinstance(draft_model, LoadedModel):

@@ -142,8 +142,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1] (0.9)")
     g.add_argument("--top-k", type=int, default=0, help="0 = disabled (0)")
     g.add_argument("--seed", type=int, default=0, help="repetition r of every method uses seed + r (0)")
-    m.add_argument("--packed-weights", action="store_true", help="our methods: oneDNN-prepacked weights for "
-                                                                    "multi-token passes (CPU, fp32; see generate --help)")
+    m.add_argument("--packed-weights", choices=["auto", "on", "off"], default="auto",
+                   help="our methods: oneDNN-prepacked weights for multi-token passes (CPU, fp32; as in generate)")
     k = p.add_argument_group("speculation")
     k.add_argument("--budget", type=int, default=4096, help="retrieval cache slots (4096)")
     k.add_argument("--chunk-size", type=int, default=8, help="retrieval chunk size (8)")
@@ -555,7 +555,8 @@ class _OursRunner:
 
                 check_same_tokenizer(lm.tokenizer, draft_lm.tokenizer)
                 draft = draft_lm.model
-        if cfg.get("packed_weights"):
+        packed = cfg.get("packed_weights", "auto")
+        if packed == "on" or (packed == "auto" and target.packing_fits()):
             for model in (target, draft):
                 if model is not None:
                     model.pack_weights()

@@ -39,9 +39,10 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="dtype of every KV cache (default: --dtype); the full cache's dtype is the verifier's")
     g.add_argument("--quantize", choices=["int8"], help="weight-only int8 for the target itself (changes its outputs "
                                                         "like --dtype does; see --lower-weights for a lossless use)")
-    g.add_argument("--packed-weights", action="store_true",
-                   help="CPU, fp32: add oneDNN-prepacked weights for multi-token passes (verification blocks, "
-                        "prefill), several times faster than MKL there; one more copy of the weights in memory")
+    g.add_argument("--packed-weights", choices=["auto", "on", "off"], default="auto",
+                   help="CPU, fp32: oneDNN-prepacked weights for multi-token passes (verification blocks, prefill), "
+                        "faster than MKL there; one more copy of the weights in memory (auto: when it takes at most "
+                        "a quarter of the free memory)")
     g.add_argument("--compile", choices=["default", "reduce-overhead", "max-autotune"],
                    help="torch.compile each block's norms and MLP (reduce-overhead: CUDA graphs on GPUs); the first "
                         "steps are slow while kernels compile")
@@ -246,7 +247,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         tf = TriForce.load(args.model, args.draft, dtype=args.dtype, device=args.device, tp=tp,
                            offload_kv=args.offload_kv, on_chip_layers=args.on_chip_layers, kv_dtype=args.kv_dtype,
-                           quantize=args.quantize, packed_weights=args.packed_weights)
+                           quantize=args.quantize,
+                           packed_weights={"auto": None, "on": True, "off": False}[args.packed_weights])
         if args.compile:
             tf.compile(args.compile)
     except ValueError as e:

@@ -283,6 +283,14 @@ class Transformer(nn.Module):
                 module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight_t.detach().T.contiguous(), None)
         return True
 
+    def packing_fits(self) -> bool:
+        """The ``auto`` rule of ``--packed-weights``: a CPU model in fp32 whose weights take at most a quarter of the
+        free memory (the packed copy doubles them)."""
+        from .memory import available_bytes
+
+        return (self.device.type == "cpu" and self.dtype == torch.float32 and isinstance(self.lm_head, Linear)
+                and 4 * self.weight_bytes() <= available_bytes("cpu"))
+
     COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
     def compile_blocks(self, mode: str = "default") -> None:

@@ -1073,7 +1073,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         tf = TriForce.load(args.model, args.draft, dtype=args.dtype, device=args.device, offload_kv=args.offload_kv,
                            on_chip_layers=args.on_chip_layers, kv_dtype=args.kv_dtype, quantize=args.quantize,
-                           packed_weights=args.packed_weights)
+                           packed_weights={"auto": None, "on": True, "off": False}[args.packed_weights])
         if args.compile:
             tf.compile(args.compile)
         app = create_app(tf, defaults)
