@@ -9,7 +9,9 @@ that change the verifier (``--dtype bfloat16``, ``--quantize int8``, ``--kv-dtyp
 output distribution; their agreement says how different.
 
 Every configuration of one engine reuses its prompt KV (prefix reuse), so one prefill per verifier; repetitions are
-interleaved across configurations and medians reported. JSON output; ``--markdown`` prints the table.
+interleaved across configurations and medians reported. fp32 models get oneDNN-prepacked weights for multi-token
+passes, as ``triforce generate`` does by default on a CPU (``--packed-weights auto``). JSON output; ``--markdown``
+prints the table.
 
     OMP_WAIT_POLICY=PASSIVE python bench/dtypes.py --prompt-tokens 8000 --new-tokens 64 --reps 2 --threads 2 \
         --out bench/results/dtypes.json --markdown
@@ -98,6 +100,8 @@ def main() -> int:
             continue
         if verifier["dtype"] not in loaded:
             loaded[verifier["dtype"]] = load_model(None, verifier["dtype"])
+            if loaded[verifier["dtype"]].model.packing_fits():  # as `triforce generate` does by default
+                loaded[verifier["dtype"]].model.pack_weights()
         lm = loaded[verifier["dtype"]]
         if prompt is None:
             prompt = lm.tokenizer(text)["input_ids"][:args.prompt_tokens]

@@ -37,7 +37,8 @@ def test_ngram_min_match_length_skips_short_matches():
         with pytest.raises(ValueError, match="ngram_min"):
             NGramDrafter(vocab_size=20, n=3, min_n=bad)
     with pytest.raises(ValueError, match="ngram_min"):
-        SpeculationConfig(ngram_n=2, ngram_min=3)
+        SpeculationConfig(ngram_min=0)
+    assert SpeculationConfig(ngram_n=2).ngram_min == 3  # the default is capped at ngram_n where it is used
 
 
 def test_ngram_stops_after_eos_and_indexes_committed_tokens():

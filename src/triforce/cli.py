@@ -78,7 +78,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--draft-sink", type=int, default=16, help="StreamingLLM sink tokens of the draft cache")
     k.add_argument("--draft-window", type=int, default=240, help="StreamingLLM window of the draft cache")
     k.add_argument("--ngram-n", type=int, default=4, help="longest suffix the n-gram drafter matches (4)")
-    k.add_argument("--ngram-min", type=int, default=1, help="shortest suffix the n-gram drafter may match (1)")
+    k.add_argument("--ngram-min", type=int, default=3, help="shortest suffix the n-gram drafter may match (3)")
     k.add_argument("--lower-weights", choices=["int8", "bfloat16"],
                    help="cheaper weights for the tiers below the verifier (retrieval tier, draft model): lossless, "
                         "the verifier decides every token (default: as loaded)")

@@ -55,7 +55,8 @@ class SpeculationConfig:
         draft_window: StreamingLLM recent-window tokens of the draft cache.
         drafter: bottom tier of the ``draft`` and ``triforce`` presets: ``model`` (the draft model) or ``ngram``.
         ngram_n: longest suffix the n-gram drafter matches.
-        ngram_min: shortest suffix the n-gram drafter may match (1 <= ngram_min <= ngram_n).
+        ngram_min: shortest suffix the n-gram drafter may match (>= 1; capped at ngram_n; default 3, measured
+            best on 4 books x 2 prompt kinds in ``bench/beyond.py``, docs/benchmarks.md).
         stop_below: model drafters end a proposal before a token whose confidence (max probability at temperature
             1) is below this (None: fixed-length proposals).
         adaptive_gamma: each verifying tier adapts its gamma from the last block: +1 after a fully accepted block
@@ -86,7 +87,7 @@ class SpeculationConfig:
     draft_window: int = 240
     drafter: str = "model"
     ngram_n: int = 4
-    ngram_min: int = 1
+    ngram_min: int = 3
     chunk_score: str = "mean"
     rebuild_below: float | None = None
     stop_below: float | None = None
@@ -101,8 +102,7 @@ class SpeculationConfig:
         if self.drafter not in ("model", "ngram"):
             raise ValueError(f"drafter must be 'model' or 'ngram', got {self.drafter!r}")
         _positive_int("ngram_n", self.ngram_n)
-        if not isinstance(self.ngram_min, int) or isinstance(self.ngram_min, bool) or not 1 <= self.ngram_min <= self.ngram_n:
-            raise ValueError(f"ngram_min must be an integer in [1, ngram_n={self.ngram_n}], got {self.ngram_min!r}")
+        _positive_int("ngram_min", self.ngram_min)
         if self.chunk_score not in CHUNK_SCORES:
             raise ValueError(f"chunk_score must be one of {', '.join(CHUNK_SCORES)}, got {self.chunk_score!r}")
         chain = self.chain  # parses and checks `tiers`
@@ -385,7 +385,7 @@ class Engine:
             adaptive = dict(stop_below=spec.stop_below, adaptive_gamma=spec.adaptive_gamma and drafter is not None)
             if kind == "ngram":
                 node = NGramDrafter(self.target.cfg.vocab_size, spec.ngram_n, self.eos_ids, self.target.device,
-                                    min_n=spec.ngram_min)
+                                    min_n=min(spec.ngram_min, spec.ngram_n))
             elif kind == "draft":
                 self.draft.set_request_length(total)
                 d = self._lower_model(self.draft, spec.lower_weights)
