@@ -230,12 +230,6 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.synthetic is not None and given:
         raise BenchError(f"{given[0]} cannot be combined with --synthetic (its prompt is --prompt-tokens random "
                          "token ids)")
-    if args.synthetic is None and (args.book is not None or not given):
-        book = BOOKS_DIR / (args.book or "pg1342.txt")
-        if not book.is_file():
-            have = sorted(p.name for p in BOOKS_DIR.glob("*.txt")) if BOOKS_DIR.is_dir() else []
-            raise BenchError(f"--book {book.name!r} not in {BOOKS_DIR.resolve()}" +
-                             (f"; available: {', '.join(have)}" if have else " (folder missing); use --prompt-file"))
     for name, value in (("model", args.model), ("draft", args.draft)):
         if value is None or value == "ngram" and name == "draft":
             continue
@@ -271,6 +265,13 @@ def validate_args(args: argparse.Namespace) -> None:
             parent = Path(path).expanduser().resolve().parent
             if not parent.is_dir():
                 raise BenchError(f"{opt} {path!r}: folder {parent} does not exist")
+    # last: the default book is needed only when every other option is right (and no prompt was given)
+    if args.synthetic is None and (args.book is not None or not given):
+        book = BOOKS_DIR / (args.book or "pg1342.txt")
+        if not book.is_file():
+            have = sorted(p.name for p in BOOKS_DIR.glob("*.txt")) if BOOKS_DIR.is_dir() else []
+            raise BenchError(f"--book {book.name!r} not in {BOOKS_DIR.resolve()}" +
+                             (f"; available: {', '.join(have)}" if have else " (folder missing); use --prompt-file"))
 
 
 def _gguf_for(model: str | None) -> tuple[str | None, str | None]:
