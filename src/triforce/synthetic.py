@@ -247,6 +247,8 @@ def fill_random_kv(cache, length: int, seed: int = 0) -> None:
         for layer in range(cache.k.shape[0]):
             cache.k[layer, :, :, :length].normal_(0.0, 1.0, generator=gen)
             cache.v[layer, :, :, :length].normal_(0.0, 1.0, generator=gen)
+        if cache.offload and cache.on_chip_layers:  # the on-chip copies of the leading layers too
+            cache.copy_prefix_from(cache, length)
         cache.length = length
         cache.query_start = -1
         cache.queries = [None] * len(cache.queries)
