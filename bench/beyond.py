@@ -225,14 +225,7 @@ def merge(args) -> int:
     out = {"command": "python " + " ".join(sys.argv), "merged": [p["command"] for p in parts],
            **{k: parts[0].get(k) for k in ("threads", "temperature", "top_p", "prompt_tokens", "new_tokens", "reps")},
            "records": records, "summary": summary, "summary_by_book": per_book}
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
-    if args.markdown:
-        print(markdown(summary))
-        if args.by_book:
-            print()
-            print(markdown(per_book, by_book=True))
-    return 0
+    return _write(args, out)
 
 
 def main() -> int:
@@ -313,15 +306,20 @@ def main() -> int:
     out = {"command": "python " + " ".join(sys.argv), "threads": args.threads, "temperature": args.temperature,
            "top_p": args.top_p, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
            "reps": args.reps, "records": records, "summary": summary, "summary_by_book": per_book}
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
     if os.path.exists(args.out + ".partial"):
         os.remove(args.out + ".partial")
+    return _write(args, out)
+
+
+def _write(args, out: dict) -> int:
+    """Write the JSON; with --markdown print the summary table (and with --by-book the per-book one)."""
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
     if args.markdown:
-        print(markdown(summary))
+        print(markdown(out["summary"]))
         if args.by_book:
             print()
-            print(markdown(per_book, by_book=True))
+            print(markdown(out["summary_by_book"], by_book=True))
     return 0
 
 
