@@ -524,6 +524,15 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: str | os.PathLike, title: str) -> None:
+    """Title (if any), tight layout, write the PNG at 110 dpi, free the figure."""
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_recovery(summary: dict, path: str | os.PathLike, title: str = "") -> None:
     """recovery.png: mean recovery against budget per chunk score, and per layer (paper's rule and oracle).
 
@@ -556,11 +565,7 @@ def plot_recovery(summary: dict, path: str | os.PathLike, title: str = "") -> No
     b.set_title("per layer: paper's chunk rule (solid) and oracle tokens (dotted)")
     b.grid(alpha=0.3)
     b.legend(fontsize=7, ncol=2)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, title)
 
 
 def plot_locality(summary: dict, path: str | os.PathLike, title: str = "", reselect_every: int = 1) -> None:
@@ -591,11 +596,7 @@ def plot_locality(summary: dict, path: str | os.PathLike, title: str = "", resel
     b.set_ylabel("attention mass on the generated tokens")
     b.set_title("share of attention on generated tokens")
     b.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, title)
 
 
 def plot_acceptance(summary: dict, records: Sequence[dict], path: str | os.PathLike, title: str = "") -> None:
@@ -622,11 +623,7 @@ def plot_acceptance(summary: dict, records: Sequence[dict], path: str | os.PathL
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, title)
 
 
 # ---------------------------------------------------------------------------------------------------- tables
