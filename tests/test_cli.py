@@ -25,7 +25,8 @@ def test_generate_json_schema(tiny_folder):
                 "mean_time_between_tokens_ms", "peak_memory_bytes", "tiers", "seed", "mode"):
         assert key in d, key
     assert d["finish_reason"] in ("eos", "stop", "length")
-    assert d["prompt_tokens"] == len("hello world") and d["mode"] == "autoregressive"
+    assert d["prompt_tokens"] == len("hello world") and d["mode"] == "auto"
+    assert d["auto"]["hierarchy"] and d["auto"]["reason"]  # the chosen hierarchy is reported
     assert 1 <= len(d["token_ids"]) <= 12 and d["peak_memory_bytes"] > 0
 
 
@@ -41,11 +42,26 @@ def test_speculative_modes_match_autoregressive_greedy_through_the_cli(tiny_fold
     assert len(set(map(tuple, outs.values()))) == 1, outs
 
 
-def test_default_mode_is_triforce_with_a_draft(tiny_folder, tiny_draft_folder):
+def test_default_mode_is_auto_with_the_draft_at_the_bottom(tiny_folder, tiny_draft_folder):
     code, out, err = run("generate", "--model", tiny_folder, "--draft", tiny_draft_folder, "--prompt", "abc" * 20,
                          "--max-new-tokens", "4", "--json", "--budget", "32", "--seed", "1")
     assert code == 0, err
-    assert json.loads(out)["mode"] == "triforce"
+    d = json.loads(out)
+    assert d["mode"] == "auto" and d["auto"]["hierarchy"].startswith("draft:")
+
+
+def test_draft_self_needs_no_second_model_and_matches_autoregressive_greedy(tiny_folder):
+    outs = {}
+    for extra in (["--mode", "autoregressive"], ["--draft", "self", "--mode", "draft"],
+                  ["--draft", "self", "--mode", "triforce", "--budget", "32", "--chunk-size", "4"]):
+        code, out, err = run("generate", "--model", tiny_folder, "--prompt", "the quick brown fox " * 4,
+                             "--max-new-tokens", "16", "--temperature", "0", "--json", "--draft-window", "16",
+                             "--threads", "1", *extra)
+        assert code == 0, err
+        d = json.loads(out)
+        outs[" ".join(extra)] = d["token_ids"]
+        assert ("self" in d["tiers"]) == ("self" in extra)
+    assert len(set(map(tuple, outs.values()))) == 1, outs
 
 
 def test_stop_string_cuts_the_text(tiny_folder):
@@ -252,8 +268,8 @@ def test_options_a_mode_ignores_are_warned(tiny_folder):
     import sys
 
     r = subprocess.run([sys.executable, "-m", "triforce", "generate", "--model", tiny_folder, "--prompt", "abc",
-                        "--max-new-tokens", "2", "--gamma1", "3", "--budget", "64", "--no-progress"],
-                       capture_output=True, text=True)
+                        "--max-new-tokens", "2", "--gamma1", "3", "--budget", "64", "--no-progress",
+                        "--mode", "autoregressive"], capture_output=True, text=True)
     assert r.returncode == 0
     assert "warning: --gamma1, --budget not used by autoregressive" in r.stderr
     r = subprocess.run([sys.executable, "-m", "triforce", "generate", "--model", tiny_folder, "--prompt", "abc",

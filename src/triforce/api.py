@@ -72,8 +72,8 @@ class TriForce:
 
     Args:
         target: the loaded target model.
-        draft: an optional loaded draft model sharing the target's tokenizer, or ``"ngram"`` for the model-free
-            n-gram drafter.
+        draft: an optional loaded draft model sharing the target's tokenizer, ``"ngram"`` for the model-free
+            n-gram drafter, or ``"self"`` for the target drafting for itself with int4 weights (no second model).
         offload_kv, on_chip_layers, kv_dtype: KV-cache offloading and dtype (see :class:`~triforce.engine.Engine`).
 
     Raises:
@@ -82,11 +82,11 @@ class TriForce:
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | str | None = None, offload_kv: bool = False,
                  on_chip_layers: int | None = None, kv_dtype: str | None = None) -> None:
-        self.drafter = "ngram" if draft == "ngram" else "model"
-        if draft == "ngram":
+        self.drafter = draft if draft in ("ngram", "self") else "model"
+        if draft in ("ngram", "self"):
             draft = None
         elif isinstance(draft, str):
-            raise ValueError(f"draft must be a loaded model, 'ngram' or None, got {draft!r}")
+            raise ValueError(f"draft must be a loaded model, 'ngram', 'self' or None, got {draft!r}")
         if draft is not None:
             check_same_tokenizer(target.tokenizer, draft.tokenizer)
         self.target, self.draft = target, draft
@@ -99,8 +99,8 @@ class TriForce:
              device: str = "cpu", tp=None, offload_kv: bool = False, on_chip_layers: int | None = None,
              kv_dtype: str | None = None, quantize: str | None = None,
              packed_weights: bool | None = None) -> "TriForce":
-        """Load the target (default: the embedded SmolLM2-135M-Instruct) and an optional draft (a model source, or
-        ``"ngram"`` for the model-free drafter); see :func:`load_model`. With ``tp`` (a
+        """Load the target (default: the embedded SmolLM2-135M-Instruct) and an optional draft (a model source,
+        ``"ngram"`` for the model-free drafter or ``"self"`` for the target's own int4 copy); see :func:`load_model`. With ``tp`` (a
         :class:`~triforce.parallel.TensorParallel`) the target is this rank's shard and the draft is replicated;
         ``offload_kv`` / ``on_chip_layers`` / ``kv_dtype``: see :class:`~triforce.engine.Engine`; ``quantize="int8"``
         runs the target itself with weight-only int8 (``quant.py``; it changes the output distribution);
@@ -122,8 +122,8 @@ class TriForce:
         if tp is not None:
             device = tp.device
         draft_model = None
-        if draft == "ngram":
-            draft_model = "ngram"
+        if draft in ("ngram", "self"):
+            draft_model = draft
         elif draft is not None:
             try:
                 draft_model = load_model(draft, dtype, device)
@@ -146,8 +146,8 @@ class TriForce:
 
     @property
     def default_mode(self) -> str:
-        """``triforce`` when a drafter (model or n-gram) is given, else ``autoregressive``."""
-        return "triforce" if (self.draft is not None or self.drafter == "ngram") else "autoregressive"
+        """``auto``: the hierarchy chosen per request and bypassed while it does not pay (``auto.py``)."""
+        return "auto"
 
     def encode(self, prompt: str, chat: bool = False, system: str | None = None,
                max_prompt_tokens: int | None = None) -> list[int]:

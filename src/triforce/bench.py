@@ -7,7 +7,9 @@ Every method decodes the same prompt token ids with the same model, sampling, dt
 ``hf-assisted``     transformers assisted generation with the draft model (``assistant_model=``; needs
                     ``--draft MODEL``)
 ``hf-lookup``       transformers prompt lookup decoding (``prompt_lookup_num_tokens=gamma2``)
+``auto``            ours, the default mode: hierarchy chosen per request, bypassed while it does not pay
 ``autoregressive``  ours, one token per target forward
+``self``            ours, the target's int4 copy over a StreamingLLM cache under the target (``--draft self``)
 ``draft``           ours, the draft tier (draft model + StreamingLLM cache, or the n-gram drafter) under the target
 ``retrieval``       ours, target + retrieval cache under target + full cache (TriForce Sec. 4.1)
 ``triforce``        ours, draft (or n-gram) -> retrieval -> full (TriForce Sec. 4.2)
@@ -72,7 +74,9 @@ METHODS: dict[str, tuple[str, str]] = {
     "hf-ar": ("hf", "transformers generate, autoregressive (dynamic cache)"),
     "hf-assisted": ("hf", "transformers assisted generation with the draft model (assistant_model=)"),
     "hf-lookup": ("hf", "transformers prompt lookup decoding (prompt_lookup_num_tokens=gamma2)"),
+    "auto": ("ours", "triforce mode auto (the default): hierarchy chosen per request, bypassed while it does not pay"),
     "autoregressive": ("ours", "triforce, autoregressive (target + full KV cache)"),
+    "self": ("ours", "triforce --draft self: the target's int4 copy over a StreamingLLM cache, verified by the target"),
     "draft": ("ours", "triforce mode draft: bottom tier (draft model or n-gram) verified by the target"),
     "retrieval": ("ours", "triforce mode retrieval: target + retrieval cache verified by target + full cache"),
     "triforce": ("ours", "triforce mode triforce: bottom tier -> target + retrieval cache -> target + full cache"),
@@ -82,7 +86,7 @@ METHODS: dict[str, tuple[str, str]] = {
     "llama.cpp": ("llama", "llama.cpp through llama-cpp-python on the GGUF file (its weights as stored, f16 KV; "
                            "sampling applies top-k and top-p before the temperature)"),
 }
-OUR_SPECULATIVE = ("draft", "retrieval", "triforce", "retrieval-int8", "triforce-int8")
+OUR_SPECULATIVE = ("draft", "self", "retrieval", "triforce", "retrieval-int8", "triforce-int8")
 SYNTHETIC_METHODS = ("hf-ar", "autoregressive", "draft", "retrieval", "triforce")
 SYNTHETIC_DRAFT = "llama-68m"  # the paper's draft shape (TriForce Sec. 5.1), used by --synthetic without --draft ngram
 WARMUP_PROMPT_TOKENS, WARMUP_NEW_TOKENS = 16, 2
@@ -527,7 +531,7 @@ class _OursRunner:
         self.method, self.cfg = method, cfg
         self.synthetic = cfg.get("synthetic")
         draft_src = cfg.get("draft")
-        uses_bottom = method in ("draft", "triforce", "triforce-int8")
+        uses_bottom = method in ("draft", "triforce", "triforce-int8", "auto")
         drafter = "ngram" if draft_src in (None, "ngram") else "model"
         if self.synthetic:
             syn = _synthetic_module()
@@ -566,6 +570,10 @@ class _OursRunner:
         self.sampling = SamplingParams(temperature=cfg["temperature"], top_p=cfg["top_p"], top_k=cfg["top_k"])
         mode = method.removesuffix("-int8")
         lower = dict(lower_weights="int8", lower_kv_dtype="bfloat16") if method.endswith("-int8") else {}
+        if method == "self":
+            mode, drafter = "draft", "self"
+        elif method == "auto" and drafter == "ngram" and draft_src is None:
+            drafter = "model"  # auto's own choice of bottom tier, as `triforce generate` without --draft
         self.spec = SpeculationConfig(mode=mode, drafter=drafter, budget=cfg["budget"], chunk_size=cfg["chunk_size"],
                                       gamma1=cfg["gamma1"], gamma2=cfg["gamma2"], **lower)
 

@@ -570,6 +570,22 @@ class StreamingCache(KVCache):
                              f"were already dropped (kept from {self.win_start}); raise the cache's slack")
         self.length = length
 
+    def skip_to(self, position: int) -> None:
+        """Continue at ``position`` without the tokens before it past the sinks (they are never computed).
+
+        For a long prompt only the sinks and the last tokens matter to a StreamingLLM cache: the window keeps the
+        most recent ``window`` tokens, whose keys and values depend on earlier tokens only through the windowed
+        attention of the layers below. Skipping the middle of the prompt changes a drafter's proposals slightly, its
+        exactness not at all (the tier above verifies every token). Nothing below ``position`` can be rolled back to.
+
+        Raises:
+            CacheError: ``position`` before the current length, or the sinks not yet filled.
+        """
+        if position < self.length or self.length < min(self.sink, position):
+            raise CacheError(f"StreamingLLM cache: cannot skip to {position} (length {self.length}, "
+                             f"{self.sink} sinks)")
+        self.length = self.win_start = self.floor = position
+
     def visible_positions(self, query_position: int) -> list[int]:
         """Positions a query at ``query_position`` (== length) would attend to, excluding itself (for tests)."""
         t = query_position

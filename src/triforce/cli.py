@@ -30,8 +30,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", help="target model: Hugging Face folder, .gguf file or hub id (default: the embedded "
                                    "SmolLM2-135M-Instruct)")
-    g.add_argument("--draft", help="draft model sharing the target's tokenizer, or 'ngram' for the model-free n-gram "
-                                   "drafter (enables the draft/triforce modes)")
+    g.add_argument("--draft", help="draft model sharing the target's tokenizer, 'ngram' for the model-free n-gram "
+                                   "drafter, or 'self' for the target's own weights quantized to int4 (--self-weights) "
+                                   "over a StreamingLLM cache (the bottom tier of the draft/triforce/auto modes)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and KV dtype")
     g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
     g.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
@@ -60,7 +61,11 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int, help="seed for every random draw (default: random, reported in --json)")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     k = p.add_argument_group("speculation (TriForce)")
-    k.add_argument("--mode", choices=MODES, help="default: triforce with --draft, else autoregressive")
+    k.add_argument("--mode", choices=MODES, default="auto",
+                   help="auto (default: the hierarchy is chosen per request and bypassed while it does not pay), "
+                        "autoregressive, retrieval, draft, triforce")
+    k.add_argument("--self-weights", choices=["int4", "int8", "bfloat16"], default="int4",
+                   help="weights of the --draft self tier (default int4)")
     k.add_argument("--gamma1", type=int, default=4, help="draft tokens per retrieval-tier verification (triforce)")
     k.add_argument("--gamma2", type=int, default=6, help="tokens proposed per target verification")
     k.add_argument("--budget", type=int, default=4096, help="retrieval cache slots (default 4096)")
@@ -122,34 +127,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpeculationConfig:
     """The speculation settings of the parsed options (ValueError names the parameter)."""
-    mode = args.mode or ("triforce" if has_draft else "autoregressive")
+    mode = args.mode or "auto"
     if mode in ("draft", "triforce") and not has_draft and not args.tiers:
-        raise CLIError(f"--mode {mode} needs --draft MODEL or --draft ngram (or use --mode autoregressive or retrieval)")
+        raise CLIError(f"--mode {mode} needs --draft MODEL, --draft ngram or --draft self (or use --mode auto, "
+                       "autoregressive or retrieval)")
     spec = SpeculationConfig(mode=mode, gamma1=args.gamma1, gamma2=args.gamma2, budget=args.budget,
                              chunk_size=args.chunk_size, rebuild_every=args.rebuild_every,
                              draft_sink=args.draft_sink, draft_window=args.draft_window,
-                             drafter="ngram" if args.draft == "ngram" else "model", ngram_n=args.ngram_n,
+                             drafter=args.draft if args.draft in ("ngram", "self") else "model",
+                             self_weights=args.self_weights, ngram_n=args.ngram_n,
                              ngram_min=args.ngram_min,
                              tiers=args.tiers, chunk_score=args.chunk_score,
                              rebuild_below=args.rebuild_below, stop_below=args.stop_below,
                              adaptive_gamma=args.adaptive_gamma, lower_weights=args.lower_weights,
                              lower_kv_dtype=args.lower_kv_dtype)
-    if spec.uses_draft and (args.draft is None or args.draft == "ngram"):
+    if spec.uses_draft and (args.draft is None or args.draft in ("ngram", "self")):
         raise CLIError(f"--tiers {args.tiers} has a draft tier: give --draft MODEL")
     return spec
 
 
 def ignored_options(args: argparse.Namespace, spec: SpeculationConfig) -> list[str]:
     """Speculation options given a non-default value that the chosen hierarchy does not use (for a warning)."""
+    if spec.mode == "auto" and spec.tiers is None:
+        return []  # the hierarchy is chosen per request
     kinds = [k for k, _ in spec.chain]
     uses = {
         "gamma1": spec.tiers is None and spec.mode == "triforce",
         "gamma2": spec.tiers is None and spec.mode != "autoregressive",
         "budget": "retrieval" in kinds, "chunk_size": "retrieval" in kinds, "chunk_score": "retrieval" in kinds,
         "rebuild_every": "retrieval" in kinds, "rebuild_below": "retrieval" in kinds,
-        "draft_sink": "draft" in kinds, "draft_window": "draft" in kinds,
+        "draft_sink": "draft" in kinds or "self" in kinds, "draft_window": "draft" in kinds or "self" in kinds,
+        "self_weights": "self" in kinds,
         "ngram_n": "ngram" in kinds, "ngram_min": "ngram" in kinds,
-        "adaptive_gamma": bool(kinds), "stop_below": any(k in ("draft", "retrieval") for k in kinds),
+        "adaptive_gamma": bool(kinds), "stop_below": any(k in ("draft", "self", "retrieval") for k in kinds),
         "lower_weights": any(k in ("draft", "retrieval") for k in kinds),
         "lower_kv_dtype": any(k in ("draft", "retrieval") for k in kinds),
     }

@@ -7,7 +7,12 @@ Modes (all lossless; see ``tiers.py`` for the tiers):
 ``retrieval``      target + retrieval cache drafts gamma2 tokens for target + full cache
 ``draft``          draft model + StreamingLLM cache drafts gamma2 tokens for target + full
 ``triforce``       draft drafts gamma1 for target + retrieval, which drafts gamma2 for target + full
+``auto``           one of the above, chosen per request, bypassed while it does not pay (``auto.py``)
 ================  =====================================================================
+
+The bottom drafter of ``draft`` and ``triforce`` is a draft model, the model-free n-gram drafter (``ngram``), or
+the target drafting for itself (``self``: its weights quantized to int4 over a StreamingLLM cache, QuantSpec-style,
+arXiv 2502.10424), so every model gets all three tiers without a second model.
 
 :meth:`Engine.stream` is a generator that yields token ids as the verifier accepts them and returns
 :class:`GenerationStats`; :meth:`Engine.generate` is the non-streaming call.
@@ -17,11 +22,12 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Generator
 
 import torch
 
+from .auto import SpeedGovernor, plan_hierarchy
 from .caches import CHUNK_SCORES, FullKVCache, RetrievalCache, StreamingCache, kv_bytes
 from .memory import KVPlacement, check_fits, peak_memory_bytes, plan_kv_placement
 from .model import Transformer
@@ -30,9 +36,13 @@ from .tiers import ModelTier, RetrievalTier, StreamingTier, VerifyFn
 from .ngram import NGramDrafter
 from .speculative import rejection_sample
 
-MODES = ("autoregressive", "retrieval", "draft", "triforce")
+MODES = ("auto", "autoregressive", "retrieval", "draft", "triforce")
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-TIER_KINDS = ("ngram", "draft", "retrieval")
+TIER_KINDS = ("ngram", "self", "draft", "retrieval")
+#: the bottom tier of the ``draft``/``triforce`` presets for each ``SpeculationConfig.drafter``
+DRAFTER_KINDS = {"model": "draft", "ngram": "ngram", "self": "self"}
+#: weights of the ``self`` tier (the target's own weights, quantized; see ``quant.py``)
+SELF_WEIGHTS = ("int4", "int8", "bfloat16")
 
 
 def _positive_int(name: str, value, minimum: int = 1) -> None:
@@ -53,7 +63,10 @@ class SpeculationConfig:
         rebuild_every: re-select the retrieval chunks every N generated tokens (None: only when full).
         draft_sink: StreamingLLM attention-sink tokens of the draft cache.
         draft_window: StreamingLLM recent-window tokens of the draft cache.
-        drafter: bottom tier of the ``draft`` and ``triforce`` presets: ``model`` (the draft model) or ``ngram``.
+        drafter: bottom tier of the ``draft`` and ``triforce`` presets: ``model`` (the draft model), ``ngram`` or
+            ``self`` (the target's own weights as ``self_weights``, over a StreamingLLM cache of ``draft_sink`` +
+            ``draft_window`` tokens).
+        self_weights: weights of the ``self`` tier, one of :data:`SELF_WEIGHTS` (default ``int4``).
         ngram_n: longest suffix the n-gram drafter matches.
         ngram_min: shortest suffix the n-gram drafter may match (>= 1; capped at ngram_n; default 3, measured
             best on 4 books x 2 prompt kinds in ``bench/beyond.py``, docs/benchmarks.md).
@@ -70,7 +83,7 @@ class SpeculationConfig:
             the verifier decides every token; only acceptance can change.
         lower_kv_dtype: dtype of the retrieval and draft caches: None (as the model), ``bfloat16`` or ``float16``.
         tiers: an explicit hierarchy under the full-cache target, bottom first, ``kind:gamma`` entries with kind in
-            :data:`TIER_KINDS` (``ngram`` only at the bottom), e.g. ``"ngram:8,draft:4,retrieval:6"``: each gamma is
+            :data:`TIER_KINDS` (``ngram`` only at the bottom), e.g. ``"self:4,retrieval:6"``: each gamma is
             how many tokens that tier proposes per verification by the tier above. Overrides ``mode``.
 
     Raises:
@@ -86,6 +99,7 @@ class SpeculationConfig:
     draft_sink: int = 16
     draft_window: int = 240
     drafter: str = "model"
+    self_weights: str = "int4"
     ngram_n: int = 4
     ngram_min: int = 3
     chunk_score: str = "mean"
@@ -99,8 +113,10 @@ class SpeculationConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.drafter not in ("model", "ngram"):
-            raise ValueError(f"drafter must be 'model' or 'ngram', got {self.drafter!r}")
+        if self.drafter not in DRAFTER_KINDS:
+            raise ValueError(f"drafter must be one of {', '.join(DRAFTER_KINDS)}, got {self.drafter!r}")
+        if self.self_weights not in SELF_WEIGHTS:
+            raise ValueError(f"self_weights must be one of {', '.join(SELF_WEIGHTS)}, got {self.self_weights!r}")
         _positive_int("ngram_n", self.ngram_n)
         _positive_int("ngram_min", self.ngram_min)
         if self.chunk_score not in CHUNK_SCORES:
@@ -119,8 +135,8 @@ class SpeculationConfig:
             raise ValueError(f"adaptive_gamma must be True or False, got {self.adaptive_gamma!r}")
         if self.stop_below is not None and not (isinstance(self.stop_below, (int, float)) and 0 < self.stop_below < 1):
             raise ValueError(f"stop_below must be in (0, 1), got {self.stop_below!r}")
-        if self.lower_weights not in (None, "int8", "bfloat16"):
-            raise ValueError(f"lower_weights must be None, 'int8' or 'bfloat16', got {self.lower_weights!r}")
+        if self.lower_weights not in (None, "int8", "int4", "bfloat16"):
+            raise ValueError(f"lower_weights must be None, 'int8', 'int4' or 'bfloat16', got {self.lower_weights!r}")
         if self.lower_kv_dtype not in (None, *KV_DTYPES):
             raise ValueError(f"lower_kv_dtype must be None or one of {', '.join(KV_DTYPES)}, got {self.lower_kv_dtype!r}")
         _positive_int("draft_sink", self.draft_sink, 0)
@@ -140,16 +156,16 @@ class SpeculationConfig:
         Raises:
             ValueError: a malformed ``tiers`` string (the allowed kinds are in the message).
         """
-        bottom = "ngram" if self.drafter == "ngram" else "draft"
+        bottom = DRAFTER_KINDS[self.drafter]
         if self.tiers is None:
-            return {"autoregressive": [], "retrieval": [("retrieval", self.gamma2)], "draft": [(bottom, self.gamma2)],
+            return {"auto": [], "autoregressive": [], "retrieval": [("retrieval", self.gamma2)], "draft": [(bottom, self.gamma2)],
                     "triforce": [(bottom, self.gamma1), ("retrieval", self.gamma2)]}[self.mode]
         chain = []
         for entry in str(self.tiers).split(","):
             kind, _, gamma = entry.strip().partition(":")
             if kind not in TIER_KINDS or not gamma.strip().isdigit() or int(gamma) < 1:
                 raise ValueError(f"tiers entries must be KIND:GAMMA with KIND in {', '.join(TIER_KINDS)} and GAMMA >= 1, "
-                                 f"bottom first (e.g. ngram:8,draft:4,retrieval:6); got {entry.strip()!r}")
+                                 f"bottom first (e.g. self:4,retrieval:6); got {entry.strip()!r}")
             chain.append((kind, int(gamma)))
         kinds = [k for k, _ in chain]
         if "ngram" in kinds[1:] or len(set(kinds)) != len(kinds):
@@ -160,6 +176,13 @@ class SpeculationConfig:
     def max_chain(self) -> list[tuple[str, int]]:
         """:attr:`chain` with each gamma at the largest value it can reach (twice it with ``adaptive_gamma``)."""
         return [(k, 2 * g if self.adaptive_gamma else g) for k, g in self.chain]
+
+    def resolve_auto(self, plan) -> "SpeculationConfig":
+        """This config with ``mode='auto'`` replaced by the hierarchy of an :class:`~triforce.auto.AutoPlan`."""
+        if self.mode != "auto" or self.tiers is not None:
+            return self
+        return replace(self, mode="autoregressive", tiers=plan.tiers, budget=plan.budget,
+                       lower_weights=self.lower_weights or plan.lower_weights)
 
     @property
     def name(self) -> str:
@@ -197,6 +220,7 @@ class GenerationStats:
     tiers: dict = field(default_factory=dict)
     retrieval_holds_full_cache: bool | None = None
     kv_placement: dict | None = None
+    auto: dict | None = None
 
     def to_dict(self) -> dict:
         """All fields as a JSON-ready dict."""
@@ -204,7 +228,9 @@ class GenerationStats:
 
     def summary(self) -> str:
         """One line: speed, then acceptance per verifying tier."""
-        parts = [f"{self.mode}: {self.generated_tokens} tokens, {self.decode_tokens_per_second:.2f} tok/s, "
+        mode = self.mode if not self.auto else f"auto ({self.auto['hierarchy']}, " \
+            f"{self.auto['speculative_tokens']} speculative / {self.auto['autoregressive_tokens']} plain tokens)"
+        parts = [f"{mode}: {self.generated_tokens} tokens, {self.decode_tokens_per_second:.2f} tok/s, "
                  f"TBT {self.mean_time_between_tokens_ms:.1f} ms, prefill {self.prefill_seconds:.2f} s "
                  f"({self.prompt_tokens} tokens)"]
         for name, t in self.tiers.items():
@@ -234,7 +260,9 @@ class Engine:
             full cache's dtype is the verifier's, so it changes the output distribution like ``--dtype`` does;
             ``SpeculationConfig.lower_kv_dtype`` changes only the lower tiers' caches, at no loss.
 
-    ``tier_verify`` maps a tier name to a replacement verification rule (tests inject broken variants).
+    ``tier_verify`` maps a tier name to a replacement verification rule (tests inject broken variants);
+    ``governor_factory(top)`` makes the :class:`~triforce.auto.SpeedGovernor` of an ``auto`` request (tests inject
+    scripted ones).
     """
 
     def __init__(self, target: Transformer, draft: Transformer | None = None, eos_ids: tuple[int, ...] = (),
@@ -260,6 +288,7 @@ class Engine:
         self._full: FullKVCache | None = None
         self._full_tokens: list[int] = []
         self.tier_verify: dict[str, VerifyFn] = {}  # per-tier override of the verification rule (tests)
+        self.governor_factory: Callable = SpeedGovernor  # mode auto: decides when to bypass the drafters (tests swap it)
 
     # ------------------------------------------------------------------ planning
     def cache_bytes(self, prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig) -> dict[str, int]:
@@ -271,12 +300,18 @@ class Engine:
             out["retrieval cache"] = kv_bytes(self.target.cfg, spec.budget, lower or dtype)
         if spec.uses_draft and self.draft is not None:
             out["draft cache"] = kv_bytes(self.draft.cfg, self._draft_capacity(spec), lower or self.draft.dtype)
-        if spec.lower_weights:
-            models = ([self.target] if spec.uses_retrieval else []) + ([self.draft] if spec.uses_draft and self.draft else [])
-            new = sum(m.weight_bytes() // (4 if spec.lower_weights == "int8" else 2) for m in models
-                      if (id(m), spec.lower_weights) not in self._lower)
-            if new:
-                out[f"{spec.lower_weights} copies of the lower tiers' weights"] = new
+        kinds = [k for k, _ in spec.chain]
+        if "self" in kinds:
+            out["self-draft cache"] = kv_bytes(self.target.cfg, self._draft_capacity(spec), lower or dtype)
+        copies = [(m, spec.lower_weights) for m in ([self.target] if spec.uses_retrieval else [])
+                  + ([self.draft] if spec.uses_draft and self.draft else []) if spec.lower_weights]
+        copies += [(self.target, spec.self_weights)] if "self" in kinds else []
+        bytes_per_weight = {"int8": 1.0, "int4": 0.625, "bfloat16": 2.0}  # int4: 4 bits + bf16 scale/zero per 32
+        for m, scheme in dict.fromkeys(copies):
+            if (id(m), scheme) not in self._lower:
+                key = f"{scheme} copies of the lower tiers' weights"
+                weights = m.weight_bytes() // m.dtype.itemsize
+                out[key] = out.get(key, 0) + int(weights * bytes_per_weight[scheme])
         return out
 
     def _lower_model(self, model: Transformer, weights: str | None) -> Transformer:
@@ -307,6 +342,13 @@ class Engine:
 
     def _draft_capacity(self, spec: SpeculationConfig) -> int:
         return spec.draft_sink + spec.draft_window + self._lookahead(spec) + self.DRAFT_PREFILL_CHUNK
+
+    def plan_auto(self, prompt_tokens: int, sampling: SamplingParams, spec: SpeculationConfig):
+        """The hierarchy ``mode='auto'`` runs for a prompt of ``prompt_tokens`` (:func:`~triforce.auto.plan_hierarchy`)."""
+        bottom = DRAFTER_KINDS[spec.drafter] if spec.drafter != "model" or self.draft is not None else None
+        return plan_hierarchy(self.target.cfg, self.target.weight_bytes(), self.kv_dtype, prompt_tokens, bottom,
+                              sampling, gamma1=spec.gamma1, gamma2=spec.gamma2, chunk_size=spec.chunk_size,
+                              max_budget=spec.budget)
 
     def validate(self, prompt_ids: list[int], max_new_tokens: int, spec: SpeculationConfig) -> None:
         """Check a request before any heavy work.
@@ -386,14 +428,17 @@ class Engine:
             if kind == "ngram":
                 node = NGramDrafter(self.target.cfg.vocab_size, spec.ngram_n, self.eos_ids, self.target.device,
                                     min_n=min(spec.ngram_min, spec.ngram_n))
-            elif kind == "draft":
-                self.draft.set_request_length(total)
-                d = self._lower_model(self.draft, spec.lower_weights)
-                kv = KV_DTYPES[spec.lower_kv_dtype] if spec.lower_kv_dtype else (
-                    self.kv_dtype if self.draft.dtype == self.target.dtype else self.draft.dtype)
+            elif kind in ("draft", "self"):  # a small model, or the target's quantized weights, over StreamingLLM
+                if kind == "draft":
+                    self.draft.set_request_length(total)
+                    d = self._lower_model(self.draft, spec.lower_weights)
+                    kv = self.kv_dtype if self.draft.dtype == self.target.dtype else self.draft.dtype
+                else:
+                    d, kv = self._lower_model(self.target, spec.self_weights), self.kv_dtype
+                kv = KV_DTYPES[spec.lower_kv_dtype] if spec.lower_kv_dtype else kv
                 cache = StreamingCache(d.cfg, spec.draft_sink, spec.draft_window,
                                        self._lookahead(spec) + self.DRAFT_PREFILL_CHUNK, d.rope, kv, d.device)
-                node = StreamingTier("draft", d, cache, drafter=drafter, gamma=gamma,
+                node = StreamingTier(kind, d, cache, drafter=drafter, gamma=gamma,
                                      prefill_chunk=self.DRAFT_PREFILL_CHUNK, verify_fn=verify, **adaptive, **common)
             else:
                 cache = RetrievalCache(self.target.cfg, full, spec.budget, spec.chunk_size, spec.chunk_score,
@@ -444,6 +489,10 @@ class Engine:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
         self.last_stats = None
+        plan = None
+        if spec.mode == "auto" and spec.tiers is None:
+            plan = self.plan_auto(len(prompt_ids), sampling, spec)
+            spec = spec.resolve_auto(plan)
         self.validate(prompt_ids, max_new_tokens, spec)
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")
@@ -451,6 +500,7 @@ class Engine:
                 seed = self.target.tp.broadcast_int(seed)
         generator = torch.Generator(device=self.target.device).manual_seed(seed)
         top = self.build_hierarchy(len(prompt_ids), max_new_tokens, sampling, spec, generator)
+        governor = self.governor_factory(top) if plan is not None else None
         eos = frozenset(self.eos_ids)
         t_start = t_prefill = time.perf_counter()
         seq = list(prompt_ids)
@@ -460,6 +510,9 @@ class Engine:
             top.prefill(prompt_ids, prefill_progress)
             t_prefill = time.perf_counter()
             while generated < max_new_tokens and finish == "length":
+                if governor is not None:
+                    governor.before_step(seq)
+                    t_step = time.perf_counter()
                 tokens, _ = top.step(seq, max_new_tokens - generated)
                 for t in tokens:
                     seq.append(t)
@@ -469,6 +522,8 @@ class Engine:
                         finish = "eos"
                         break
                 top.commit(seq)
+                if governor is not None:
+                    governor.after_step(time.perf_counter() - t_step, len(tokens))
         except GeneratorExit:
             finish = "stop"
             raise
@@ -479,6 +534,9 @@ class Engine:
             t_end = time.perf_counter()
             t_prefill = t_prefill if generated or finish != "interrupted" else t_end  # interrupted in prefill
             stats = self._stats(top, spec, len(prompt_ids), generated, finish, t_prefill - t_start, t_end - t_prefill, seed)
+            if plan is not None:
+                stats.mode = "auto"
+                stats.auto = dict(hierarchy=plan.tiers, budget=plan.budget, reason=plan.reason, **governor.to_dict())
             self.last_stats = stats
             top.truncate(len(seq) - 1)  # nothing past the output (e.g. drafts after an accepted EOS) stays cached
             self._full_tokens = top.cached

@@ -90,5 +90,9 @@ class NGramDrafter:
     def commit(self, seq: list[int]) -> None:
         self._extend_index(seq, len(seq) - 1)
 
+    def resync(self, seq: list[int]) -> None:
+        """After a bypass of the tier above: index the tokens committed meanwhile."""
+        self._extend_index(seq, len(seq) - 1)
+
     def all_stats(self) -> list[TierStats]:
         return [self.stats]

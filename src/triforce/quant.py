@@ -9,6 +9,12 @@ output distribution.
   ``scale = max_i |w[o, i]| / 127``), as in gpt-fast's and torchao's int8 weight-only schemes. The matmul is
   PyTorch's own ``aten._weight_int8pack_mm`` (bf16 activations, int8 weights, fp32 accumulation) where the device
   has it; elsewhere ``x @ (q * scale)^T`` dequantized on the fly (feature detection with a fallback).
+* ``int4``: weight-only, asymmetric, group-wise along the input dimension (groups of :data:`INT4_GROUP` inputs:
+  ``w ~= (q - 8) * scale[g, o] + zero[g, o]`` with ``q`` in [0, 15]), the scheme of gpt-fast's and torchao's
+  int4 weight-only quantization and of QuantSpec's self-speculative draft (Tiwari et al., arXiv 2502.10424). The
+  matmul is PyTorch's ``aten._weight_int4pack_mm_for_cpu`` (bf16 activations, packed 4-bit weights) on the CPU
+  where available; elsewhere the dequantized weights (feature detection with a fallback). This is the weight copy
+  of the ``self`` tier (the target drafting for itself, ``--draft self``).
 * ``bfloat16``: weights (out, in) in bf16 through ``F.linear``.
 
 Activations stay in the source model's dtype between layers; each quantized matmul converts its input and output.
@@ -22,7 +28,9 @@ import torch.nn.functional as F
 
 from .model import Linear, Transformer
 
-LOWER_WEIGHTS = ("int8", "bfloat16")
+LOWER_WEIGHTS = ("int8", "int4", "bfloat16")
+#: inputs per int4 quantization group (a projection whose input size it does not divide keeps int8)
+INT4_GROUP = 32
 
 
 def _int8pack_supported(device: torch.device) -> bool:
@@ -67,6 +75,71 @@ class Int8Linear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
+def _int4pack_supported(device: torch.device) -> bool:
+    """Whether ``aten._weight_int4pack_mm_for_cpu`` runs on ``device`` (checked once with a tiny product)."""
+    if device.type != "cpu":
+        return False
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.zeros(16, 64, dtype=torch.int32), 1)
+        sz = torch.ones(64 // INT4_GROUP, 16, 2, dtype=torch.bfloat16)
+        x = torch.ones(1, 64, dtype=torch.bfloat16)
+        return bool(torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, sz).shape == (1, 16))
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+
+
+class Int4Linear(nn.Module):
+    """``y = x W~^T + b`` with W~ the group-wise int4 approximation of W (see the module docstring).
+
+    Args:
+        linear: the :class:`~triforce.model.Linear` to quantize (its ``weight_t`` is (in, out), ``in`` divisible
+            by :data:`INT4_GROUP`).
+
+    Attributes:
+        packed: the 4-bit weights in the kernel's packed layout (uint8), or None on the fallback path.
+        scale_zeros: (in / group, out, 2) bf16: per group and output channel, the scale and the zero point.
+        dequantized: (out, in) in the source dtype on the fallback path, else None.
+        bias: (out,) in the source dtype, or None.
+
+    Raises:
+        ValueError: ``in`` not divisible by the group size.
+    """
+
+    def __init__(self, linear: Linear) -> None:
+        super().__init__()
+        w = linear.weight_t.detach().float().T  # (out, in)
+        n_out, n_in = w.shape
+        if n_in % INT4_GROUP:
+            raise ValueError(f"int4 weights need an input size divisible by {INT4_GROUP}, got {n_in}")
+        wg = w.reshape(n_out, n_in // INT4_GROUP, INT4_GROUP)  # (out, groups, group)
+        lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+        scale = ((hi - lo) / 15).clamp(min=1e-8)  # (out, groups, 1)
+        q = torch.round((wg - lo) / scale).clamp(0, 15)  # (out, groups, group) in [0, 15]
+        zero = lo + 8 * scale  # w ~= (q - 8) * scale + zero: the kernel's convention
+        self.scale_zeros = nn.Parameter(torch.stack([scale[..., 0].T, zero[..., 0].T], -1).to(torch.bfloat16)
+                                        .contiguous(), requires_grad=False)  # (groups, out, 2)
+        self.bias = linear.bias
+        self.packed = self.dequantized = None
+        if n_out % 16 == 0 and _int4pack_supported(w.device):  # the kernel packs output channels by 16
+            qi = q.reshape(n_out, n_in).to(torch.int32).to(w.device)
+            self.packed = nn.Parameter(torch.ops.aten._convert_weight_to_int4pack_for_cpu(qi, 1), requires_grad=False)
+        else:
+            sz = self.scale_zeros.float()
+            deq = (q - 8) * sz[..., 0].T[..., None] + sz[..., 1].T[..., None]  # the kernel's bf16 scales, exactly
+            self.dequantized = nn.Parameter(deq.reshape(n_out, n_in).to(linear.weight_t.dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # (M, in)
+        if self.packed is not None:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), self.packed,
+                                                           INT4_GROUP, self.scale_zeros)
+        else:
+            y = F.linear(x2, self.dequantized.to(x2.dtype))
+        y = y.to(x.dtype).reshape(*shape[:-1], -1)
+        return y + self.bias if self.bias is not None else y
+
+
 class BF16Linear(nn.Module):
     """``y = x W^T + b`` with W (out, in) in bf16 (``F.linear``'s layout, the faster one for bf16 GEMV on CPU)."""
 
@@ -98,7 +171,13 @@ def lower_precision_copy(model: Transformer, weights: str) -> Transformer:
     """
     if weights not in LOWER_WEIGHTS:
         raise ValueError(f"lower_weights must be one of {', '.join(LOWER_WEIGHTS)}, got {weights!r}")
-    make = Int8Linear if weights == "int8" else BF16Linear
+    kinds = {"int8": Int8Linear, "int4": Int4Linear, "bfloat16": BF16Linear}
+
+    def make(linear: Linear) -> nn.Module:
+        if weights == "int4" and linear.weight_t.shape[0] % INT4_GROUP:
+            return Int8Linear(linear)  # a projection int4's groups do not fit keeps int8
+        return kinds[weights](linear)
+
     import copy
 
     out = copy.copy(model)  # shallow: shares submodules until replaced below

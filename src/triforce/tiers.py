@@ -106,6 +106,9 @@ class Drafter(Protocol):
     def commit(self, seq: list[int]) -> None:
         """``seq`` is final: no later rollback goes below ``len(seq) - 1``."""
 
+    def resync(self, seq: list[int]) -> None:
+        """Catch up with ``seq`` (final but its last token) after the tier above ran without drafting for a while."""
+
     def observe(self, accepted: int, proposed: int) -> None:
         """The tier above accepted ``accepted`` of the ``proposed`` tokens this tier just gave it."""
 
@@ -161,6 +164,7 @@ class ModelTier:
         self.stop_below, self.adaptive_gamma = stop_below, adaptive_gamma
         self.tp = tp
         self.gamma_max = 2 * gamma
+        self.drafting = True  # False: the drafter is bypassed (autoregressive steps; see ``auto.py``)
         self.confidence: torch.Tensor | None = None  # (len(emitted),) of the last step, when stop_below is set
         self.cached: list[int] = []  # tokens whose KV is in the cache: always a prefix of the sequence
         self.tail_logits: torch.Tensor | None = None  # (V,) logits at position len(cached) - 1, if known
@@ -229,7 +233,7 @@ class ModelTier:
             ``(tokens, probs)``: the emitted tokens and this tier's distribution for each, (len, V) fp32.
             Tokens stop after an EOS.
         """
-        k = min(self.gamma, max_tokens - 1) if self.drafter is not None else 0
+        k = min(self.gamma, max_tokens - 1) if self.drafter is not None and self.drafting else 0
         if k > 0:
             drafts, q = self.drafter.propose(seq, k)  # tokens ~ q, q: (k', V)
         else:
@@ -308,8 +312,18 @@ class ModelTier:
         """The tier above accepted ``accepted`` of the ``proposed`` tokens this tier gave it (unused here)."""
 
     def commit(self, seq: list[int]) -> None:
-        if self.drafter is not None:
+        if self.drafter is not None and self.drafting:  # a bypassed drafter catches up in resync
             self.drafter.commit(seq)
+
+    def resync(self, seq: list[int]) -> None:
+        """Catch up with ``seq`` (its tokens but the last are final): this tier lazily, the tiers below as they need."""
+        if self.drafter is not None:
+            self.drafter.resync(seq)
+
+    def resume_drafting(self, seq: list[int]) -> None:
+        """End a bypass: the drafter chain catches up with ``seq`` and drafts again from the next step."""
+        self.drafting = True
+        self.resync(seq)
 
     def all_stats(self) -> list[TierStats]:
         below = self.drafter.all_stats() if self.drafter is not None else []
@@ -382,24 +396,53 @@ class RetrievalTier(ModelTier):
             self._build(seq, full_len - 1)
         super().commit(seq)
 
+    def resync(self, seq: list[int]) -> None:
+        """After a bypass: re-select the chunks as a rebuild at commit does (the verifier's newest query)."""
+        self._build(seq, self.full.length - 1)
+        super().resync(seq)
+
 
 class StreamingTier(ModelTier):
-    """Tier 0: the draft model over a :class:`~triforce.caches.StreamingCache` (prefills the prompt with eviction)."""
+    """Tier 0: a small model (or the target's quantized copy) over a :class:`~triforce.caches.StreamingCache`.
+
+    Prefill feeds the sinks and the last ``PREFILL_WINDOWS`` windows of the prompt, skipping the middle
+    (:meth:`~triforce.caches.StreamingCache.skip_to`): a StreamingLLM cache keeps only those, so a long prompt costs
+    the drafter a few hundred tokens instead of all of them. This changes proposals slightly, never the output.
+    """
 
     cache: StreamingCache
+    PREFILL_WINDOWS = 2
+
+    def _feed(self, tokens: list[int]) -> int:
+        """Feed the final ``tokens[len(cached):]``, skipping the middle of a long run; returns the tokens fed."""
+        start, end, sink = len(self.cached), len(tokens), self.cache.sink
+        tail = self.PREFILL_WINDOWS * self.cache.window
+        spans = [(start, end)]
+        if end - max(start, sink) > tail + self.prefill_chunk:  # the sinks, then the last windows
+            spans = [(start, max(start, min(sink, end))), (end - tail, end)]
+        for lo, hi in spans:
+            if lo > len(self.cached):
+                self.cache.skip_to(lo)
+                self.cached = list(tokens[:lo])
+            for i in range(lo, hi, self.prefill_chunk):
+                self.cache.floor = i  # these tokens are final: nothing below i will be rolled back
+                self._forward(tokens[i:min(hi, i + self.prefill_chunk)], 1)
+        self.tail_logits = None
+        return sum(hi - lo for lo, hi in spans)
 
     def prefill(self, prompt: list[int], progress: Callable[[int], None] | None = None) -> None:
         self.truncate(0)
         self.cache.floor = 0
-        tokens = prompt[:-1]
-        for i in range(0, len(tokens), self.prefill_chunk):
-            self.cache.floor = i  # the prompt is final: nothing below i will be rolled back
-            t0 = time.perf_counter()
-            self._forward(tokens[i:i + self.prefill_chunk], 1)
-            self.stats.prefill_seconds += time.perf_counter() - t0
-        self.tail_logits = None
+        t0 = time.perf_counter()
+        self.stats.extra["prefill_tokens"] = self._feed(prompt[:-1])
+        self.stats.prefill_seconds += time.perf_counter() - t0
         if self.drafter is not None:
             self.drafter.prefill(prompt, progress)
+
+    def resync(self, seq: list[int]) -> None:
+        """After a bypass: feed the tokens committed meanwhile (the sinks and last windows of them)."""
+        self._feed(seq[:-1])
+        super().resync(seq)
 
     def commit(self, seq: list[int]) -> None:
         self.cache.floor = max(self.cache.floor, len(seq) - 1)

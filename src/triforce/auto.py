@@ -1,0 +1,173 @@
+"""``--mode auto``: choose the hierarchy for a request, and bypass it while it does not pay.
+
+Two parts, both lossless (every token is still decided by the verifier over the full KV cache; the choice of
+hierarchy only changes how many tokens each verification emits, never their distribution):
+
+* :func:`plan_hierarchy` picks the tiers once per request from what a decode step reads (Leviathan et al. 2023,
+  arXiv 2211.17192, Sec. 3.4: speculation pays when drafting is cheap next to a verification; TriForce,
+  arXiv 2404.11912, Sec. 4: a retrieval tier pays once the KV cache outweighs the weights it reads):
+
+  - a retrieval tier (target weights as int8, ``budget`` slots) goes under the target when the full KV cache at
+    the prompt length is at least :data:`RETRIEVAL_MIN_KV_SHARE` of the target's weight bytes: below that its step
+    reads nearly as many bytes as the target's own decode step;
+  - the bottom tier is the one the user named (a draft model, ``ngram``, or ``self``: the target's int4 copy);
+    without one, the model-free n-gram drafter (no forward at all), except under sampling below a retrieval tier,
+    where its exact-match proposals are rarely accepted on prose (0.02-0.05 at T = 0.6 on SmolLM2, against 0.5-0.9
+    greedy) and the retrieval tier alone drafts.
+
+* :class:`SpeedGovernor` measures, while generating, the time per emitted token of the speculative steps against
+  the time of plain decode steps of the same request, and bypasses the drafters (autoregressive steps) while
+  speculation is slower, trying again after a backoff that doubles each time it fails. A tier that stops paying
+  is therefore bypassed, and tried again later. Greedy output is unchanged token for token; under sampling the
+  output distribution is unchanged, but the sample drawn for a seed depends on the timings.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .caches import kv_bytes
+from .config import ModelConfig
+from .sampling import SamplingParams
+
+#: a retrieval tier goes into the hierarchy when the full KV cache is at least this share of the weights' bytes
+RETRIEVAL_MIN_KV_SHARE = 0.25
+#: retrieval budget of the auto plan: this share of the prompt, between the bounds below (paper: 4096 of 120K)
+RETRIEVAL_BUDGET_SHARE = 1 / 8
+RETRIEVAL_BUDGET_BOUNDS = (256, 4096)
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """The hierarchy ``--mode auto`` chose for a request and why.
+
+    Attributes:
+        tiers: the hierarchy under the target, bottom first (``SpeculationConfig.tiers`` syntax), e.g.
+            ``"ngram:4,retrieval:6"``.
+        budget: retrieval cache slots (when a retrieval tier is in ``tiers``).
+        lower_weights: weights of the tiers below the verifier (``int8``).
+        reason: one sentence: the figures the choice rests on.
+    """
+
+    tiers: str
+    budget: int
+    lower_weights: str | None
+    reason: str
+
+
+def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, prompt_tokens: int, bottom: str | None,
+                   sampling: SamplingParams, gamma1: int = 4, gamma2: int = 6, chunk_size: int = 8,
+                   max_budget: int = 4096) -> AutoPlan:
+    """Choose the hierarchy for a request of ``prompt_tokens`` (rules in the module docstring).
+
+    Args:
+        cfg: the target's configuration (layers, KV heads, head size: the KV bytes per token).
+        weight_bytes: bytes of the target's weights (what a decode step reads besides the KV cache).
+        kv_dtype: dtype of the full KV cache.
+        prompt_tokens: the prompt's length, tokens (>= 1).
+        bottom: the bottom tier's kind the user asked for: ``draft`` (a draft model was given), ``ngram`` or
+            ``self``; None: chosen here.
+        sampling: the request's sampling (greedy favours the n-gram drafter's exact-match proposals; kept for the
+            reason line).
+        gamma1, gamma2: proposals per verification of the bottom and the middle tier.
+        chunk_size: retrieval chunk size.
+        max_budget: the most retrieval slots (``SpeculationConfig.budget``; the budget is
+            :data:`RETRIEVAL_BUDGET_SHARE` of the prompt within :data:`RETRIEVAL_BUDGET_BOUNDS` and this).
+
+    Returns:
+        :class:`AutoPlan`.
+    """
+    kv = kv_bytes(cfg, prompt_tokens, kv_dtype)
+    share = kv / max(1, weight_bytes)
+    lo, hi = RETRIEVAL_BUDGET_BOUNDS
+    budget = int(min(hi, max_budget, max(lo, prompt_tokens * RETRIEVAL_BUDGET_SHARE)))
+    budget = max(budget, chunk_size + gamma2 + 3)
+    sizes = f"KV cache {kv / 2**20:.0f} MiB = {share:.2f} x the weights' {weight_bytes / 2**20:.0f} MiB"
+    if share >= RETRIEVAL_MIN_KV_SHARE and prompt_tokens > budget:
+        if bottom is None and not sampling.greedy:
+            tiers, why = f"retrieval:{gamma2}", "no bottom tier (n-gram proposals rarely pass under sampling)"
+        else:
+            bottom = bottom or "ngram"
+            tiers, why = f"{bottom}:{gamma1},retrieval:{gamma2}", f"{bottom} drafts for it"
+        why = f"{sizes} >= {RETRIEVAL_MIN_KV_SHARE}: a {budget}-slot retrieval tier with int8 weights; {why}"
+    else:
+        bottom = bottom or "ngram"
+        tiers = f"{bottom}:{gamma2}"
+        why = f"{sizes} < {RETRIEVAL_MIN_KV_SHARE} or the prompt fits the budget: no retrieval tier; {bottom} drafts"
+    return AutoPlan(tiers=tiers, budget=budget, lower_weights="int8", reason=why)
+
+
+@dataclass
+class SpeedGovernor:
+    """Bypasses the drafters of the top tier while speculative steps are slower per token than plain decode steps.
+
+    The first :attr:`probe` steps decode without drafting to time a decode step. Then the drafters run; once
+    :attr:`min_steps` speculative steps are timed, if their time per emitted token (over the last :attr:`window`
+    steps) exceeds the median decode-step time, the drafters are bypassed for ``backoff`` tokens (32, doubling up to
+    512 while it keeps failing), then tried again (the lower tiers catch up: ``ModelTier.resume_drafting``).
+
+    Times are wall-clock seconds of each ``step`` + ``commit`` as the engine measures them; ``tokens`` are the tokens
+    a step emitted.
+
+    Attributes:
+        top: the verifier tier (:class:`~triforce.tiers.ModelTier`) whose ``drafting`` flag this sets.
+    """
+
+    top: object
+    probe: int = 3
+    window: int = 8
+    min_steps: int = 4
+    backoff_min: int = 32
+    backoff_max: int = 512
+    _decode: deque = field(default_factory=lambda: deque(maxlen=16))
+    _spec: deque = field(default_factory=lambda: deque(maxlen=8))
+    _left: int = 0
+    _backoff: int = 32
+    counts: dict = field(default_factory=lambda: {"speculative_tokens": 0, "autoregressive_tokens": 0, "bypasses": 0})
+
+    def __post_init__(self) -> None:
+        self._spec = deque(maxlen=self.window)
+        self._backoff = self.backoff_min
+        self._left = self.probe
+        self.top.drafting = self.top.drafter is not None and self.probe == 0
+
+    def before_step(self, seq: list[int]) -> None:
+        """Resume drafting when a bypass has run its course (the lower tiers catch up with ``seq``)."""
+        if not self.top.drafting and self._left <= 0 and self.top.drafter is not None:
+            self.top.resume_drafting(seq)
+            self._spec.clear()
+
+    def after_step(self, seconds: float, tokens: int) -> None:
+        """Record a step's wall time (seconds) and emitted tokens; bypass the drafters if they do not pay."""
+        if tokens <= 0:
+            return
+        if not self.top.drafting:
+            self._decode.append(seconds / tokens)
+            self._left -= tokens
+            self.counts["autoregressive_tokens"] += tokens
+            return
+        self.counts["speculative_tokens"] += tokens
+        self._spec.append((seconds, tokens))
+        if len(self._spec) < self.min_steps or not self._decode:
+            return
+        per_token = sum(s for s, _ in self._spec) / sum(t for _, t in self._spec)
+        if per_token > statistics.median(self._decode):
+            self.top.drafting = False
+            self._left = self._backoff
+            self._backoff = min(2 * self._backoff, self.backoff_max)
+            self.counts["bypasses"] += 1
+        elif len(self._spec) == self.window:
+            self._backoff = self.backoff_min  # paying over a whole window: a later failure starts over
+
+    def to_dict(self) -> dict:
+        """The counters and the last timings (ms per token) for the stats."""
+        d = dict(self.counts)
+        if self._decode:
+            d["decode_ms_per_token"] = round(1000 * statistics.median(self._decode), 3)
+        if self._spec:
+            d["speculative_ms_per_token"] = round(1000 * sum(s for s, _ in self._spec) / sum(t for _, t in self._spec), 3)
+        return d

@@ -1,0 +1,132 @@
+"""``mode='auto'``: the plan it chooses, the governor that bypasses drafters that do not pay, and exactness.
+
+Bypassing and resuming the drafters must leave every cache holding exactly the accepted prefix: greedy output
+equals autoregressive decoding token for token, and sampled sequences follow the exact distribution
+(chi-square, p > 1e-3 with a fixed seed; under the null hypothesis a seed fails with probability 1e-3).
+"""
+
+import pytest
+import torch
+
+from test_distribution import SETTINGS, chi2_pvalue, empirical, exact_distribution
+from test_distribution import models  # noqa: F401  (fixture)
+from tiny import hf_model, ours, pair
+from triforce.auto import RETRIEVAL_MIN_KV_SHARE, SpeedGovernor, plan_hierarchy
+from triforce.caches import kv_bytes
+from triforce.engine import Engine, SpeculationConfig
+from triforce.loading import load_model  # noqa: F401  (import check: no cycle through auto)
+from triforce.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+
+
+class ScriptedGovernor(SpeedGovernor):
+    """Bypass pattern fixed by step count (not timing): draft for 3 steps, bypass for 2 tokens, and so on."""
+
+    def __init__(self, top, on=3, off=2):
+        super().__init__(top, probe=1)
+        self.on, self.off, self.steps = on, off, 0
+
+    def after_step(self, seconds, tokens):
+        if self.top.drafting:
+            self.counts["speculative_tokens"] += tokens
+            self.steps += 1
+            if self.steps % self.on == 0:
+                self.top.drafting, self._left = False, self.off
+                self.counts["bypasses"] += 1
+        else:
+            self._left -= tokens
+            self.counts["autoregressive_tokens"] += tokens
+
+
+def test_plan_adds_retrieval_only_when_the_kv_cache_outweighs_a_share_of_the_weights():
+    model = ours(hf_model(seed=0))
+    cfg, w = model.cfg, model.weight_bytes()
+    per_token = kv_bytes(cfg, 1, torch.float32)
+    long_p = int(RETRIEVAL_MIN_KV_SHARE * w / per_token) + 600
+    short_p = int(0.5 * RETRIEVAL_MIN_KV_SHARE * w / per_token)
+    short = plan_hierarchy(cfg, w, torch.float32, short_p, None, SamplingParams(0.6))
+    assert short.tiers == "ngram:6" and "no retrieval tier" in short.reason
+    assert plan_hierarchy(cfg, w, torch.float32, long_p, None, SamplingParams(0.6)).tiers == "retrieval:6"
+    assert plan_hierarchy(cfg, w, torch.float32, long_p, None, GREEDY).tiers == "ngram:4,retrieval:6"
+    long = plan_hierarchy(cfg, w, torch.float32, long_p, "draft", GREEDY, gamma1=3, gamma2=5)
+    assert long.tiers == "draft:3,retrieval:5"
+    assert long.budget == max(256, long_p // 8) and long.lower_weights == "int8"
+    assert plan_hierarchy(cfg, w, torch.float32, long_p, "self", GREEDY, max_budget=100).budget == 100
+
+
+class FakeTop:
+    drafter = object()
+    drafting = True
+
+    def __init__(self):
+        self.resumed = 0
+
+    def resume_drafting(self, seq):
+        self.drafting = True
+        self.resumed += 1
+
+
+def test_governor_bypasses_slow_speculation_and_retries_with_doubling_backoff():
+    top = FakeTop()
+    g = SpeedGovernor(top, probe=3, min_steps=4, backoff_min=32)
+    assert not top.drafting
+    for _ in range(3):  # probe: decode steps of 10 ms
+        g.before_step([])
+        g.after_step(0.010, 1)
+    g.before_step([])
+    assert top.drafting and top.resumed == 1
+    for _ in range(4):  # speculative steps at 12 ms per token: slower
+        g.after_step(0.036, 3)
+    assert not top.drafting and g.counts["bypasses"] == 1
+    for _ in range(31):
+        g.before_step([])
+        g.after_step(0.010, 1)
+    g.before_step([])
+    assert not top.drafting  # 32 tokens of backoff not yet over
+    g.after_step(0.010, 1)
+    g.before_step([])
+    assert top.drafting and top.resumed == 2
+    for _ in range(4):
+        g.after_step(0.040, 3)
+    assert not top.drafting and g._left == 64  # doubled
+    for _ in range(64):
+        g.before_step([])
+        g.after_step(0.010, 1)
+    g.before_step([])
+    for _ in range(8):  # now it pays: 5 ms per token, over a whole window
+        g.after_step(0.015, 3)
+    assert top.drafting and g._backoff == 32
+    assert g.to_dict()["speculative_ms_per_token"] == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "self"])
+def test_auto_with_bypasses_equals_autoregressive_greedy(drafter):
+    target, draft = pair(seed=7, max_pos=1024)
+    engine = Engine(target, draft if drafter == "model" else None)
+    engine.governor_factory = ScriptedGovernor
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(3, 40, (30,), generator=g).tolist()
+    for n in (12, 90, 400):  # short (no retrieval tier) and long (retrieval tier) prompts
+        prompt = (base * 20)[:n]  # repetitive: the n-gram drafter finds matches
+        ref, _ = engine.generate(prompt, max_new_tokens=30, sampling=GREEDY, spec=SpeculationConfig())
+        spec = SpeculationConfig(mode="auto", drafter=drafter, gamma1=2, gamma2=4, draft_sink=4, draft_window=16)
+        out, stats = engine.generate(prompt, max_new_tokens=30, sampling=GREEDY, spec=spec)
+        assert out == ref, (drafter, n)
+        assert stats.mode == "auto" and stats.auto["bypasses"] >= 1
+        assert stats.auto["speculative_tokens"] + stats.auto["autoregressive_tokens"] >= len(out)
+
+
+def test_auto_matches_exact_distribution_through_bypasses(models):  # noqa: F811
+    """Drafting resumed and bypassed every few steps, at T=0.6 / top-p 0.9 / top-k 5: still the exact distribution."""
+    hf, target, draft, prompt = models
+    params = SETTINGS["T0.6-p0.9-k5"]
+    engine = Engine(target, draft)
+    engine.governor_factory = lambda top: ScriptedGovernor(top, on=1, off=1)
+    spec = SpeculationConfig(mode="auto", tiers=None, gamma1=2, gamma2=2, budget=8, chunk_size=2, draft_sink=2,
+                             draft_window=4)
+    # a 20-token prompt is below the retrieval threshold: force the three-tier plan to exercise the retrieval resync
+    engine.plan_auto = lambda n, s, sp: plan_hierarchy(target.cfg, 1, torch.float32, n, "draft", s, gamma1=2,
+                                                       gamma2=2, chunk_size=2, max_budget=8)
+    counts = empirical(engine, prompt, params, spec, 4000, seed=95)
+    assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
