@@ -248,3 +248,36 @@ def test_measure_tier_latencies_shape_and_rollback():
         measure_tier_latencies(target, None, [50], budget=8)
     with pytest.raises(ValueError, match="contexts"):
         measure_tier_latencies(target, None, [0])
+
+
+def test_observed_run_lengths_replace_the_independent_model():
+    """Acceptance in runs: with the same rate, the observed run lengths give the tokens per verification exactly."""
+    from triforce.costmodel import accepted_length_distribution, predict
+
+    # 10 verifications of gamma 4 drafts: 7 accept all 4, 3 accept none -> rate 28/40 = 0.7, 3.1 + 0.7... tokens each
+    counts = [3, 0, 0, 0, 7]
+    dist = accepted_length_distribution(0.7, 4, counts)
+    assert dist == pytest.approx([0.3, 0, 0, 0, 0.7])
+    lat = {"full_decode": 1.0, "full_pass": 1.0, "ngram_propose": 0.0}
+    iid = predict([("ngram", 4)], lat, {"target": 0.7})
+    runs = predict([("ngram", 4)], lat, {"target": 0.7}, accepted_lengths={"target": counts})
+    assert runs["tiers"][-1]["expected_tokens"] == pytest.approx(0.3 * 1 + 0.7 * 5)  # 3.8 tokens per verification
+    assert iid["tiers"][-1]["expected_tokens"] == pytest.approx((1 - 0.7 ** 5) / 0.3)  # 2.77: the i.i.d. formula
+    assert runs["speedup"] == pytest.approx(3.8) and runs["engine_speedup"] == pytest.approx(3.8)
+    # longer runs than gamma fold onto gamma; no observations fall back to the formula
+    assert accepted_length_distribution(0.5, 2, [1, 1, 1, 1]) == pytest.approx([0.25, 0.25, 0.5])
+    assert accepted_length_distribution(0.5, 2, []) == pytest.approx([0.5, 0.25, 0.25])
+
+
+def test_engine_records_accepted_lengths_consistent_with_its_counters():
+    from tiny import pair
+    from triforce.engine import Engine, SpeculationConfig
+    from triforce.sampling import SamplingParams
+
+    target, draft = pair(seed=11)
+    _, stats = Engine(target, draft).generate(list(range(5, 60)), max_new_tokens=40, sampling=SamplingParams(1.0),
+                                              spec=SpeculationConfig(mode="draft", gamma2=4), seed=3)
+    t = stats.tiers["target"]
+    hist = t["accepted_lengths"]
+    assert sum(hist) == t["verifications"]
+    assert sum(j * n for j, n in enumerate(hist)) == t["accepted"]

@@ -393,7 +393,7 @@ def aggregate_tiers(per_rep: list[dict]) -> dict[str, dict]:
 
     Returns:
         tier -> ``{"verifications", "proposed", "accepted", "acceptance_rate", "mean_tokens_per_verification",
-        "forward_passes", "forward_seconds"}`` for every verifying tier (acceptance_rate None when nothing was
+        "forward_passes", "forward_seconds", "accepted_lengths"}`` for every verifying tier (acceptance_rate None when nothing was
         proposed).
     """
     out: dict[str, dict] = {}
@@ -409,6 +409,10 @@ def aggregate_tiers(per_rep: list[dict]) -> dict[str, dict]:
             a["emitted"] += t["mean_tokens_per_verification"] * t["verifications"]
             a["forward_passes"] += t.get("forward_passes", 0)
             a["forward_seconds"] += t.get("forward_seconds", 0.0)
+            hist = a.setdefault("accepted_lengths", [])
+            for j, n in enumerate(t.get("accepted_lengths") or []):
+                hist.extend([0] * (j + 1 - len(hist)))
+                hist[j] += n
     for a in out.values():
         a["acceptance_rate"] = round(a["accepted"] / a["proposed"], 6) if a["proposed"] else None
         a["mean_tokens_per_verification"] = round(a.pop("emitted") / a["verifications"], 6)
@@ -616,20 +620,24 @@ class _OursRunner:
         """The cost model's prediction for this method at ``context`` tokens (issue 4, item 2)."""
         cm = _costmodel_module()
         s = self.spec
-        lat = cm.measure_tier_latencies(self.target, self.draft, [context], gamma1=s.gamma1, gamma2=s.gamma2,
+        draft = self.draft
+        if any(k == "self" for k, _ in s.chain):  # the self tier is timed as a draft model: the target's copy
+            draft = self.engine._lower_model(self.target, s.self_weights)
+        lat = cm.measure_tier_latencies(self.target, draft, [context], gamma1=s.gamma1, gamma2=s.gamma2,
                                         budget=s.budget, chunk_size=s.chunk_size, draft_sink=s.draft_sink,
                                         draft_window=s.draft_window, reps=reps, progress=None)
         latencies = lat[0]
         if s.lower_weights:  # the tiers below the verifier run the cheaper copies: time those
             lower = self.engine._lower_model(self.target, s.lower_weights)
-            low = cm.measure_tier_latencies(lower, self.draft, [context], gamma1=s.gamma1, gamma2=s.gamma2,
+            low = cm.measure_tier_latencies(lower, draft, [context], gamma1=s.gamma1, gamma2=s.gamma2,
                                             budget=s.budget, chunk_size=s.chunk_size, draft_sink=s.draft_sink,
                                             draft_window=s.draft_window, reps=reps, progress=None)[0]
             for key in ("retrieval_decode", "retrieval_pass", "draft_step", "draft_pass"):
                 if key in low:
                     latencies[key] = low[key]
         rates = {name: t["acceptance_rate"] for name, t in acceptance.items() if t.get("acceptance_rate") is not None}
-        pred = cm.predict(s.chain, latencies, rates)
+        lengths = {name: t["accepted_lengths"] for name, t in acceptance.items() if t.get("accepted_lengths")}
+        pred = cm.predict(s.chain, latencies, rates, accepted_lengths=lengths)
         return {"latencies": latencies, "prediction": pred}
 
 

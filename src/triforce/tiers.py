@@ -58,6 +58,8 @@ class TierStats:
         accepted: of those, accepted (recovered and bonus tokens not counted; none past an EOS).
         emitted: tokens this tier's verifications produced (accepted + recovered/bonus), before truncation.
         rebuilds: retrieval-cache selections (the first one after prefill included).
+        accepted_lengths: ``accepted_lengths[j]`` = verifications that accepted exactly j drafted tokens (the
+            observed run-length distribution the cost model uses, since acceptances are not independent).
     """
 
     name: str
@@ -69,6 +71,7 @@ class TierStats:
     accepted: int = 0
     emitted: int = 0
     rebuilds: int = 0
+    accepted_lengths: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -85,6 +88,7 @@ class TierStats:
                 accepted=self.accepted,
                 acceptance_rate=round(self.accepted / self.proposed, 6) if self.proposed else None,
                 mean_tokens_per_verification=round(self.emitted / self.verifications, 6),
+                accepted_lengths=list(self.accepted_lengths),
             )
         if self.rebuilds:
             d["rebuilds"] = self.rebuilds
@@ -261,6 +265,8 @@ class ModelTier:
             s.proposed += k
             s.accepted += n_acc
             s.emitted += len(emitted)
+            s.accepted_lengths.extend([0] * (n_acc + 1 - len(s.accepted_lengths)))
+            s.accepted_lengths[n_acc] += 1
             if self.adaptive_gamma:
                 if n_acc == k:
                     self.gamma = min(self.gamma + 1, self.gamma_max)
