@@ -125,13 +125,14 @@ class SpeculationConfig:
             raise ValueError(f"lower_kv_dtype must be None or one of {', '.join(KV_DTYPES)}, got {self.lower_kv_dtype!r}")
         _positive_int("draft_sink", self.draft_sink, 0)
         _positive_int("draft_window", self.draft_window)
-        for kind, gamma in self.max_chain:
-            # chunk 0 + a speculation block (gamma + 1) + the first committed token: a rebuild right after the first
-            # verification would need the query of the last prompt token, which that verification did not compute
-            if kind == "retrieval" and self.budget < self.chunk_size + gamma + 3:
-                raise ValueError(f"budget must be >= chunk_size + gamma + 3 = {self.chunk_size + gamma + 3} "
-                                 f"(chunk 0 plus room for a speculation block), got {self.budget}: raise --budget or "
-                                 "lower --chunk-size / the retrieval tier's gamma")
+        for i, (kind, _) in enumerate(self.chain):
+            # chunk 0 + the block the retrieval tier may run ahead (gamma + 1) + the verifier's newest token
+            gamma = self.reach(i)
+            if kind == "retrieval" and self.budget < self.chunk_size + gamma + 2:
+                raise ValueError(f"budget must be >= chunk_size + gamma + 2 = {self.chunk_size + gamma + 2} "
+                                 f"(chunk 0 plus room for a speculation block of {gamma} tokens), got {self.budget}: "
+                                 "raise --budget or lower --chunk-size / the gamma of the retrieval tier and the tiers "
+                                 "above it")
 
     @property
     def chain(self) -> list[tuple[str, int]]:
@@ -160,6 +161,21 @@ class SpeculationConfig:
     def max_chain(self) -> list[tuple[str, int]]:
         """:attr:`chain` with each gamma at the largest value it can reach (twice it with ``adaptive_gamma``)."""
         return [(k, 2 * g if self.adaptive_gamma else g) for k, g in self.chain]
+
+    def reach(self, index: int) -> int:
+        """Most tokens the tier at ``index`` of :attr:`chain` may run ahead of the committed sequence.
+
+        A tier proposes continuations of the unverified tokens of the tiers above it, so its reach is not its own gamma
+        but the largest gamma (at its adaptive maximum, :attr:`max_chain`) of that tier and every tier above it; the
+        verifier's block bounds them all. Used for the retrieval tier's budget check and rebuild lookahead.
+
+        Raises:
+            IndexError: ``index`` outside :attr:`chain`.
+        """
+        chain = self.max_chain
+        if not 0 <= index < len(chain):
+            raise IndexError(f"index must be in [0, {len(chain)}), got {index}")
+        return max(g for _, g in chain[index:])
 
     @property
     def name(self) -> str:
@@ -380,7 +396,7 @@ class Engine:
         full.record_queries = spec.uses_retrieval
         self._full, self._full_tokens = full, []
         drafter, gamma = None, 0  # the tier built so far and how many tokens it proposes per verification
-        for kind, proposes in spec.chain:
+        for index, (kind, proposes) in enumerate(spec.chain):
             verify = self.tier_verify.get(kind, rejection_sample)
             adaptive = dict(stop_below=spec.stop_below, adaptive_gamma=spec.adaptive_gamma and drafter is not None)
             if kind == "ngram":
@@ -399,7 +415,7 @@ class Engine:
                 cache = RetrievalCache(self.target.cfg, full, spec.budget, spec.chunk_size, spec.chunk_score,
                                        dtype=KV_DTYPES[spec.lower_kv_dtype] if spec.lower_kv_dtype else None)
                 node = RetrievalTier("retrieval", self._lower_model(self.target, spec.lower_weights), cache, drafter=drafter, gamma=gamma, full=full,
-                                     lookahead=(2 * proposes if spec.adaptive_gamma else proposes) + 1,
+                                     lookahead=spec.reach(index) + 1,
                                      rebuild_every=spec.rebuild_every, rebuild_below=spec.rebuild_below,
                                      verify_fn=verify, **adaptive,
                                      **common)
