@@ -119,3 +119,34 @@ def test_reach_is_the_largest_gamma_at_and_above_a_tier():
     assert [spec.reach(i) for i in range(3)] == [9, 5, 5]
     with pytest.raises(IndexError, match=r"index must be in \[0, 3\)"):
         spec.reach(3)
+
+
+# ------------------------------------------------------------------ 4c: Engine.validate has no side effect
+def test_validate_returns_the_plan_and_leaves_a_running_request_alone():
+    """The server validates incoming requests on its event loop while another one runs: validate must not replace
+    the running request's offloading plan (its stats used to report the newcomer's)."""
+    target, _ = pair(seed=0)
+    engine = Engine(target, offload_kv=True, on_chip_layers=1)
+    spec = SpeculationConfig(mode="retrieval", budget=16, chunk_size=4, gamma2=3)
+    prompt_a, prompt_b = list(range(3, 40)), list(range(3, 90)) * 2
+    plan_a = engine.validate(prompt_a, 12, spec)
+    plan_b = engine.validate(prompt_b, 100, spec)
+    assert engine.placement is None  # validating stored nothing
+    assert plan_a.on_chip_layers == plan_b.on_chip_layers == 1 and plan_a.layers == 3
+    assert plan_b.host_bytes > plan_a.host_bytes  # a longer request: a larger cache
+    assert engine.validate(prompt_a, 12, SpeculationConfig()) is not None
+    assert Engine(target).validate(prompt_a, 12, spec) is None  # no offloading, no plan
+    gen = engine.stream(prompt_a, max_new_tokens=12, sampling=GREEDY, spec=spec)
+    out = [next(gen), next(gen)]
+    assert engine.placement == plan_a
+    assert engine.validate(prompt_b, 100, spec) == plan_b  # another request arrives meanwhile
+    while True:
+        try:
+            out.append(next(gen))
+        except StopIteration as stop:
+            stats = stop.value
+            break
+    assert len(out) == 12
+    placed = dict(stats.kv_placement)
+    assert placed.pop("streamed_bytes") > 0
+    assert placed == plan_a.to_dict()

@@ -269,7 +269,7 @@ class Engine:
                                            or not isinstance(on_chip_layers, int) or not 0 <= on_chip_layers <= L):
             raise ValueError(f"on_chip_layers must be an integer in [0, {L}] and needs offload_kv, got {on_chip_layers!r}")
         self.offload_kv, self.on_chip_layers = offload_kv, on_chip_layers
-        self.placement: KVPlacement | None = None  # the last request's offloading plan
+        self.placement: KVPlacement | None = None  # the offloading plan of the request running (or the last one)
         self.eos_ids = tuple(eos_ids)
         self.last_stats: GenerationStats | None = None
         # prefix reuse: the verifier's full cache and the tokens it holds, kept from the previous request
@@ -324,8 +324,13 @@ class Engine:
     def _draft_capacity(self, spec: SpeculationConfig) -> int:
         return spec.draft_sink + spec.draft_window + self._lookahead(spec) + self.DRAFT_PREFILL_CHUNK
 
-    def validate(self, prompt_ids: list[int], max_new_tokens: int, spec: SpeculationConfig) -> None:
-        """Check a request before any heavy work.
+    def validate(self, prompt_ids: list[int], max_new_tokens: int, spec: SpeculationConfig) -> KVPlacement | None:
+        """Check a request before any heavy work. Side-effect free: a server may validate one request while another
+        runs; :meth:`stream` stores the plan in :attr:`placement` only when its request starts.
+
+        Returns:
+            with ``offload_kv``, the offloading plan this request would get (:class:`~triforce.memory.KVPlacement`);
+            otherwise None.
 
         Raises:
             ValueError: empty prompt, max_new_tokens < 1, a token id outside the vocabulary, a draft mode without a
@@ -355,19 +360,20 @@ class Engine:
         weights = {"weights": self.target.weight_bytes() + (self.draft.weight_bytes() if self.draft else 0)}
         if not self.offload_kv:
             check_fits(needed, self.target.device, "this request", already=weights)
-            return
+            return None
         full = needed.pop("full KV cache")
         L = self.target.cfg.num_hidden_layers
         fixed = self.on_chip_layers
         if fixed is None and self._full is not None and self._full.offload and self._full.capacity >= total:
             fixed = self._full.on_chip_layers  # the cache kept for prefix reuse keeps its placement
-        self.placement = plan_kv_placement(L, full // L, self.target.device, sum(needed.values()), fixed)
-        on_device = dict(needed, **{"on-chip KV layers and stream buffers": self.placement.device_bytes})
+        placement = plan_kv_placement(L, full // L, self.target.device, sum(needed.values()), fixed)
+        on_device = dict(needed, **{"on-chip KV layers and stream buffers": placement.device_bytes})
         if self.target.device.type == "cpu":  # one memory pool
             check_fits(dict(on_device, **{"offloaded full KV cache": full}), "cpu", "this request", already=weights)
         else:
             check_fits(on_device, self.target.device, "this request", already=weights)
             check_fits({"offloaded full KV cache": full}, "cpu", "this request's host memory")
+        return placement
 
     # ------------------------------------------------------------------ hierarchy
     def build_hierarchy(self, prompt_tokens: int, max_new_tokens: int, sampling: SamplingParams,
@@ -460,12 +466,13 @@ class Engine:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
         self.last_stats = None
-        self.validate(prompt_ids, max_new_tokens, spec)
+        placement = self.validate(prompt_ids, max_new_tokens, spec)
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")
             if self.target.tp is not None:  # every rank draws from rank 0's seed
                 seed = self.target.tp.broadcast_int(seed)
         generator = torch.Generator(device=self.target.device).manual_seed(seed)
+        self.placement = placement  # this request's plan, reported in its stats
         top = self.build_hierarchy(len(prompt_ids), max_new_tokens, sampling, spec, generator)
         eos = frozenset(self.eos_ids)
         t_start = t_prefill = time.perf_counter()
