@@ -150,3 +150,36 @@ def test_validate_returns_the_plan_and_leaves_a_running_request_alone():
     placed = dict(stats.kv_placement)
     assert placed.pop("streamed_bytes") > 0
     assert placed == plan_a.to_dict()
+
+
+# ------------------------------------------------------------------ 4d: --compile with --lower-weights
+@pytest.mark.parametrize("weights", ["int8", "bfloat16"])
+def test_lower_precision_copy_of_a_compiled_model_runs_its_own_mlp(monkeypatch, weights):
+    """compile_blocks stores a compiled forward bound to each full-precision MLP; the lower-precision copy used to
+    carry it along, so its MLPs ran the source's weights. torch.compile is replaced by a pass-through that keeps the
+    bound method (what the real one does, without minutes of inductor compilation)."""
+    from triforce.caches import FullKVCache
+    from triforce.quant import lower_precision_copy
+
+    compiled = []
+
+    def fake_compile(fn, **kw):
+        compiled.append((getattr(fn, "__self__", None), kw))
+        return fn
+
+    target, _ = pair(seed=0)
+    plain = lower_precision_copy(target, weights)  # from the uncompiled model: the reference
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    target.compile_blocks("max-autotune")
+    lower = lower_precision_copy(target, weights)
+    for block, source in zip(lower.layers, target.layers):
+        assert block.mlp is not source.mlp and block.mlp.forward.__self__ is block.mlp
+        assert (block.mlp, dict(mode="max-autotune", dynamic=False)) in compiled  # the copy's MLP compiled, same mode
+
+    def logits(model):
+        ids = torch.tensor([list(range(3, 30))])
+        return model(ids, torch.arange(27), FullKVCache(model.cfg, 32))
+
+    ref, full = logits(plain), logits(target)
+    assert torch.equal(logits(lower), ref)
+    assert not torch.allclose(ref, full, atol=1e-4)  # the check can tell the two precisions apart
