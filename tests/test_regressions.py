@@ -183,3 +183,73 @@ def test_lower_precision_copy_of_a_compiled_model_runs_its_own_mlp(monkeypatch, 
     ref, full = logits(plain), logits(target)
     assert torch.equal(logits(lower), ref)
     assert not torch.allclose(ref, full, atol=1e-4)  # the check can tell the two precisions apart
+
+
+# ------------------------------------------------------------------ 4e: tensor-parallel ranks agree on memory
+def _tp_memory_worker(rank, world, port, folder, prompt, queue):
+    import os
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    from triforce import memory
+    from triforce.loading import load_model
+    from triforce.parallel import init_tensor_parallel
+
+    tp = init_tensor_parallel(world)
+    real = memory.available_bytes
+
+    def attempt(fn):
+        memory.available_bytes = (lambda device: 0) if rank == 1 else real  # rank 1 alone has no free memory
+        try:
+            fn()
+            return "went on"
+        except memory.InsufficientMemoryError as e:
+            return str(e)
+        finally:
+            memory.available_bytes = real
+
+    out = [attempt(lambda: load_model(folder, tp=tp))]
+    engine = Engine(load_model(folder, tp=tp).model)
+    spec = SpeculationConfig(mode="retrieval", budget=16, chunk_size=4, gamma2=3)
+    out.append(attempt(lambda: engine.generate(prompt, max_new_tokens=8, sampling=GREEDY, spec=spec)))
+    out.append(engine.generate(prompt, max_new_tokens=8, sampling=GREEDY, spec=spec)[0])  # still in lockstep
+    queue.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_tensor_parallel_ranks_agree_when_one_lacks_memory(tiny_folder):
+    """A rank that refuses (weights or a request) while the others go on used to leave them waiting forever in the
+    next collective: now every rank raises, the refusing one with its figures, the others naming it."""
+    import queue as queues
+
+    import torch.multiprocessing as mp
+    from test_parallel import _free_port
+    from triforce.loading import load_model
+
+    prompt = list(range(3, 40))
+    ref, _ = Engine(load_model(tiny_folder).model).generate(
+        prompt, max_new_tokens=8, sampling=GREEDY, spec=SpeculationConfig(mode="retrieval", budget=16, chunk_size=4,
+                                                                          gamma2=3))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_tp_memory_worker, args=(r, 2, port, tiny_folder, prompt, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(q.get(timeout=120) for _ in procs)
+    except queues.Empty:
+        pytest.fail("a rank is still waiting: the ranks did not agree on the memory check")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    (load0, gen0, tokens0), (load1, gen1, tokens1) = results[0], results[1]
+    assert load1.startswith("rank 1: model ") and "is free" in load1
+    assert load0 == "rank 1 of 2 refused for lack of memory (its own message says how much); every rank stops"
+    assert gen1.startswith("rank 1: this request needs ") and gen0 == load0
+    assert tokens0 == tokens1 == ref

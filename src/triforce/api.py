@@ -125,8 +125,10 @@ class TriForce:
         if draft == "ngram":
             draft_model = "ngram"
         elif draft is not None:
-            try:
-                draft_model = load_model(draft, dtype, device)
+            from .parallel import agree_on_fit
+
+            try:  # the draft is replicated: its weights must fit on every rank
+                draft_model = agree_on_fit(tp, lambda: load_model(draft, dtype, device))
             except ModelLoadError as e:
                 raise ModelLoadError(f"draft: {e}") from e
         if packed_weights is None:

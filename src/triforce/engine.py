@@ -28,6 +28,7 @@ from .model import Transformer
 from .sampling import SamplingParams
 from .tiers import ModelTier, RetrievalTier, StreamingTier, VerifyFn
 from .ngram import NGramDrafter
+from .parallel import agree_on_fit
 from .speculative import rejection_sample
 
 MODES = ("autoregressive", "retrieval", "draft", "triforce")
@@ -335,7 +336,8 @@ class Engine:
         Raises:
             ValueError: empty prompt, max_new_tokens < 1, a token id outside the vocabulary, a draft mode without a
                 draft model, a request longer than a sliding window.
-            InsufficientMemoryError: the caches do not fit in free memory.
+            InsufficientMemoryError: the caches do not fit in free memory (under tensor parallelism: on any rank,
+                agreed by every rank, see :func:`~triforce.parallel.agree_on_fit`).
         """
         if not prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
@@ -356,7 +358,11 @@ class Engine:
         if self.target.cfg.rope_type != "dynamic" and len(prompt_ids) + max_new_tokens > context:
             raise ValueError(f"max_new_tokens={max_new_tokens} with a {len(prompt_ids)}-token prompt exceeds the model's "
                              f"context of {context} tokens (max_position_embeddings)")
-        needed = self.cache_bytes(len(prompt_ids), max_new_tokens, spec)
+        return agree_on_fit(self.target.tp, lambda: self._fit(len(prompt_ids), max_new_tokens, spec, total))
+
+    def _fit(self, prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig, total: int) -> KVPlacement | None:
+        """The memory checks of :meth:`validate` on this rank; returns the offloading plan (None without offloading)."""
+        needed = self.cache_bytes(prompt_tokens, max_new_tokens, spec)
         weights = {"weights": self.target.weight_bytes() + (self.draft.weight_bytes() if self.draft else 0)}
         if not self.offload_kv:
             check_fits(needed, self.target.device, "this request", already=weights)
