@@ -146,13 +146,14 @@ def test_seeded_sampling_is_reproducible(engine):
 
 
 def test_smallest_budget_rebuilds_after_the_first_verification(engine):
-    """At budget = chunk_size + gamma2 + 3 the cache is re-selected right after the first verification (regression:
-    at + 2 that re-selection needed a query the verification had not computed)."""
+    """At budget = chunk_size + gamma2 + 2 the cache is re-selected after every verification, the first included
+    (regression: that re-selection needed the last prompt token's query, which the first verification had not
+    computed; tests/test_regressions.py has the direct cases)."""
     g = torch.Generator().manual_seed(31)
     for chunk, g2 in ((8, 6), (4, 3)):
-        with pytest.raises(ValueError, match=f"budget must be >= chunk_size \\+ gamma \\+ 3 = {chunk + g2 + 3}"):
-            SpeculationConfig(mode="retrieval", budget=chunk + g2 + 2, chunk_size=chunk, gamma2=g2)
-        spec = SpeculationConfig(mode="retrieval", budget=chunk + g2 + 3, chunk_size=chunk, gamma2=g2)
+        with pytest.raises(ValueError, match=f"budget must be >= chunk_size \\+ gamma \\+ 2 = {chunk + g2 + 2}"):
+            SpeculationConfig(mode="retrieval", budget=chunk + g2 + 1, chunk_size=chunk, gamma2=g2)
+        spec = SpeculationConfig(mode="retrieval", budget=chunk + g2 + 2, chunk_size=chunk, gamma2=g2)
         for _ in range(4):
             prompt = torch.randint(3, 96, (int(torch.randint(100, 300, (1,), generator=g)),), generator=g).tolist()
             ref, _ = engine.generate(prompt, max_new_tokens=20, sampling=GREEDY)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Generator, Sequence
 
+from .detok import IncrementalDetokenizer
 from .engine import Engine, GenerationStats, SpeculationConfig
 from .loading import LoadedModel, ModelLoadError, load_model
 from .prompts import encode_prompt
@@ -125,8 +126,10 @@ class TriForce:
         if draft in ("ngram", "self"):
             draft_model = draft
         elif draft is not None:
-            try:
-                draft_model = load_model(draft, dtype, device)
+            from .parallel import agree_on_fit
+
+            try:  # the draft is replicated: its weights must fit on every rank
+                draft_model = agree_on_fit(tp, lambda: load_model(draft, dtype, device))
             except ModelLoadError as e:
                 raise ModelLoadError(f"draft: {e}") from e
         if packed_weights is None:
@@ -171,7 +174,11 @@ class TriForce:
             prompt: text (tokenized as is; use :meth:`encode` for chat templates) or token ids.
             max_new_tokens, sampling, seed, prefill_progress: see :meth:`triforce.engine.Engine.stream`.
             spec: speculation settings (default: :attr:`default_mode` with the paper's defaults).
-            stop: stop strings; generation ends when the text contains one, and the text is cut before it.
+            stop: stop strings; generation ends when the text contains one, and the text is cut before it (when two
+                overlap, the one completed first).
+
+        Text is detokenized incrementally (:class:`~triforce.detok.IncrementalDetokenizer`: work linear in the output);
+        a character split over several tokens comes out whole with the token that completes it.
 
         Raises:
             ValueError: bad arguments (named), before any model work.
@@ -187,27 +194,32 @@ class TriForce:
         gen = self.engine.stream(ids, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=seed,
                                  prefill_progress=prefill_progress)
         out: list[int] = []
-        emitted = 0  # characters of the text already given out
-        text = ""
+        detok = IncrementalDetokenizer(self.tokenizer)  # linear in the output, not a full decode per token
+        pieces: list[str] = []  # the text given out
+        pending = ""  # decoded text not given out yet: it may start a stop string
         finish = None
         hold = max((len(s) for s in stop), default=1) - 1
+
+        def stop_at(text: str, start: int) -> int:  # first stop string in text[start:], -1 if none
+            return min((i for i in (text.find(s, start) for s in stop) if i >= 0), default=-1)
+
         try:
             for tok in gen:
                 out.append(tok)
-                text = self.tokenizer.decode(out, skip_special_tokens=True)
-                hit = min((i for i in (text.find(s, max(0, emitted - hold)) for s in stop) if i >= 0), default=-1)
+                delta = detok.add(tok)
+                start = max(0, len(pending) - hold)  # a new stop string ends in delta
+                pending += delta
+                hit = stop_at(pending, start) if stop and delta else -1
                 if hit >= 0:
-                    text = text[:hit]
                     finish = "stop"
-                    yield TokenEvent(tok, text[emitted:])
-                    emitted = len(text)
+                    pieces.append(pending[:hit])
+                    pending = ""
+                    yield TokenEvent(tok, pieces[-1])
                     break
-                safe = len(text) - hold if stop else len(text)
-                if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for the next token
-                    safe = min(safe, len(text) - 1)
-                delta = text[emitted:safe] if safe > emitted else ""
-                emitted += len(delta)
-                yield TokenEvent(tok, delta)
+                safe = max(0, len(pending) - hold)
+                pieces.append(pending[:safe])
+                pending = pending[safe:]
+                yield TokenEvent(tok, pieces[-1])
         except KeyboardInterrupt:
             finish = "interrupted"
         finally:
@@ -215,12 +227,20 @@ class TriForce:
         stats = self.engine.last_stats
         if stats is None:  # interrupted before the engine started (tokenizing, checks)
             raise KeyboardInterrupt
+        if finish != "stop":  # the held-back tail: an incomplete character, text that might have started a stop string
+            start = max(0, len(pending) - hold)
+            pending += detok.flush()
+            hit = stop_at(pending, start) if stop else -1
+            if hit >= 0:
+                pending, finish = pending[:hit], "stop"
+            if pending:
+                pieces.append(pending)
+                yield TokenEvent(None, pending)
         finish = finish or stats.finish_reason
         if finish == "length" and out and out[-1] in self.engine.eos_ids:
             finish = "eos"
         stats.finish_reason = finish
-        if emitted < len(text):  # the held-back tail when no stop string came
-            yield TokenEvent(None, text[emitted:])
+        text = "".join(pieces)
         return GenerationResult(text, out, finish, stats)
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:

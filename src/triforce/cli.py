@@ -266,8 +266,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         ids = tf.encode(text, chat=args.chat, system=args.system, max_prompt_tokens=args.max_prompt_tokens)
         if args.offload_kv:  # the memory planner's choice, reported before the prefill
-            tf.engine.validate(ids, args.max_new_tokens, spec)
-            print(tf.engine.placement.summary(), file=sys.stderr)
+            print(tf.engine.validate(ids, args.max_new_tokens, spec).summary(), file=sys.stderr)
     except ValueError as e:
         raise _option_error(e) from e
     from tqdm import tqdm

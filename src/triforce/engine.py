@@ -34,6 +34,7 @@ from .model import Transformer
 from .sampling import SamplingParams
 from .tiers import ModelTier, RetrievalTier, StreamingTier, VerifyFn
 from .ngram import NGramDrafter
+from .parallel import agree_on_fit
 from .speculative import rejection_sample
 
 MODES = ("auto", "autoregressive", "retrieval", "draft", "triforce")
@@ -141,13 +142,14 @@ class SpeculationConfig:
             raise ValueError(f"lower_kv_dtype must be None or one of {', '.join(KV_DTYPES)}, got {self.lower_kv_dtype!r}")
         _positive_int("draft_sink", self.draft_sink, 0)
         _positive_int("draft_window", self.draft_window)
-        for kind, gamma in self.max_chain:
-            # chunk 0 + a speculation block (gamma + 1) + the first committed token: a rebuild right after the first
-            # verification would need the query of the last prompt token, which that verification did not compute
-            if kind == "retrieval" and self.budget < self.chunk_size + gamma + 3:
-                raise ValueError(f"budget must be >= chunk_size + gamma + 3 = {self.chunk_size + gamma + 3} "
-                                 f"(chunk 0 plus room for a speculation block), got {self.budget}: raise --budget or "
-                                 "lower --chunk-size / the retrieval tier's gamma")
+        for i, (kind, _) in enumerate(self.chain):
+            # chunk 0 + the block the retrieval tier may run ahead (gamma + 1) + the verifier's newest token
+            gamma = self.reach(i)
+            if kind == "retrieval" and self.budget < self.chunk_size + gamma + 2:
+                raise ValueError(f"budget must be >= chunk_size + gamma + 2 = {self.chunk_size + gamma + 2} "
+                                 f"(chunk 0 plus room for a speculation block of {gamma} tokens), got {self.budget}: "
+                                 "raise --budget or lower --chunk-size / the gamma of the retrieval tier and the tiers "
+                                 "above it")
 
     @property
     def chain(self) -> list[tuple[str, int]]:
@@ -183,6 +185,21 @@ class SpeculationConfig:
             return self
         return replace(self, mode="autoregressive", tiers=plan.tiers, budget=plan.budget,
                        lower_weights=self.lower_weights or plan.lower_weights)
+
+    def reach(self, index: int) -> int:
+        """Most tokens the tier at ``index`` of :attr:`chain` may run ahead of the committed sequence.
+
+        A tier proposes continuations of the unverified tokens of the tiers above it, so its reach is not its own gamma
+        but the largest gamma (at its adaptive maximum, :attr:`max_chain`) of that tier and every tier above it; the
+        verifier's block bounds them all. Used for the retrieval tier's budget check and rebuild lookahead.
+
+        Raises:
+            IndexError: ``index`` outside :attr:`chain`.
+        """
+        chain = self.max_chain
+        if not 0 <= index < len(chain):
+            raise IndexError(f"index must be in [0, {len(chain)}), got {index}")
+        return max(g for _, g in chain[index:])
 
     @property
     def name(self) -> str:
@@ -281,7 +298,7 @@ class Engine:
                                            or not isinstance(on_chip_layers, int) or not 0 <= on_chip_layers <= L):
             raise ValueError(f"on_chip_layers must be an integer in [0, {L}] and needs offload_kv, got {on_chip_layers!r}")
         self.offload_kv, self.on_chip_layers = offload_kv, on_chip_layers
-        self.placement: KVPlacement | None = None  # the last request's offloading plan
+        self.placement: KVPlacement | None = None  # the offloading plan of the request running (or the last one)
         self.eos_ids = tuple(eos_ids)
         self.last_stats: GenerationStats | None = None
         # prefix reuse: the verifier's full cache and the tokens it holds, kept from the previous request
@@ -350,13 +367,19 @@ class Engine:
                               sampling, gamma1=spec.gamma1, gamma2=spec.gamma2, chunk_size=spec.chunk_size,
                               max_budget=spec.budget)
 
-    def validate(self, prompt_ids: list[int], max_new_tokens: int, spec: SpeculationConfig) -> None:
-        """Check a request before any heavy work.
+    def validate(self, prompt_ids: list[int], max_new_tokens: int, spec: SpeculationConfig) -> KVPlacement | None:
+        """Check a request before any heavy work. Side-effect free: a server may validate one request while another
+        runs; :meth:`stream` stores the plan in :attr:`placement` only when its request starts.
+
+        Returns:
+            with ``offload_kv``, the offloading plan this request would get (:class:`~triforce.memory.KVPlacement`);
+            otherwise None.
 
         Raises:
             ValueError: empty prompt, max_new_tokens < 1, a token id outside the vocabulary, a draft mode without a
                 draft model, a request longer than a sliding window.
-            InsufficientMemoryError: the caches do not fit in free memory.
+            InsufficientMemoryError: the caches do not fit in free memory (under tensor parallelism: on any rank,
+                agreed by every rank, see :func:`~triforce.parallel.agree_on_fit`).
         """
         if not prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
@@ -377,23 +400,28 @@ class Engine:
         if self.target.cfg.rope_type != "dynamic" and len(prompt_ids) + max_new_tokens > context:
             raise ValueError(f"max_new_tokens={max_new_tokens} with a {len(prompt_ids)}-token prompt exceeds the model's "
                              f"context of {context} tokens (max_position_embeddings)")
-        needed = self.cache_bytes(len(prompt_ids), max_new_tokens, spec)
+        return agree_on_fit(self.target.tp, lambda: self._fit(len(prompt_ids), max_new_tokens, spec, total))
+
+    def _fit(self, prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig, total: int) -> KVPlacement | None:
+        """The memory checks of :meth:`validate` on this rank; returns the offloading plan (None without offloading)."""
+        needed = self.cache_bytes(prompt_tokens, max_new_tokens, spec)
         weights = {"weights": self.target.weight_bytes() + (self.draft.weight_bytes() if self.draft else 0)}
         if not self.offload_kv:
             check_fits(needed, self.target.device, "this request", already=weights)
-            return
+            return None
         full = needed.pop("full KV cache")
         L = self.target.cfg.num_hidden_layers
         fixed = self.on_chip_layers
         if fixed is None and self._full is not None and self._full.offload and self._full.capacity >= total:
             fixed = self._full.on_chip_layers  # the cache kept for prefix reuse keeps its placement
-        self.placement = plan_kv_placement(L, full // L, self.target.device, sum(needed.values()), fixed)
-        on_device = dict(needed, **{"on-chip KV layers and stream buffers": self.placement.device_bytes})
+        placement = plan_kv_placement(L, full // L, self.target.device, sum(needed.values()), fixed)
+        on_device = dict(needed, **{"on-chip KV layers and stream buffers": placement.device_bytes})
         if self.target.device.type == "cpu":  # one memory pool
             check_fits(dict(on_device, **{"offloaded full KV cache": full}), "cpu", "this request", already=weights)
         else:
             check_fits(on_device, self.target.device, "this request", already=weights)
             check_fits({"offloaded full KV cache": full}, "cpu", "this request's host memory")
+        return placement
 
     # ------------------------------------------------------------------ hierarchy
     def build_hierarchy(self, prompt_tokens: int, max_new_tokens: int, sampling: SamplingParams,
@@ -422,7 +450,7 @@ class Engine:
         full.record_queries = spec.uses_retrieval
         self._full, self._full_tokens = full, []
         drafter, gamma = None, 0  # the tier built so far and how many tokens it proposes per verification
-        for kind, proposes in spec.chain:
+        for index, (kind, proposes) in enumerate(spec.chain):
             verify = self.tier_verify.get(kind, rejection_sample)
             adaptive = dict(stop_below=spec.stop_below, adaptive_gamma=spec.adaptive_gamma and drafter is not None)
             if kind == "ngram":
@@ -444,7 +472,7 @@ class Engine:
                 cache = RetrievalCache(self.target.cfg, full, spec.budget, spec.chunk_size, spec.chunk_score,
                                        dtype=KV_DTYPES[spec.lower_kv_dtype] if spec.lower_kv_dtype else None)
                 node = RetrievalTier("retrieval", self._lower_model(self.target, spec.lower_weights), cache, drafter=drafter, gamma=gamma, full=full,
-                                     lookahead=(2 * proposes if spec.adaptive_gamma else proposes) + 1,
+                                     lookahead=spec.reach(index) + 1,
                                      rebuild_every=spec.rebuild_every, rebuild_below=spec.rebuild_below,
                                      verify_fn=verify, **adaptive,
                                      **common)
@@ -493,12 +521,13 @@ class Engine:
         if spec.mode == "auto" and spec.tiers is None:
             plan = self.plan_auto(len(prompt_ids), sampling, spec)
             spec = spec.resolve_auto(plan)
-        self.validate(prompt_ids, max_new_tokens, spec)
+        placement = self.validate(prompt_ids, max_new_tokens, spec)
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")
             if self.target.tp is not None:  # every rank draws from rank 0's seed
                 seed = self.target.tp.broadcast_int(seed)
         generator = torch.Generator(device=self.target.device).manual_seed(seed)
+        self.placement = placement  # this request's plan, reported in its stats
         top = self.build_hierarchy(len(prompt_ids), max_new_tokens, sampling, spec, generator)
         governor = self.governor_factory(top) if plan is not None else None
         eos = frozenset(self.eos_ids)

@@ -151,7 +151,9 @@ def _read_folder(folder: Path, dtype: torch.dtype, device: str | torch.device, t
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             numel += sum(_prod(sf.get_slice(name).get_shape()) for name in sf.keys())
-    check_fits({"weights": numel * itemsize}, device, f"model {folder.name}")
+    from .parallel import agree_on_fit
+
+    agree_on_fit(tp, lambda: check_fits({"weights": numel * itemsize}, device, f"model {folder.name}"))
     state: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as sf:

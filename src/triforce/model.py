@@ -135,6 +135,7 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None  # built on first use, on the weights' device
         self.tp = None  # TensorParallel when this model is one rank's shard (see parallel.py)
+        self.compile_mode: str | None = None  # set by compile_blocks (lower-precision copies compile their own MLPs)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -311,6 +312,7 @@ class Transformer(nn.Module):
         for block in self.layers:
             for module in (block.input_layernorm, block.post_attention_layernorm, block.mlp):
                 module.forward = torch.compile(module.forward, mode=mode, dynamic=False)
+        self.compile_mode = mode
 
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters (tied weights counted once)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
@@ -126,6 +126,50 @@ class TensorParallel:
         t = torch.tensor([value], dtype=torch.long, device=self.device)
         dist.broadcast(t, src=0, group=self.group)
         return int(t.item())
+
+
+T = TypeVar("T")
+
+
+def agree_on_fit(tp: TensorParallel | None, check: Callable[[], T]) -> T:
+    """Run a memory check on every rank and make its verdict common: every rank raises when any rank refuses.
+
+    Free memory differs from rank to rank, so each rank's own check may disagree with the others'; a rank that refused
+    alone would leave the others waiting forever in the next collective. After ``check`` each rank all-reduces a
+    refusal flag (one collective, so every rank of the group must call this at the same point).
+
+    Args:
+        tp: this process's tensor-parallel group, or None (one process: ``check`` runs as is).
+        check: the check; it returns a value (returned here) or raises
+            :class:`~triforce.memory.InsufficientMemoryError`. Any other exception passes through without the
+            agreement, so it must be one every rank raises alike (a bad argument).
+
+    Returns:
+        ``check()``'s value.
+
+    Raises:
+        InsufficientMemoryError: on a refusing rank its own message, prefixed with its rank; on the others, which ranks
+            refused.
+    """
+    from .memory import InsufficientMemoryError
+
+    if tp is None:
+        return check()
+    result, error = None, None
+    try:
+        result = check()
+    except InsufficientMemoryError as e:
+        error = e
+    refused = torch.zeros(tp.world_size, dtype=torch.long, device=tp.device)
+    refused[tp.rank] = int(error is not None)
+    tp.all_reduce(refused)
+    if error is not None:
+        raise InsufficientMemoryError(f"rank {tp.rank}: {error}") from error
+    ranks = refused.nonzero().flatten().tolist()
+    if ranks:
+        raise InsufficientMemoryError(f"rank {', '.join(map(str, ranks))} of {tp.world_size} refused for lack of memory "
+                                      "(its own message says how much); every rank stops")
+    return result
 
 
 def init_tensor_parallel(tp: int, device: str | torch.device = "cpu") -> TensorParallel | None:

@@ -157,7 +157,9 @@ def lower_precision_copy(model: Transformer, weights: str) -> Transformer:
     """A copy of ``model`` whose projections and LM head use ``weights`` (``int8`` or ``bfloat16``).
 
     Norms, RoPE and (for untied models) the embedding table are shared with ``model``, not copied; tied embeddings
-    keep reading the source LM head's matrix. The copy is for speculation tiers below the verifier.
+    keep reading the source LM head's matrix. The copy is for speculation tiers below the verifier. When ``model``
+    was compiled (:meth:`~triforce.model.Transformer.compile_blocks`), each copied MLP gets its own compiled forward:
+    the source's compiled forward is bound to the source's full-precision MLP and must not travel with the copy.
 
     Args:
         model: the source model (any dtype, one rank's shard under tensor parallelism included).
@@ -192,8 +194,11 @@ def lower_precision_copy(model: Transformer, weights: str) -> Transformer:
         b._modules = dict(block._modules)
         attn, mlp = copy.copy(block.self_attn), copy.copy(block.mlp)
         attn._modules, mlp._modules = dict(block.self_attn._modules), dict(block.mlp._modules)
+        mlp.__dict__.pop("forward", None)  # a compiled source's forward, bound to the source MLP
         attn.qkv_proj, attn.o_proj = make(block.self_attn.qkv_proj), make(block.self_attn.o_proj)
         mlp.gate_up_proj, mlp.down_proj = make(block.mlp.gate_up_proj), make(block.mlp.down_proj)
+        if getattr(model, "compile_mode", None) is not None:  # the norms are shared, already compiled
+            mlp.forward = torch.compile(mlp.forward, mode=model.compile_mode, dynamic=False)
         b.self_attn, b.mlp = attn, mlp
         layers.append(b)
     out.layers = nn.ModuleList(layers)

@@ -38,7 +38,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from .caches import FullKVCache, KVCache, RetrievalCache, StreamingCache
+from .caches import CacheError, FullKVCache, KVCache, RetrievalCache, StreamingCache
 from .model import Transformer
 from .sampling import SamplingParams, logits_to_probs
 from .speculative import rejection_sample
@@ -341,7 +341,8 @@ class RetrievalTier(ModelTier):
 
     Extra args:
         full: the verifier's full cache (source of the selection and of exact KV for accepted tokens).
-        lookahead: most positions this tier may run ahead of the committed sequence (gamma2 + 1).
+        lookahead: most positions this tier may run ahead of the committed sequence, plus one: the largest gamma of
+            this tier and the tiers above it, + 1 (:meth:`~triforce.engine.SpeculationConfig.reach`).
         rebuild_every: re-select chunks every this many committed tokens (None: only when the budget is full).
         rebuild_below: re-select chunks when the acceptance of this tier's proposals over the last
             ``ACCEPTANCE_WINDOW`` proposed tokens falls below this (the authors' suggested adaptive policy; None: off).
@@ -356,8 +357,9 @@ class RetrievalTier(ModelTier):
         self.full, self.lookahead, self.rebuild_every = full, lookahead, rebuild_every
         self.rebuild_below = rebuild_below
         self._recent: list[tuple[int, int]] = []  # (accepted, proposed) of recent verifications by the tier above
-        if self.cache.budget - self.cache.chunk_size < lookahead + 2:  # see SpeculationConfig's check
-            raise ValueError(f"budget must be at least chunk_size + gamma2 + 3 = {self.cache.chunk_size + lookahead + 2} "
+        self._query: tuple[int, torch.Tensor] | None = None  # (position, query) of the last selection
+        if self.cache.budget - self.cache.chunk_size < lookahead + 1:  # see SpeculationConfig's check
+            raise ValueError(f"budget must be at least chunk_size + gamma + 2 = {self.cache.chunk_size + lookahead + 1} "
                              f"so generated tokens fit beside chunk 0, got {self.cache.budget}")
 
     def prefill(self, prompt: list[int], progress: Callable[[int], None] | None = None) -> None:
@@ -367,9 +369,22 @@ class RetrievalTier(ModelTier):
             self.drafter.prefill(prompt, progress)
 
     def _build(self, seq: list[int], length: int) -> None:
-        """Select among positions [0, length) with the query of position ``length`` (recorded by the verifier)."""
+        """Select among positions [0, length) with the query of position ``length`` (recorded by the verifier).
+
+        The verifier records the queries of its last forward only. The one position it may need from an older
+        forward is the last prompt token's: the first verification reuses the prefill's logits and starts one position
+        later, so a re-selection after it that accepted nothing asks for position P-1 again. That query is the one the
+        previous selection used, kept here.
+        """
         t0 = time.perf_counter()
-        self.cache.build(length, self.full.query_at(length))
+        try:
+            query = self.full.query_at(length)
+        except CacheError:
+            if self._query is None or self._query[0] != length:
+                raise
+            query = self._query[1]
+        self._query = (length, query)
+        self.cache.build(length, query)
         self.stats.forward_seconds += time.perf_counter() - t0
         self.cached = list(seq[:length])
         self.tail_logits = None
