@@ -380,6 +380,7 @@ class Engine:
         full.record_queries = spec.uses_retrieval
         self._full, self._full_tokens = full, []
         drafter, gamma = None, 0  # the tier built so far and how many tokens it proposes per verification
+        refeed = 1
         for kind, proposes in spec.chain:
             verify = self.tier_verify.get(kind, rejection_sample)
             adaptive = dict(stop_below=spec.stop_below, adaptive_gamma=spec.adaptive_gamma and drafter is not None)
@@ -398,6 +399,7 @@ class Engine:
             else:
                 cache = RetrievalCache(self.target.cfg, full, spec.budget, spec.chunk_size, spec.chunk_score,
                                        dtype=KV_DTYPES[spec.lower_kv_dtype] if spec.lower_kv_dtype else None)
+                refeed = max(refeed, cache.query_window)  # the prompt's last forward records its query window
                 node = RetrievalTier("retrieval", self._lower_model(self.target, spec.lower_weights), cache, drafter=drafter, gamma=gamma, full=full,
                                      lookahead=(2 * proposes if spec.adaptive_gamma else proposes) + 1,
                                      rebuild_every=spec.rebuild_every, rebuild_below=spec.rebuild_below,
@@ -408,6 +410,7 @@ class Engine:
                         is_top=True, verify_fn=self.tier_verify.get("target", rejection_sample),
                         adaptive_gamma=spec.adaptive_gamma and drafter is not None, **common)
         top.cached = reused  # prefill keeps the longest common prefix with the new prompt
+        top.refeed = refeed
         return top
 
     # ------------------------------------------------------------------ generation

@@ -14,7 +14,66 @@ import torch.nn.functional as F
 from .caches import CacheError, FullKVCache, KVCache, gqa_attention
 from .config import ModelConfig
 
-CHUNK_SCORES = ("mean", "max", "bound")
+CHUNK_SCORES = ("mean", "max", "bound", "attn")
+#: recent prompt positions the ``attn`` rule always keeps (ranked right after chunk 0), StreamingLLM/Quest style
+ATTN_RECENT = 64
+#: recorded verifier queries (ending at the selection point) the ``attn`` rule scores with
+ATTN_QUERY_WINDOW = 8
+
+
+def recent_queries(full: FullKVCache, position: int, window: int) -> torch.Tensor:
+    """The verifier's post-RoPE queries of positions (position - window, position] recorded in its last forward.
+
+    Only positions of the last forward are available (``FullKVCache.record_queries``), so fewer than ``window`` may
+    come back; ``position`` itself must be there.
+
+    Args:
+        full: the verifier's full cache, recording queries.
+        position: the newest query's absolute position.
+        window: most queries wanted (>= 1).
+
+    Returns:
+        (L, B, nh, W, hs) in the model dtype, W = min(window, position - full.query_start + 1), oldest first.
+
+    Raises:
+        CacheError: queries were not recorded, or ``position`` was not in the last forward (from ``query_at``).
+        ValueError: window < 1.
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    full.query_at(position)  # raises CacheError when the position is not recorded
+    i = position - full.query_start
+    lo = max(0, i - window + 1)
+    return torch.stack([q[:, :, lo:i + 1] for q in full.queries])
+
+
+def attention_mass_scores(keys: torch.Tensor, queries: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+    """Per-token attention mass of a group of query heads: the ``attn`` rule's token score.
+
+    score[t] = sum over the group's query heads h and the window's queries w of softmax_t(q_hw . k_t / sqrt(hs)),
+    each softmax over the keys [0, n) visible to query w (keys at positions > the query's position are masked out,
+    as causal attention would). Each query head thus weighs the same whatever the scale of its logits: massive
+    activations on a few channels (q/k biases) cannot let one head's raw q . k dominate the group's ranking.
+    The sum over heads is the mean recovery over the group's heads that a single position contributes, so ranking
+    tokens by it maximises the group's mean attention recovery for these queries (Vegas / SparseSpec style
+    selection from the verifier's own attention).
+
+    Args:
+        keys: (..., n, hs) post-RoPE keys of positions [0, n) (fp32 recommended).
+        queries: (..., Q, hs) post-RoPE queries: the g heads x W window queries of one KV head, flattened as
+            (head, window) in that order; same leading dims as ``keys``.
+        query_positions: (Q,) int64 absolute position of each query (a key j is visible to a query at p iff j <= p).
+
+    Returns:
+        (..., n) float32, non-negative; sums to Q when every query sees at least one key.
+    """
+    hs = keys.shape[-1]
+    logits = torch.matmul(queries.float(), keys.float().transpose(-1, -2)) / math.sqrt(hs)  # (..., Q, n)
+    n = keys.shape[-2]
+    visible = torch.arange(n, device=keys.device)[None, :] <= query_positions.to(keys.device)[:, None]  # (Q, n)
+    if not bool(visible.all()):
+        logits = logits.masked_fill(~visible, float("-inf"))
+    return torch.softmax(logits, dim=-1).sum(-2)
 
 
 class RetrievalCache(KVCache):
@@ -46,7 +105,17 @@ class RetrievalCache(KVCache):
             * ``mean`` (the paper's rule): ``sum_h q_h . mean(K_c)``;
             * ``max``: ``max_{k in c} sum_h q_h . k``, the chunk's best-matching key;
             * ``bound``: ``sum_h sum_d max(q_hd * min_c K_d, q_hd * max_c K_d)``, an upper bound of ``q_h . k`` from
-              per-channel key minima and maxima (Quest, Tang et al., arXiv 2406.10774).
+              per-channel key minima and maxima (Quest, Tang et al., arXiv 2406.10774);
+            * ``attn``: the attention mass the chunk holds, summed over the group's query heads (each head's softmax
+              normalised on its own, :func:`attention_mass_scores`) and over a window of up to ``ATTN_QUERY_WINDOW``
+              recorded queries; the last min(``ATTN_RECENT``, budget // 4) positions are always kept (after chunk 0). Built for GQA
+              models with wide groups and q/k biases (Qwen2.5, Llama-3): see docs/acceptance.md for the measurements.
+
+            With a window of queries (see :meth:`build`), ``mean``/``max``/``bound`` sum the score over the window.
+        recent: positions [length - recent, length) are always kept, ranked right after chunk 0 (None:
+            min(``ATTN_RECENT``, budget // 4) for ``attn``, 0 for the other scores).
+        query_window: queries :meth:`build_from_full` scores with (None: ``ATTN_QUERY_WINDOW`` for ``attn``, 1 for the
+            other scores, the paper's last-token query).
 
     Raises:
         ValueError: budget or chunk_size < 1, budget < chunk_size, or an unknown score (the names and values are
@@ -54,10 +123,16 @@ class RetrievalCache(KVCache):
     """
 
     def __init__(self, cfg: ModelConfig, full: FullKVCache, budget: int, chunk_size: int, score: str = "mean",
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, recent: int | None = None, query_window: int | None = None) -> None:
         if score not in CHUNK_SCORES:
             raise ValueError(f"chunk_score must be one of {', '.join(CHUNK_SCORES)}, got {score!r}")
         self.score = score
+        if recent is None:
+            recent = min(ATTN_RECENT, budget // 4) if score == "attn" else 0
+        self.recent = int(recent)
+        self.query_window = (ATTN_QUERY_WINDOW if score == "attn" else 1) if query_window is None else int(query_window)
+        if self.recent < 0 or self.query_window < 1:
+            raise ValueError(f"recent must be >= 0 and query_window >= 1, got {recent!r} and {query_window!r}")
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         if budget < chunk_size:
@@ -85,8 +160,23 @@ class RetrievalCache(KVCache):
         """True when every position the cache represents is in it (prompt shorter than the budget, no overwrite)."""
         return self.n_selected == self.build_len and self.length - self.build_len <= self.budget - self.n_selected
 
+    def build_from_full(self, length: int) -> None:
+        """:meth:`build` with the verifier's recorded queries ending at position ``length`` (``query_window`` of them,
+        or as many as its last forward recorded): no extra forward.
+
+        Raises:
+            CacheError: the full cache did not record the query of position ``length``, or holds fewer positions.
+        """
+        if self.query_window == 1:
+            self.build(length, self.full.query_at(length))
+        else:
+            self.build(length, recent_queries(self.full, length, self.query_window))
+
     def build(self, length: int, query: torch.Tensor) -> None:
-        """Select chunks from the full cache's positions [0, length) with ``query`` (L, B, nh, hs), post-RoPE.
+        """Select chunks from the full cache's positions [0, length) with ``query``, post-RoPE.
+
+        ``query`` is (L, B, nh, hs), the query of position ``length`` (the paper's rule), or (L, B, nh, W, hs), the
+        queries of positions [length - W + 1, length] (a window of recent queries, oldest first).
 
         After the build the cache represents positions [0, length) (``self.length = length``).
 
@@ -95,7 +185,11 @@ class RetrievalCache(KVCache):
         """
         if length > self.full.length:
             raise CacheError(f"retrieval build at {length} but the full cache holds {self.full.length}")
+        if query.dim() == 4:
+            query = query[:, :, :, None]
         L, B, nkv, _, hs = self.k.shape
+        W = query.shape[3]
+        qpos = torch.arange(length - W + 1, length + 1, device=self.k.device)
         self.selected.fill_(-1)
         m = min(self.budget, length)
         c = self.chunk_size
@@ -104,10 +198,17 @@ class RetrievalCache(KVCache):
         for layer in range(L if length > 0 else 0):  # one layer at a time: fp32 scoring of one layer's keys
             dev = self.k.device  # the full cache may be offloaded to host memory: one layer at a time to the device
             keys = self.full.k[layer:layer + 1, :, :, :length].to(dev)  # (1, B, nkv, n, hs)
-            qg = query[layer:layer + 1].float().reshape(1, B, nkv, -1, hs)  # (1, B, nkv, g, hs)
-            scores = self._chunk_scores(keys.float(), qg, n_chunks, pad)  # (1, B, nkv, n_chunks)
+            qg = query[layer:layer + 1].float().reshape(1, B, nkv, -1, hs)  # (1, B, nkv, g*W, hs): (head, window)
+            if self.score == "attn":
+                mass = attention_mass_scores(keys, qg, qpos.repeat(qg.shape[3] // W))  # (1, B, nkv, n)
+                mass = F.pad(mass, (0, pad)) if pad else mass
+                scores = mass.reshape(1, B, nkv, n_chunks, c).sum(-1)
+            else:
+                scores = self._chunk_scores(keys.float(), qg, n_chunks, pad)  # (1, B, nkv, n_chunks)
             scores[..., 0] = float("inf")  # chunk 0, the attention sink, is always kept
             token_scores = scores.repeat_interleave(c, dim=-1)[..., :length]  # (1, B, nkv, n)
+            if self.recent:
+                token_scores[..., max(0, length - self.recent):] = float("inf")  # the recent window, after chunk 0
             order = torch.sort(token_scores, dim=-1, descending=True, stable=True).indices[..., :m]
             self.selected[layer:layer + 1, ..., :m] = order
             idx = order[..., None].expand(1, B, nkv, m, hs)

@@ -122,6 +122,8 @@ VerifyFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 class ModelTier:
     """A model with a KV cache, optionally sped up by a drafter below it.
 
+    Attribute ``refeed`` (int, >= 1): prompt tokens a prefill feeds again even when prefix reuse holds them.
+
     Args:
         name: tier name used in stats.
         model: the model (tiers 1 and 2 share the target's).
@@ -144,6 +146,8 @@ class ModelTier:
     Both adaptive rules depend only on tokens and distributions already computed, never on the draws still to
     come, so the verification stays exact.
     """
+
+    refeed = 1
 
     def __init__(self, name: str, model: Transformer, cache: KVCache, sampling: SamplingParams,
                  generator: torch.Generator, eos_ids: tuple[int, ...] = (), drafter: Drafter | None = None,
@@ -192,11 +196,12 @@ class ModelTier:
     def prefill(self, prompt: list[int], progress: Callable[[int], None] | None = None) -> None:
         """Process the prompt: the whole prompt for the top tier (keeping its last logits), else all but the last token.
 
-        Tokens already cached that match the prompt's start are kept (prefix reuse); at least one token is fed.
+        Tokens already cached that match the prompt's start are kept (prefix reuse); at least ``refeed`` tokens are
+        fed (the engine raises it so the verifier records the queries a retrieval rule with a query window reads).
         """
         n = len(prompt) if self.is_top else len(prompt) - 1
         common = 0
-        for a, b in zip(self.cached, prompt[:n - 1]):
+        for a, b in zip(self.cached, prompt[:max(0, n - self.refeed)]):
             if a != b:
                 break
             common += 1
@@ -349,7 +354,7 @@ class RetrievalTier(ModelTier):
     def _build(self, seq: list[int], length: int) -> None:
         """Select among positions [0, length) with the query of position ``length`` (recorded by the verifier)."""
         t0 = time.perf_counter()
-        self.cache.build(length, self.full.query_at(length))
+        self.cache.build_from_full(length)
         self.stats.forward_seconds += time.perf_counter() - t0
         self.cached = list(seq[:length])
         self.tail_logits = None
