@@ -90,7 +90,8 @@ def main(argv=None):
     p.add_argument("--chunk-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=32, help="generated steps the recovery is averaged over (32)")
     p.add_argument("--rules", nargs="+", default=list(RULES))
-    p.add_argument("--accept-rules", nargs="*", default=["mean", "attn"])
+    p.add_argument("--accept-rules", nargs="*", default=["mean", "attn"], choices=["mean", "max", "bound", "attn"],
+                   help="chunk scores of the acceptance runs, with the engine's defaults (mean attn)")
     p.add_argument("--accept-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--rebuild-every", type=int, default=None, help="acceptance runs: re-select every N tokens")
@@ -114,7 +115,7 @@ def main(argv=None):
         ids = book_prompt(tok, resolve_book(book, args.books_dir), args.prompt_tokens)
         P, n = len(ids), len(ids) - 1
         t0 = time.time()
-        full, q_last, logits = prefill_recorded(model, ids, extra_capacity=args.steps + 1)
+        full, q_last, logits = prefill_recorded(model, ids, extra_capacity=args.steps + args.accept_tokens + 16)
         W = 8
         prompt_q = torch.stack([q[:, :, -W:] for q in full.queries]).clone()  # (L, 1, nh, W, hs) ending at n
         steps_q = [q_last]
@@ -144,19 +145,15 @@ def main(argv=None):
         res["books"][book] = {"recovery": rec, "effective_keys_per_layer": eff.mean(1).tolist(),
                               "effective_keys_per_head": eff.tolist(), "analysis_seconds": time.time() - t0}
         print(book, {k: round(v["mean"], 3) for k, v in rec.items()}, f"{time.time() - t0:.0f}s", flush=True)
-        del full
-    # acceptance, one engine with prefix reuse
-    if args.accept_rules:
-        eng = Engine(model, eos_ids=tuple(lm.eos_ids) if hasattr(lm, "eos_ids") else ())
-        samp = SamplingParams(temperature=args.temperature, top_p=0.9 if args.temperature > 0 else 1.0)
-        res["acceptance"] = {"temperature": args.temperature, "new_tokens": args.accept_tokens, "gamma2": 6,
-                             "rebuild_every": args.rebuild_every, "runs": {}}
-        for book in args.books:
-            ids = book_prompt(tok, resolve_book(book, args.books_dir), args.prompt_tokens)
+        # acceptance: an engine with prefix reuse, handed this prefill (its KV of the prompt is the engine's own)
+        if args.accept_rules:
+            eng = Engine(model, eos_ids=lm.eos_ids)
+            eng._full, eng._full_tokens = full, list(ids)
+            samp = SamplingParams(temperature=args.temperature, top_p=0.9 if args.temperature > 0 else 1.0)
+            res["acceptance"] = {"temperature": args.temperature, "new_tokens": args.accept_tokens, "gamma2": 6,
+                                 "rebuild_every": args.rebuild_every, "runs": res.get("acceptance", {}).get("runs", {})}
             for rule in args.accept_rules:
                 score = RULES[rule][0]
-                if RULES[rule][1:] != ((64, 8) if score == "attn" else (0, 1)):
-                    continue  # acceptance runs use the rule names the engine knows
                 spec = SpeculationConfig(mode="retrieval", budget=budget, chunk_size=args.chunk_size, gamma2=6,
                                          chunk_score=score, rebuild_every=args.rebuild_every)
                 t0 = time.time()
@@ -167,9 +164,11 @@ def main(argv=None):
                     "accepted": tg.get("accepted"), "rebuilds": st.tiers.get("retrieval", {}).get("rebuilds"),
                     "tokens": out, "seconds": time.time() - t0}
                 print(book, rule, round(tg.get("acceptance_rate") or 0, 3), f"{time.time() - t0:.0f}s", flush=True)
-    res["seconds_total"] = time.time() - t_all
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+            del eng
+        del full
+        res["seconds_total"] = time.time() - t_all
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))  # after every book: partial results survive
 
 
 if __name__ == "__main__":

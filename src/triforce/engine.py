@@ -63,8 +63,8 @@ class SpeculationConfig:
             (up to twice the configured gamma), -1 when fewer than half were accepted.
         rebuild_below: re-select the retrieval chunks when the acceptance of the retrieval tier's last 16 proposed
             tokens falls below this fraction (None: off).
-        chunk_score: retrieval chunk score, one of ``mean`` (the paper's), ``max``, ``bound`` (see
-            :class:`~triforce.caches.RetrievalCache`).
+        chunk_score: retrieval chunk score, one of ``mean`` (the paper's), ``max``, ``bound``, ``attn`` (see
+            :class:`~triforce.retrieval.RetrievalCache`).
         lower_weights: weights of the tiers below the verifier (the retrieval tier's copy of the target, and the
             draft model): None (as loaded), ``int8`` (weight-only) or ``bfloat16`` (see ``quant.py``). Lossless:
             the verifier decides every token; only acceptance can change.
