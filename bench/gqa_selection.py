@@ -80,7 +80,40 @@ def _probs(full, q, length):
     return torch.softmax(logits.double(), -1)
 
 
+def table(path):
+    """Markdown tables of a result file: recovery per rule and book, acceptance per rule and book, per layer."""
+    r = json.loads(Path(path).read_text())
+    books = list(r["books"])
+    rules = list(next(iter(r["books"].values()))["recovery"])
+    lines = [f"{r['model']} ({r['heads']} query / {r['kv_heads']} KV heads, {r['layers']} layers), "
+             f"{r['prompt_tokens']} prompt tokens, budget {r['budget']}, recovery = mean over steps 0..{r['steps']}",
+             "", "| rule | " + " | ".join(books) + " | mean |", "|---|" + "---:|" * (len(books) + 1)]
+    for rule in rules:
+        v = [r["books"][b]["recovery"][rule]["mean"] for b in books]
+        lines.append(f"| {rule} | " + " | ".join(f"{x:.3f}" for x in v) + f" | {sum(v) / len(v):.3f} |")
+    acc = r.get("acceptance", {}).get("runs", {})
+    if acc:
+        a_rules = list(next(iter(acc.values())))
+        lines += ["", f"Greedy acceptance (T = {r['acceptance']['temperature']}, {r['acceptance']['new_tokens']} new "
+                  f"tokens, gamma2 6, rebuild_every {r['acceptance']['rebuild_every']}):", "",
+                  "| rule | " + " | ".join(acc) + " | mean |", "|---|" + "---:|" * (len(acc) + 1)]
+        for rule in a_rules:
+            v = [acc[b][rule]["acceptance_rate"] for b in acc]
+            lines.append(f"| {rule} | " + " | ".join(f"{x:.3f}" for x in v) + f" | {sum(v) / len(v):.3f} |")
+    L = r["layers"]
+    lines += ["", "Per layer (mean over books), recovery:", "", "| layer | eff. keys | " + " | ".join(rules) + " |",
+              "|---:|---:|" + "---:|" * len(rules)]
+    for l in range(L):
+        eff = sum(r["books"][b]["effective_keys_per_layer"][l] for b in books) / len(books)
+        v = [sum(r["books"][b]["recovery"][rule]["per_layer"][l] for b in books) / len(books) for rule in rules]
+        lines.append(f"| {l} | {eff:.0f} | " + " | ".join(f"{x:.2f}" for x in v) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--table-from":
+        print(table(sys.argv[2]))
+        return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)
     p.add_argument("--books", nargs="+", default=["pg84", "pg1342", "pg2701", "pg1661"])
