@@ -161,7 +161,7 @@ def test_cli_writes_json_and_png(tiny_folder, book, tmp_path, capsys):
     rec = json.loads((out / "recovery.json").read_text())
     assert rec["books"] == ["tinybook"] and rec["budgets"] == [16, 64]
     assert len(rec["per_layer"]["mean"]["16"]) == 3
-    for s in ("mean", "max", "bound"):
+    for s in ("mean", "max", "bound", "attn"):
         assert rec["mean_recovery"]["oracle"]["16"] >= rec["mean_recovery"][s]["16"]
         assert rec["mean_recovery"][s]["16"] <= rec["mean_recovery"][s]["64"]
     loc = json.loads((out / "locality.json").read_text())
@@ -172,7 +172,7 @@ def test_cli_writes_json_and_png(tiny_folder, book, tmp_path, capsys):
     assert [row["value"] for row in acc["summary"]["prompt_tokens"]] == [100, 200]
     assert "triforce analyze" in acc["command"] and "--budgets 16 64" in acc["command"]
     printed = capsys.readouterr().out
-    assert "| budget | mean | max | bound | oracle |" in printed
+    assert "| budget | mean | max | bound | attn | oracle |" in printed
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -70,8 +70,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--gamma2", type=int, default=6, help="tokens proposed per target verification")
     k.add_argument("--budget", type=int, default=4096, help="retrieval cache slots (default 4096)")
     k.add_argument("--chunk-size", type=int, default=8, help="retrieval chunk size (default 8)")
-    k.add_argument("--chunk-score", default="mean", choices=["mean", "max", "bound"],
-                   help="retrieval chunk score: mean (paper: q . mean key), max (best key), bound (Quest upper bound)")
+    k.add_argument("--chunk-score", default="mean", choices=["mean", "max", "bound", "attn"],
+                   help="retrieval chunk score: mean (paper: q . mean key), max (best key), bound (Quest upper bound), "
+                        "attn (per-head attention mass over recent verifier queries + a recent window; GQA models)")
     k.add_argument("--stop-below", type=float,
                    help="model drafters end a proposal before a token whose confidence is below this (default: off)")
     k.add_argument("--adaptive-gamma", action="store_true",

@@ -77,8 +77,8 @@ class SpeculationConfig:
             (up to twice the configured gamma), -1 when fewer than half were accepted.
         rebuild_below: re-select the retrieval chunks when the acceptance of the retrieval tier's last 16 proposed
             tokens falls below this fraction (None: off).
-        chunk_score: retrieval chunk score, one of ``mean`` (the paper's), ``max``, ``bound`` (see
-            :class:`~triforce.caches.RetrievalCache`).
+        chunk_score: retrieval chunk score, one of ``mean`` (the paper's), ``max``, ``bound``, ``attn`` (see
+            :class:`~triforce.retrieval.RetrievalCache`).
         lower_weights: weights of the tiers below the verifier (the retrieval tier's copy of the target, and the
             draft model): None (as loaded), ``int8`` (weight-only) or ``bfloat16`` (see ``quant.py``). Lossless:
             the verifier decides every token; only acceptance can change.
@@ -450,6 +450,7 @@ class Engine:
         full.record_queries = spec.uses_retrieval
         self._full, self._full_tokens = full, []
         drafter, gamma = None, 0  # the tier built so far and how many tokens it proposes per verification
+        refeed = 1
         for index, (kind, proposes) in enumerate(spec.chain):
             verify = self.tier_verify.get(kind, rejection_sample)
             adaptive = dict(stop_below=spec.stop_below, adaptive_gamma=spec.adaptive_gamma and drafter is not None)
@@ -471,6 +472,7 @@ class Engine:
             else:
                 cache = RetrievalCache(self.target.cfg, full, spec.budget, spec.chunk_size, spec.chunk_score,
                                        dtype=KV_DTYPES[spec.lower_kv_dtype] if spec.lower_kv_dtype else None)
+                refeed = max(refeed, cache.query_window)  # the prompt's last forward records its query window
                 node = RetrievalTier("retrieval", self._lower_model(self.target, spec.lower_weights), cache, drafter=drafter, gamma=gamma, full=full,
                                      lookahead=spec.reach(index) + 1,
                                      rebuild_every=spec.rebuild_every, rebuild_below=spec.rebuild_below,
@@ -481,6 +483,7 @@ class Engine:
                         is_top=True, verify_fn=self.tier_verify.get("target", rejection_sample),
                         adaptive_gamma=spec.adaptive_gamma and drafter is not None, **common)
         top.cached = reused  # prefill keeps the longest common prefix with the new prompt
+        top.refeed = refeed
         return top
 
     # ------------------------------------------------------------------ generation

@@ -129,6 +129,8 @@ VerifyFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 class ModelTier:
     """A model with a KV cache, optionally sped up by a drafter below it.
 
+    Attribute ``refeed`` (int, >= 1): prompt tokens a prefill feeds again even when prefix reuse holds them.
+
     Args:
         name: tier name used in stats.
         model: the model (tiers 1 and 2 share the target's).
@@ -151,6 +153,8 @@ class ModelTier:
     Both adaptive rules depend only on tokens and distributions already computed, never on the draws still to
     come, so the verification stays exact.
     """
+
+    refeed = 1
 
     def __init__(self, name: str, model: Transformer, cache: KVCache, sampling: SamplingParams,
                  generator: torch.Generator, eos_ids: tuple[int, ...] = (), drafter: Drafter | None = None,
@@ -200,11 +204,12 @@ class ModelTier:
     def prefill(self, prompt: list[int], progress: Callable[[int], None] | None = None) -> None:
         """Process the prompt: the whole prompt for the top tier (keeping its last logits), else all but the last token.
 
-        Tokens already cached that match the prompt's start are kept (prefix reuse); at least one token is fed.
+        Tokens already cached that match the prompt's start are kept (prefix reuse); at least ``refeed`` tokens are
+        fed (the engine raises it so the verifier records the queries a retrieval rule with a query window reads).
         """
         n = len(prompt) if self.is_top else len(prompt) - 1
         common = 0
-        for a, b in zip(self.cached, prompt[:n - 1]):
+        for a, b in zip(self.cached, prompt[:max(0, n - self.refeed)]):
             if a != b:
                 break
             common += 1
@@ -378,7 +383,7 @@ class RetrievalTier(ModelTier):
         """
         t0 = time.perf_counter()
         try:
-            query = self.full.query_at(length)
+            query = self.cache.selection_query(length)
         except CacheError:
             if self._query is None or self._query[0] != length:
                 raise
