@@ -45,10 +45,11 @@ def test_plan_adds_retrieval_only_when_the_kv_cache_outweighs_a_share_of_the_wei
     per_token = kv_bytes(cfg, 1, torch.float32)
     long_p = int(RETRIEVAL_MIN_KV_SHARE * w / per_token) + 600
     short_p = int(0.5 * RETRIEVAL_MIN_KV_SHARE * w / per_token)
-    short = plan_hierarchy(cfg, w, torch.float32, short_p, None, SamplingParams(0.6))
+    short = plan_hierarchy(cfg, w, torch.float32, short_p, None, GREEDY)
     assert short.tiers == "ngram:6" and "no retrieval tier" in short.reason
-    assert plan_hierarchy(cfg, w, torch.float32, long_p, None, SamplingParams(0.6)).tiers == "retrieval:6"
     assert plan_hierarchy(cfg, w, torch.float32, long_p, None, GREEDY).tiers == "ngram:4,retrieval:6"
+    for p in (short_p, long_p):  # under sampling the target's int4 copy drafts, directly for the target
+        assert plan_hierarchy(cfg, w, torch.float32, p, None, SamplingParams(0.6)).tiers == "self:4"
     long = plan_hierarchy(cfg, w, torch.float32, long_p, "draft", GREEDY, gamma1=3, gamma2=5)
     assert long.tiers == "draft:3,retrieval:5"
     assert long.budget == max(256, long_p // 8) and long.lower_weights == "int8"

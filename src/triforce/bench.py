@@ -1073,6 +1073,9 @@ def _summarize(res: dict, runs: list[dict]) -> None:
         res["acceptance"] = aggregate_tiers([s["tiers"] for s in stats]) or None
         res["engine_prefill_seconds"] = [s["prefill_seconds"] for s in stats]
         res["engine_mean_time_between_tokens_ms"] = [s["mean_time_between_tokens_ms"] for s in stats]
+        autos = [s["auto"] for s in stats if s.get("auto")]
+        if autos:  # mode auto: the hierarchy it chose and how many tokens it decoded with it, per repetition
+            res["auto"] = autos
         holds = [s.get("retrieval_holds_full_cache") for s in stats]
         if any(h is not None for h in holds):
             res["retrieval_holds_full_cache"] = holds

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 11's targets, measured with `triforce bench` (interleaved repetitions, medians, one worker per method, 2
+# threads). Run alone on an idle machine: every timing on this 2-core CPU is distorted by any other CPU-heavy job.
+#   bash bench/speed_default.sh                 # SmolLM2 on 3 books (~20 min), then the Qwen pair if present (~10 min)
+#   BOOKS="pg1342" QWEN=0 bash bench/speed_default.sh
+# Writes bench/results/speed_default/*.json; `python bench/speed_default_table.py` turns them into the table and PNG
+# of docs/benchmarks.md. llama.cpp rows need `pip install -e ".[llamacpp]"` (compiles for minutes).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/speed_default}
+BOOKS=${BOOKS:-"pg1342 pg84 pg2701"}
+QWEN=${QWEN:-1}
+QWEN_DIR=${QWEN_DIR:-${TRIFORCE_CACHE:-$HOME/.cache/triforce}/qwen2.5-coder}
+mkdir -p "$OUT"
+export OMP_WAIT_POLICY=PASSIVE
+bench() { triforce bench --threads 2 --reps 3 --no-progress "$@"; }
+for book in $BOOKS; do
+  bench --book "$book.txt" --prompt-tokens 8000 --new-tokens 128 --temperature 0.6 \
+        --methods hf-ar,autoregressive,auto,retrieval-int8,llama.cpp --json "$OUT/${book}_8000_t06.json"
+  bench --book "$book.txt" --prompt-tokens 8000 --new-tokens 128 --temperature 0 \
+        --methods autoregressive,auto --json "$OUT/${book}_8000_greedy.json"
+  for n in 1000 4000; do
+    bench --book "$book.txt" --prompt-tokens "$n" --new-tokens 128 --temperature 0.6 \
+          --methods autoregressive,auto --json "$OUT/${book}_${n}_t06.json"
+  done
+done
+if [ "$QWEN" = 1 ] && [ -f "$QWEN_DIR/qwen-coder-1.5b.gguf" ]; then
+  # the real target/draft pair: auto with --draft, beside the draft directly under the target and retrieval-int8
+  bench --model "$QWEN_DIR/qwen-coder-1.5b.gguf" --draft "$QWEN_DIR/qwen-coder-0.5b.gguf" --book pg1342.txt \
+        --prompt-tokens 3000 --new-tokens 64 --temperature 0.6 --reps 2 \
+        --methods autoregressive,auto,draft,retrieval-int8 --json "$OUT/qwen_3000_t06.json"
+fi
