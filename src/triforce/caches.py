@@ -345,24 +345,23 @@ class StreamingCache(KVCache):
         self.k[layer, :, :, self._slot_lo:self._slot_lo + t] = k
         self.v[layer, :, :, self._slot_lo:self._slot_lo + t] = v
         ns, nw = self._n_sink, self._n_win
-        keys_s, vals_s = self.k[layer, :, :, :ns], self.v[layer, :, :, :ns]
-        keys_w = self.k[layer, :, :, self.sink:self.sink + nw]
-        vals_w = self.v[layer, :, :, self.sink:self.sink + nw]
+        # slots [0, ns) hold the sinks and [sink, sink + nw) the window; nw > 0 only once every sink is in (ns == sink),
+        # so the visible keys and values are the contiguous slots [0, ns + nw): no copy
+        n = ns + nw
+        keys, vals = self.k[layer, :, :, :n], self.v[layer, :, :, :n]  # (B, nkv, ns + nw, hs)
         b, nh, _, hs = q.shape
         nkv = k.shape[1]
         g = nh // nkv
         scale = 1.0 / math.sqrt(hs)
         out_dtype, q, q_pre = q.dtype, q.to(self.k.dtype), q_pre.to(self.k.dtype)  # attend in the cache's dtype
-        qw = q.reshape(b, nkv, g * t, hs)
-        parts = []
-        if ns:
+        scores = q.reshape(b, nkv, g * t, hs) @ keys.transpose(-1, -2)  # (B, nkv, g*T, ns + nw)
+        if ns:  # the sinks are scored by the query re-rotated at its in-cache position
             q_sink = apply_rope(q_pre, *self._sink_rope).reshape(b, nkv, g * t, hs)
-            parts.append(q_sink @ keys_s.transpose(-1, -2))
-        parts.append(qw @ keys_w.transpose(-1, -2))
-        scores = torch.cat(parts, dim=-1).float() * scale  # (B, nkv, g*T, ns + nw)
+            scores[..., :ns] = q_sink @ keys[:, :, :ns].transpose(-1, -2)
+        scores = scores.float() * scale
         scores = scores.masked_fill(~self._mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out = probs @ torch.cat([vals_s, vals_w], dim=2)  # (B, nkv, g*T, hs)
+        out = probs @ vals  # (B, nkv, g*T, hs)
         return out.view(b, nh, t, hs).to(out_dtype)
 
     def end_forward(self) -> None:
