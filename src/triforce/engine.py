@@ -34,6 +34,7 @@ from .speculative import rejection_sample
 MODES = ("autoregressive", "retrieval", "draft", "triforce")
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TIER_KINDS = ("ngram", "draft", "retrieval")
+MAX_SEED = 2**63 - 1  # seeds are in [0, MAX_SEED]: torch.Generator.manual_seed takes a non-negative int64
 
 
 def _positive_int(name: str, value, minimum: int = 1) -> None:
@@ -469,8 +470,8 @@ class Engine:
             raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         if not isinstance(spec, SpeculationConfig):
             raise ValueError(f"spec must be a SpeculationConfig, got {type(spec).__name__}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
         self.last_stats = None
         placement = self.validate(prompt_ids, max_new_tokens, spec)
         if seed is None:
