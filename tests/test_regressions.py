@@ -253,3 +253,36 @@ def test_tensor_parallel_ranks_agree_when_one_lacks_memory(tiny_folder):
     assert load0 == "rank 1 of 2 refused for lack of memory (its own message says how much); every rank stops"
     assert gen1.startswith("rank 1: this request needs ") and gen0 == load0
     assert tokens0 == tokens1 == ref
+
+
+# ------------------------------------------------------------------ drift: one check of --threads and --seed
+@pytest.mark.parametrize("option,value", [("--threads", "0"), ("--threads", "100000"), ("--seed", "-1"),
+                                          ("--seed", str(2**63))])
+def test_generate_and_serve_check_threads_and_seed_alike(tiny_folder, option, value):
+    """`serve` used to accept any --threads >= 1 and wrote its --seed range differently: one helper each now (checked
+    before anything is loaded; `serve`'s option checks are called directly, so no server can start here)."""
+    from triforce.cli import CLIError, build_parser, cmd_generate
+    from triforce.server import _defaults_from_args
+
+    errors = []
+    for command, run in (("generate", cmd_generate), ("serve", _defaults_from_args)):
+        prompt = ["--prompt", "x"] if command == "generate" else []
+        with pytest.raises(CLIError) as e:
+            run(build_parser().parse_args([command, "--model", tiny_folder, *prompt, option, value]))
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and len(errors[0].splitlines()) == 1 and option in errors[0]
+    if option == "--seed":
+        assert "[0, 2**63 - 1]" in errors[0]
+
+
+def test_the_largest_seed_is_the_same_everywhere(engine):
+    from triforce.cli import check_seed
+    from triforce.engine import MAX_SEED
+    from triforce.server import MAX_SEED as SERVER_MAX_SEED
+
+    assert MAX_SEED == SERVER_MAX_SEED == 2**63 - 1
+    check_seed(MAX_SEED)
+    out, stats = engine.generate([5, 6, 7], max_new_tokens=2, sampling=SAMPLED, seed=MAX_SEED)
+    assert stats.seed == MAX_SEED and len(out) == 2
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*63 - 1\], got 9223372036854775808"):
+        engine.generate([5, 6, 7], max_new_tokens=2, seed=MAX_SEED + 1)

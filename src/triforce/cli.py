@@ -11,7 +11,7 @@ import json
 import sys
 
 from . import __version__
-from .engine import MODES, SpeculationConfig
+from .engine import MAX_SEED, MODES, SpeculationConfig
 from .sampling import SamplingParams
 
 
@@ -198,6 +198,29 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return strip_gutenberg(text)
 
 
+def check_threads(threads: int | None) -> None:
+    """``--threads`` of ``generate`` and ``serve``: None (torch's choice) or 1 .. 4x the CPUs.
+
+    Raises:
+        CLIError: outside that range (the limit is in the message).
+    """
+    import os
+
+    limit = 4 * (os.cpu_count() or 1)
+    if threads is not None and not 1 <= threads <= limit:
+        raise CLIError(f"--threads must be between 1 and {limit} (4x this machine's {os.cpu_count()} CPUs), got {threads}")
+
+
+def check_seed(seed: int | None) -> None:
+    """``--seed`` of ``generate`` and ``serve``: None (random) or an integer in [0, :data:`~triforce.engine.MAX_SEED`].
+
+    Raises:
+        CLIError: outside that range.
+    """
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise CLIError(f"--seed must be an integer in [0, 2**63 - 1], got {seed}")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """``triforce generate``: check options, load, stream text (or print JSON); returns the exit status.
 
@@ -213,14 +236,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from .loading import parse_device
 
+    check_threads(args.threads)
     if args.threads is not None:
-        limit = 4 * (os.cpu_count() or 1)
-        if not 1 <= args.threads <= limit:
-            raise CLIError(f"--threads must be between 1 and {limit} (4x this machine's {os.cpu_count()} CPUs), "
-                           f"got {args.threads}")
         torch.set_num_threads(args.threads)
-    if args.seed is not None and not 0 <= args.seed < 2**63:
-        raise CLIError(f"--seed must be an integer in [0, 2**63), got {args.seed}")
+    check_seed(args.seed)
     try:
         parse_device(args.device)
     except ValueError as e:

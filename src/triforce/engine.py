@@ -44,6 +44,7 @@ TIER_KINDS = ("ngram", "self", "draft", "retrieval")
 DRAFTER_KINDS = {"model": "draft", "ngram": "ngram", "self": "self"}
 #: weights of the ``self`` tier (the target's own weights, quantized; see ``quant.py``)
 SELF_WEIGHTS = ("int4", "int8", "bfloat16")
+MAX_SEED = 2**63 - 1  # seeds are in [0, MAX_SEED]: torch.Generator.manual_seed takes a non-negative int64
 
 
 def _positive_int(name: str, value, minimum: int = 1) -> None:
@@ -517,8 +518,8 @@ class Engine:
             raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         if not isinstance(spec, SpeculationConfig):
             raise ValueError(f"spec must be a SpeculationConfig, got {type(spec).__name__}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
         self.last_stats = None
         plan = None
         if spec.mode == "auto" and spec.tiers is None:

@@ -39,9 +39,10 @@ if TYPE_CHECKING:  # pragma: no cover
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 MAX_BODY_BYTES = 16 * 1024 * 1024
 MAX_STOP_SEQUENCES = 4
-MAX_SEED = 2 ** 63 - 1
 DISCONNECT_POLL_SECONDS = 0.25
 ENDPOINTS = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics")
+
+from .engine import MAX_SEED  # noqa: E402  (one seed range for the engine, `generate` and `serve`)
 
 
 # ---------------------------------------------------------------------------------------------------- errors
@@ -999,11 +1000,10 @@ def _defaults_from_args(args: argparse.Namespace) -> ServerDefaults:
     Raises:
         CLIError: a bad option, named.
     """
-    from .cli import CLIError, _option_error, spec_from_args
+    from .cli import CLIError, _option_error, check_seed, check_threads, spec_from_args
     from .sampling import SamplingParams
 
-    if args.threads is not None and args.threads < 1:
-        raise CLIError(f"--threads must be >= 1, got {args.threads}")
+    check_threads(args.threads)
     if args.tp != 1:
         raise CLIError("--tp: triforce serve runs in one process; tensor parallelism is for `torchrun ... -m triforce "
                        "generate --tp N`")
@@ -1019,8 +1019,7 @@ def _defaults_from_args(args: argparse.Namespace) -> ServerDefaults:
         raise CLIError(f"--max-new-tokens must be an integer >= 1, got {args.max_new_tokens}")
     if any(not s for s in args.stop):
         raise CLIError("--stop strings must not be empty")
-    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
-        raise CLIError(f"--seed must be in [0, 2**63 - 1], got {args.seed}")
+    check_seed(args.seed)
     try:
         SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
         spec = spec_from_args(args, has_draft=args.draft is not None)

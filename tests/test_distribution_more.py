@@ -1,0 +1,122 @@
+"""Exact distribution under sampling where tests/test_distribution.py does not look (issue 12, item 6).
+
+Same setting and helpers as tests/test_distribution.py (imported): a 5-token vocabulary, a 20-token prompt, a retrieval
+budget of 8 (tier 1 sees a different cache than the verifier), 3 generated tokens whose exact distribution (125
+sequences) is enumerated with transformers. Each test draws N sequences with fixed seeds and requires a chi-square
+goodness-of-fit p-value > 1e-3 (cells with expected count < 5 pooled): under the null hypothesis a given seed fails
+with probability 1e-3; the seeds are fixed, so the outcome is reproducible. N = 1,500 here (1,000 request pairs for
+prefix reuse), which is enough to reject the TriForce reference's biased middle tier in these rebuild settings
+(p = 5e-7 and 8e-18 measured; ``test_biased_middle_tier_fails_with_rebuilds``); the ``slow`` variants draw 20,000.
+
+Covered: re-selecting the retrieval chunks during generation (``rebuild_every``, ``rebuild_below``) with each chunk
+score (``mean``, ``max``, ``bound``), and prefix reuse after a request that ended in the middle of a verified block
+(as a stop string ends it: the text API closes the engine's generator there).
+"""
+
+import pytest
+import torch
+
+from test_distribution import NEW, SETTINGS, V, chi2_pvalue, empirical, exact_distribution, models  # noqa: F401
+from triforce.engine import Engine, SpeculationConfig
+from triforce.tiers import RetrievalTier
+
+N_FAST, N_SLOW = 1500, 20000
+
+# rebuild_below: with a window of 1 proposed token (patched; 16 in production, more than 3 new tokens can fill), any
+# rejected proposal of the retrieval tier triggers a re-selection at the next commit
+REBUILDS = {
+    "every1-mean-retrieval": dict(mode="retrieval", chunk_score="mean", rebuild_every=1),
+    "every1-max-triforce": dict(mode="triforce", chunk_score="max", rebuild_every=1),
+    "below-bound-triforce": dict(mode="triforce", chunk_score="bound", rebuild_below=0.99),
+    "below-max-retrieval": dict(mode="retrieval", chunk_score="max", rebuild_below=0.99),
+}
+
+
+def _spec(**kw):
+    return SpeculationConfig(budget=8, chunk_size=2, gamma1=2, gamma2=2, draft_sink=2, draft_window=4, **kw)
+
+
+def _counting_rebuilds(engine):
+    """Wrap engine.generate to add up the retrieval tier's re-selections (the first selection not counted)."""
+    total = {"rebuilds": 0}
+    generate = engine.generate
+
+    def counted(*args, **kw):
+        out, stats = generate(*args, **kw)
+        total["rebuilds"] += stats.tiers["retrieval"]["rebuilds"] - 1
+        return out, stats
+
+    engine.generate = counted
+    return total
+
+
+def _check_rebuilds(models, monkeypatch, name, setting, n, seed, engine=None):  # noqa: F811
+    """p-value of N sequences drawn with the rebuild setting ``name`` (and how many re-selections occurred)."""
+    hf, target, draft, prompt = models
+    monkeypatch.setattr(RetrievalTier, "ACCEPTANCE_WINDOW", 1)
+    params = SETTINGS[setting]
+    engine = engine or Engine(target, draft)
+    total = _counting_rebuilds(engine)
+    counts = empirical(engine, prompt, params, _spec(**REBUILDS[name]), n, seed=seed)
+    assert total["rebuilds"] > n // 4  # re-selection really happened during generation
+    return chi2_pvalue(counts, exact_distribution(hf, prompt, params))
+
+
+@pytest.mark.parametrize("name,setting", [("every1-max-triforce", "T0.6-p0.9-k5"), ("below-bound-triforce", "T1")])
+def test_rebuilds_and_chunk_scores_keep_the_exact_distribution(models, monkeypatch, name, setting):  # noqa: F811
+    assert _check_rebuilds(models, monkeypatch, name, setting, N_FAST, seed=300 + list(REBUILDS).index(name)) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("name", list(REBUILDS))
+def test_rebuilds_and_chunk_scores_keep_the_exact_distribution_20k(models, monkeypatch, name, setting):  # noqa: F811
+    assert _check_rebuilds(models, monkeypatch, name, setting, N_SLOW, seed=400 + list(REBUILDS).index(name)) > 1e-3
+
+
+@pytest.mark.slow
+def test_biased_middle_tier_fails_with_rebuilds(models, monkeypatch):  # noqa: F811
+    """The power of the fast tests: the reference's Middle_Spec (resampling from p) is rejected at N = 1,500."""
+    from test_distribution import middle_tier_resamples_from_p
+
+    for name in ("every1-max-triforce", "below-bound-triforce"):
+        engine = Engine(models[1], models[2])
+        engine.tier_verify["retrieval"] = middle_tier_resamples_from_p
+        assert _check_rebuilds(models, monkeypatch, name, "T1", N_FAST, seed=9, engine=engine) < 1e-3
+
+
+def _reuse_after_stop(models, mode, stop_after, n, seed):  # noqa: F811
+    """Request 1 samples and is closed after ``stop_after`` tokens; request 2 continues the same text (its prompt is
+    the prompt plus those tokens, so the engine reuses the KV cache it kept) for the remaining tokens. Together they
+    must follow the exact distribution of 3 tokens after the prompt."""
+    hf, target, draft, prompt = models
+    params = SETTINGS["T1"]
+    spec = _spec(mode=mode)
+    engine = Engine(target, draft)  # reuse_prefix=True
+    counts = torch.zeros(V**NEW, dtype=torch.float64)
+    mid_block = 0
+    for i in range(n):
+        gen = engine.stream(prompt, max_new_tokens=NEW, sampling=params, spec=spec, seed=seed * 1_000_003 + i)
+        first = [next(gen) for _ in range(stop_after)]
+        gen.close()  # what TriForce.stream does at a stop string
+        emitted = engine.last_stats.tiers["target"].get("mean_tokens_per_verification", 1)  # one verification so far
+        mid_block += emitted > stop_after
+        rest, stats = engine.generate(prompt + first, max_new_tokens=NEW - stop_after, sampling=params, spec=spec,
+                                      seed=seed * 1_000_003 + n + i)
+        assert stats.tiers["target"]["reused_prefix_tokens"] == len(prompt) + stop_after - 1
+        seq = first + rest
+        counts[seq[0] * V * V + seq[1] * V + seq[2]] += 1
+    assert mid_block > n // 10  # many requests really ended inside a block
+    assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
+
+
+@pytest.mark.parametrize("mode,stop_after", [("triforce", 1), ("retrieval", 2)])
+def test_prefix_reuse_after_a_request_ended_mid_block_keeps_the_distribution(models, mode, stop_after):  # noqa: F811
+    _reuse_after_stop(models, mode, stop_after, 1000, seed=500 + stop_after)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["retrieval", "draft", "triforce"])
+@pytest.mark.parametrize("stop_after", [1, 2])
+def test_prefix_reuse_after_a_request_ended_mid_block_keeps_the_distribution_20k(models, mode, stop_after):  # noqa: F811
+    _reuse_after_stop(models, mode, stop_after, N_SLOW // 2, seed=600 + stop_after)
