@@ -204,9 +204,12 @@ class GenerationStats:
 
     def summary(self) -> str:
         """One line: speed, then acceptance per verifying tier."""
-        parts = [f"{self.mode}: {self.generated_tokens} tokens, {self.decode_tokens_per_second:.2f} tok/s, "
+        def tokens(n: int) -> str:
+            return f"{n} token{'' if n == 1 else 's'}"
+
+        parts = [f"{self.mode}: {tokens(self.generated_tokens)}, {self.decode_tokens_per_second:.2f} tok/s, "
                  f"TBT {self.mean_time_between_tokens_ms:.1f} ms, prefill {self.prefill_seconds:.2f} s "
-                 f"({self.prompt_tokens} tokens)"]
+                 f"({tokens(self.prompt_tokens)})"]
         for name, t in self.tiers.items():
             if t.get("verifications"):
                 parts.append(f"{name}: acceptance {t['acceptance_rate']:.3f}, "
@@ -478,6 +481,8 @@ class Engine:
         finally:
             t_end = time.perf_counter()
             t_prefill = t_prefill if generated or finish != "interrupted" else t_end  # interrupted in prefill
+            for tier_stats in top.all_stats():  # nothing past the output (stop string mid-block) is counted
+                tier_stats.discount_past(len(seq))
             stats = self._stats(top, spec, len(prompt_ids), generated, finish, t_prefill - t_start, t_end - t_prefill, seed)
             self.last_stats = stats
             top.truncate(len(seq) - 1)  # nothing past the output (e.g. drafts after an accepted EOS) stays cached

@@ -58,6 +58,8 @@ class TierStats:
         accepted: of those, accepted (recovered and bonus tokens not counted; none past an EOS).
         emitted: tokens this tier's verifications produced (accepted + recovered/bonus), before truncation.
         rebuilds: retrieval-cache selections (the first one after prefill included).
+        blocks: ``(start, proposed, accepted, emitted)`` of the verifications that reach past the committed
+            sequence, ``start`` being the sequence position of the block's first token (for :meth:`discount_past`).
     """
 
     name: str
@@ -70,6 +72,26 @@ class TierStats:
     emitted: int = 0
     rebuilds: int = 0
     extra: dict = field(default_factory=dict)
+    blocks: list = field(default_factory=list, repr=False, compare=False)
+
+    def discount_past(self, end: int) -> None:
+        """Take out of the counters what the verifications in :attr:`blocks` produced at sequence positions >=
+        ``end`` (the end of the output: a stop string completed, or the consumer stopped, mid-block), so that
+        nothing past what the user got is counted; then forget the blocks.
+
+        A block cut after j of its positions keeps min(k, j) proposed, min(a, j) accepted and min(m, j) emitted
+        tokens; a block wholly past ``end`` is not counted at all (nor its verification).
+        """
+        for start, k, a, m in self.blocks:
+            j = max(0, end - start)
+            if j >= max(k, m):
+                continue
+            if j == 0:
+                self.verifications -= 1
+            self.proposed -= k - min(k, j)
+            self.accepted -= a - min(a, j)
+            self.emitted -= m - min(m, j)
+        self.blocks.clear()
 
     def to_dict(self) -> dict:
         """The counters plus acceptance_rate and mean_tokens_per_verification for a verifying tier."""
@@ -229,6 +251,9 @@ class ModelTier:
             ``(tokens, probs)``: the emitted tokens and this tier's distribution for each, (len, V) fp32.
             Tokens stop after an EOS.
         """
+        if self.is_top:  # the output will reach at least len(seq): forget the blocks that end before it
+            for st in self.all_stats():
+                st.blocks[:] = [b for b in st.blocks if b[0] + max(b[1], b[3]) > len(seq)]
         k = min(self.gamma, max_tokens - 1) if self.drafter is not None else 0
         if k > 0:
             drafts, q = self.drafter.propose(seq, k)  # tokens ~ q, q: (k', V)
@@ -257,6 +282,7 @@ class ModelTier:
             s.proposed += k
             s.accepted += n_acc
             s.emitted += len(emitted)
+            s.blocks.append((len(seq), k, n_acc, len(emitted)))
             if self.adaptive_gamma:
                 if n_acc == k:
                     self.gamma = min(self.gamma + 1, self.gamma_max)
