@@ -98,7 +98,7 @@ class TriForce:
     def load(cls, model: str | None = None, draft: str | None = None, dtype: str = "float32",
              device: str = "cpu", tp=None, offload_kv: bool = False, on_chip_layers: int | None = None,
              kv_dtype: str | None = None, quantize: str | None = None,
-             packed_weights: bool | None = None, threads: int | None = None) -> "TriForce":
+             packed_weights: bool | None = None, threads: int | str | None = None) -> "TriForce":
         """Load the target (default: the embedded SmolLM2-135M-Instruct) and an optional draft (a model source, or
         ``"ngram"`` for the model-free drafter); see :func:`load_model`. With ``tp`` (a
         :class:`~triforce.parallel.TensorParallel`) the target is this rank's shard and the draft is replicated;
@@ -107,19 +107,22 @@ class TriForce:
         ``packed_weights`` adds oneDNN-prepacked weights for multi-token passes on the CPU
         (:meth:`~triforce.model.Transformer.pack_weights`; one more copy of the weights); None (auto): on a CPU in
         fp32 when that copy takes at most a quarter of the free memory. ``threads``: CPU threads for torch, for the
-        whole process (``torch.set_num_threads``; :func:`triforce.threads.default_threads` gives the command line's
-        default, one per physical core); None leaves torch's current setting.
+        whole process (``torch.set_num_threads``): an integer, ``"auto"`` (the command line's default: one per
+        physical core that other programs leave idle while the model loads, :mod:`triforce.threads`), or None to
+        leave torch's current setting.
 
         Raises:
-            ValueError: an unknown ``quantize`` or ``kv_dtype``, or ``threads`` outside [1, 4x the CPUs] (before
-                loading), or see :func:`load_model`."""
+            ValueError: an unknown ``quantize`` or ``kv_dtype``, or ``threads`` not ``"auto"``, None or an integer in
+                [1, 4x the CPUs] (before loading), or see :func:`load_model`."""
         if quantize not in (None, "int8"):
             raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
         if kv_dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"kv_dtype must be one of float32, bfloat16, float16, got {kv_dtype!r}")
-        if threads is not None:
-            from .threads import set_threads
+        from .threads import IdleCPUProbe, check_threads, default_threads, set_threads
 
+        check_threads(threads)
+        probe = IdleCPUProbe() if threads == "auto" else None  # measured over the loading below
+        if isinstance(threads, int):
             set_threads(threads)
         target = load_model(model, dtype, device, tp=tp)
         if quantize:
@@ -142,6 +145,8 @@ class TriForce:
             target.model.pack_weights()
             if isinstance(draft_model, LoadedModel):
                 draft_model.model.pack_weights()
+        if probe is not None:
+            set_threads(default_threads(probe.idle_cpus()))
         return cls(target, draft_model, offload_kv=offload_kv, on_chip_layers=on_chip_layers, kv_dtype=kv_dtype)
 
     def compile(self, mode: str = "default") -> None:
