@@ -38,8 +38,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                                    "drafter (enables the draft/triforce modes)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and KV dtype")
     g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
-    g.add_argument("--threads", type=int, help="CPU threads for torch (default: one per physical core this process "
-                                                 "may use; on a machine other programs keep busy, 1 can be faster)")
+    g.add_argument("--threads", type=int, help="CPU threads for torch (default: one per physical core that other "
+                                                 "programs leave idle while the model loads)")
     g.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"],
                    help="dtype of every KV cache (default: --dtype); the full cache's dtype is the verifier's")
     g.add_argument("--quantize", choices=["int8"], help="weight-only int8 for the target itself (changes its outputs "
@@ -319,12 +319,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace, out) -> int:
     """:func:`cmd_generate` writing text or the JSON object to ``out``."""
     from .memory import fmt_bytes
-    from .threads import set_threads
+    from .threads import max_threads
 
-    try:
-        set_threads(args.threads)
-    except ValueError as e:
-        raise CLIError("--" + str(e)) from e
+    if args.threads is not None and not 1 <= args.threads <= max_threads():
+        raise CLIError(f"--threads must be between 1 and {max_threads()} (4x this machine's {os.cpu_count()} CPUs), "
+                       f"got {args.threads}")
     from .api import TriForce
     from .loading import parse_device
 
@@ -368,7 +367,8 @@ def _generate(args: argparse.Namespace, out) -> int:
         tf = TriForce.load(args.model, args.draft, dtype=args.dtype, device=args.device, tp=tp,
                            offload_kv=args.offload_kv, on_chip_layers=args.on_chip_layers, kv_dtype=args.kv_dtype,
                            quantize=args.quantize,
-                           packed_weights={"auto": None, "on": True, "off": False}[args.packed_weights])
+                           packed_weights={"auto": None, "on": True, "off": False}[args.packed_weights],
+                           threads="auto" if args.threads is None else args.threads)
         if args.compile:
             tf.compile(args.compile)
     except ValueError as e:
@@ -403,14 +403,18 @@ def _generate(args: argparse.Namespace, out) -> int:
     finally:
         if bar is not None:
             bar.close()
+    import torch
+
+    threads = torch.get_num_threads()
     if args.json:
-        out.write(json.dumps(result.to_dict(), indent=2) + "\n")
+        out.write(json.dumps(dict(result.to_dict(), threads=threads), indent=2) + "\n")
         out.flush()
     else:
         out.write("\n")
         out.flush()
         s = result.stats
-        print(f"[{result.finish_reason}] {s.summary()}; peak memory {fmt_bytes(s.peak_memory_bytes)}", file=sys.stderr)
+        print(f"[{result.finish_reason}] {s.summary()}; peak memory {fmt_bytes(s.peak_memory_bytes)}; "
+              f"{threads} thread{'' if threads == 1 else 's'}", file=sys.stderr)
     return 130 if result.finish_reason == "interrupted" else 0
 
 

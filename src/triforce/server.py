@@ -1112,13 +1112,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
     from .api import TriForce
-    from .threads import set_threads
 
-    set_threads(args.threads)
     try:
         tf = TriForce.load(args.model, args.draft, dtype=args.dtype, device=args.device, offload_kv=args.offload_kv,
                            on_chip_layers=args.on_chip_layers, kv_dtype=args.kv_dtype, quantize=args.quantize,
-                           packed_weights={"auto": None, "on": True, "off": False}[args.packed_weights])
+                           packed_weights={"auto": None, "on": True, "off": False}[args.packed_weights],
+                           threads="auto" if args.threads is None else args.threads)
         if args.compile:
             tf.compile(args.compile)
         app = create_app(tf, defaults)
