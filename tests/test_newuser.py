@@ -68,12 +68,39 @@ def test_default_threads_follow_the_affinity_mask():
 def test_python_api_threads(tiny_folder):
     import torch
 
-    TriForce.load(tiny_folder, threads=1)
+    from triforce.threads import available_cpus
+
+    try:
+        TriForce.load(tiny_folder, threads="auto")
+        assert 1 <= torch.get_num_threads() <= available_cpus()
+    finally:
+        TriForce.load(tiny_folder, threads=1)
     assert torch.get_num_threads() == 1
-    for bad in (0, -1, 10**6, 1.5, True):
-        with pytest.raises(ValueError, match="^threads must be an integer between 1 and"):
+    for bad in (0, -1, 10**6, 1.5, True, "all"):
+        with pytest.raises(ValueError, match="^threads must be an integer between 1 and .* or 'auto', got"):
             TriForce.load(tiny_folder, threads=bad)
     assert torch.get_num_threads() == 1
+
+
+def test_idle_cpu_probe_sees_a_busy_core():
+    """A busy loop on this process's only CPU leaves it (almost) no idle CPU: the default is then 1 thread."""
+    code = ("import os, subprocess, sys, time; cpu = sorted(os.sched_getaffinity(0))[0]; os.sched_setaffinity(0, {cpu})\n"
+            "hog = subprocess.Popen([sys.executable, '-c', 'while True: pass']); time.sleep(0.3)\n"
+            "from triforce.threads import IdleCPUProbe, default_threads\n"
+            "p = IdleCPUProbe(); idle = p.idle_cpus(min_window=1.0); hog.kill()\n"
+            "print(idle, default_threads(idle))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    idle, threads = out.stdout.split()
+    assert 0 <= float(idle) < 0.5 and threads == "1"
+
+
+def test_default_threads_counts_cores_at_least_three_quarters_idle():
+    from triforce.threads import available_cpus, default_threads
+
+    assert default_threads(0.0) == default_threads(0.7) == 1
+    assert default_threads(float(available_cpus())) == default_threads() >= 1
+    assert default_threads(1.75) == min(2, default_threads())
 
 
 # ------------------------------------------------------------------------------------------- 2. clean JSON
