@@ -74,7 +74,8 @@ def one_run(config: str, args: argparse.Namespace, hog: psutil.Process | None) -
     d = json.loads(proc.stdout)
     return {"config": config, "decode_ms_per_token": round(1000 / d["decode_tokens_per_second"], 2),
             "prefill_seconds": round(d["prefill_seconds"], 3), "generated_tokens": d["generated_tokens"],
-            "prompt_tokens": d["prompt_tokens"], "threads": d["threads"], "wall_seconds": round(wall, 2),
+            "prompt_tokens": d["prompt_tokens"], "threads": d["threads"], "carriage_returns": d["text"].count("\r"),
+            "wall_seconds": round(wall, 2),
             "other_programs_cpus": round(others / wall, 2), "hog_cpus": round(hog_cpu / wall, 2)}
 
 
