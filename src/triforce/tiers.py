@@ -60,6 +60,8 @@ class TierStats:
         rebuilds: retrieval-cache selections (the first one after prefill included).
         accepted_lengths: ``accepted_lengths[j]`` = verifications that accepted exactly j drafted tokens (the
             observed run-length distribution the cost model uses, since acceptances are not independent).
+        blocks: ``(start, proposed, accepted, emitted)`` of the verifications that reach past the committed
+            sequence, ``start`` being the sequence position of the block's first token (for :meth:`discount_past`).
     """
 
     name: str
@@ -73,6 +75,29 @@ class TierStats:
     rebuilds: int = 0
     accepted_lengths: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    blocks: list = field(default_factory=list, repr=False, compare=False)
+
+    def discount_past(self, end: int) -> None:
+        """Take out of the counters what the verifications in :attr:`blocks` produced at sequence positions >=
+        ``end`` (the end of the output: a stop string completed, or the consumer stopped, mid-block), so that
+        nothing past what the user got is counted; then forget the blocks.
+
+        A block cut after j of its positions keeps min(k, j) proposed, min(a, j) accepted and min(m, j) emitted
+        tokens; a block wholly past ``end`` is not counted at all (nor its verification).
+        """
+        for start, k, a, m in self.blocks:
+            j = max(0, end - start)
+            if j >= max(k, m):
+                continue
+            self.accepted_lengths[a] -= 1
+            if j == 0:
+                self.verifications -= 1
+            else:
+                self.accepted_lengths[min(a, j)] += 1
+            self.proposed -= k - min(k, j)
+            self.accepted -= a - min(a, j)
+            self.emitted -= m - min(m, j)
+        self.blocks.clear()
 
     def to_dict(self) -> dict:
         """The counters plus acceptance_rate and mean_tokens_per_verification for a verifying tier."""
@@ -242,6 +267,9 @@ class ModelTier:
             ``(tokens, probs)``: the emitted tokens and this tier's distribution for each, (len, V) fp32.
             Tokens stop after an EOS.
         """
+        if self.is_top:  # the output will reach at least len(seq): forget the blocks that end before it
+            for st in self.all_stats():
+                st.blocks[:] = [b for b in st.blocks if b[0] + max(b[1], b[3]) > len(seq)]
         k = min(self.gamma, max_tokens - 1) if self.drafter is not None and self.drafting else 0
         if k > 0:
             drafts, q = self.drafter.propose(seq, k)  # tokens ~ q, q: (k', V)
@@ -272,6 +300,7 @@ class ModelTier:
             s.emitted += len(emitted)
             s.accepted_lengths.extend([0] * (n_acc + 1 - len(s.accepted_lengths)))
             s.accepted_lengths[n_acc] += 1
+            s.blocks.append((len(seq), k, n_acc, len(emitted)))
             if self.adaptive_gamma:
                 if n_acc == k:
                     self.gamma = min(self.gamma + 1, self.gamma_max)
