@@ -125,8 +125,8 @@ def test_plan_skips_what_cannot_run(monkeypatch):
     args = bench.add_bench_parser(_subparsers()).parse_args([])
     monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)
     run, skipped = bench.plan_methods(args)
-    assert run == ["hf-ar", "hf-lookup", "autoregressive", "draft", "retrieval", "triforce", "retrieval-int8",
-                   "triforce-int8"]
+    assert run == ["hf-ar", "hf-lookup", "auto", "autoregressive", "self", "draft", "retrieval", "triforce",
+                   "retrieval-int8", "triforce-int8"]
     assert "--draft MODEL" in skipped["hf-assisted"] and "llama-cpp-python" in skipped["llama.cpp"]
     args = bench.add_bench_parser(_subparsers()).parse_args(["--synthetic", "llama2-7b", "--layers", "1"])
     run, skipped = bench.plan_methods(args)
