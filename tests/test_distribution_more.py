@@ -18,6 +18,7 @@ import torch
 
 from test_distribution import NEW, SETTINGS, V, chi2_pvalue, empirical, exact_distribution, models  # noqa: F401
 from triforce.engine import Engine, SpeculationConfig
+from triforce.speculative import rejection_sample
 from triforce.tiers import RetrievalTier
 
 N_FAST, N_SLOW = 1500, 20000
@@ -93,14 +94,22 @@ def _reuse_after_stop(models, mode, stop_after, n, seed):  # noqa: F811
     params = SETTINGS["T1"]
     spec = _spec(mode=mode)
     engine = Engine(target, draft)  # reuse_prefix=True
+    blocks = []  # tokens each target verification emitted (the stats count only what the user got)
+
+    def recording(*args, **kwargs):
+        n_acc, nxt = rejection_sample(*args, **kwargs)
+        blocks.append(int(n_acc[0]) + 1)
+        return n_acc, nxt
+
+    engine.tier_verify["target"] = recording
     counts = torch.zeros(V**NEW, dtype=torch.float64)
     mid_block = 0
     for i in range(n):
+        blocks.clear()
         gen = engine.stream(prompt, max_new_tokens=NEW, sampling=params, spec=spec, seed=seed * 1_000_003 + i)
         first = [next(gen) for _ in range(stop_after)]
         gen.close()  # what TriForce.stream does at a stop string
-        emitted = engine.last_stats.tiers["target"].get("mean_tokens_per_verification", 1)  # one verification so far
-        mid_block += emitted > stop_after
+        mid_block += sum(blocks) > stop_after  # the request ended inside a verified block
         rest, stats = engine.generate(prompt + first, max_new_tokens=NEW - stop_after, sampling=params, spec=spec,
                                       seed=seed * 1_000_003 + n + i)
         assert stats.tiers["target"]["reused_prefix_tokens"] == len(prompt) + stop_after - 1

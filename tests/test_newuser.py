@@ -210,11 +210,13 @@ def test_nothing_past_a_stop_string_is_counted(tiny_folder, mode):
 
 
 def test_discount_past_exact_counts():
-    s = TierStats("target", verifications=3, proposed=18, accepted=14, emitted=17)
+    s = TierStats("target", verifications=3, proposed=18, accepted=14, emitted=17,
+                  accepted_lengths=[0, 0, 1, 0, 0, 0, 2])
     s.blocks = [(100, 6, 6, 7), (107, 6, 2, 3), (110, 6, 6, 7)]  # the last two reach past position 108
     s.discount_past(108)
     # block 2 keeps 1 position (107): proposed 6 -> 1, accepted 2 -> 1, emitted 3 -> 1; block 3 is wholly past
     assert (s.verifications, s.proposed, s.accepted, s.emitted) == (2, 6 + 1, 6 + 1, 7 + 1)
+    assert s.accepted_lengths == [0, 1, 0, 0, 0, 0, 1]  # block 2 now accepted 1; block 3 is gone
     assert s.blocks == []
 
 

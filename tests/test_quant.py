@@ -97,7 +97,7 @@ def test_bad_dtype_options_are_named():
     with pytest.raises(ValueError, match="kv_dtype"):
         Engine(target, kv_dtype="int4")
     with pytest.raises(ValueError, match="lower_weights"):
-        SpeculationConfig(lower_weights="int4")
+        SpeculationConfig(lower_weights="int2")
     with pytest.raises(ValueError, match="lower_kv_dtype"):
         SpeculationConfig(lower_kv_dtype="int8")
     with pytest.raises(ValueError, match="lower_weights"):

@@ -153,12 +153,14 @@ def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpeculationConf
     if spec.uses_draft and (args.draft is None or args.draft in ("ngram", "self")):
         raise CLIError(f"--tiers {args.tiers} has a draft tier: give --draft MODEL")
     kinds = [k for k, _ in spec.chain]
-    wanted = "ngram" if args.draft == "ngram" else "draft"
-    if args.draft is not None and wanted not in kinds:
-        how = ("add ngram:GAMMA at the bottom of --tiers" if args.tiers else
-               "--mode triforce (drafter -> retrieval -> target) and --mode draft (drafter -> target) use it")
+    wanted = {"ngram": "ngram", "self": "self"}.get(args.draft, "draft")
+    auto = spec.mode == "auto" and spec.tiers is None  # auto puts the named drafter at the bottom of what it picks
+    if args.draft is not None and wanted not in kinds and not auto:
+        how = (f"add {wanted}:GAMMA at the bottom of --tiers" if args.tiers else
+               "--mode auto, --mode triforce (drafter -> retrieval -> target) and --mode draft (drafter -> target) use it")
+        what = {"ngram": "n-gram", "self": "self"}.get(wanted, "draft-model")
         raise CLIError(f"--draft {args.draft}: not used by {spec.name}, whose tiers ({' -> '.join(kinds + ['target'])}) "
-                       f"have no {'n-gram' if wanted == 'ngram' else 'draft-model'} tier; {how}, or drop --draft")
+                       f"have no {what} tier; {how}, or drop --draft")
     return spec
 
 

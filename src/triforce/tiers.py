@@ -89,11 +89,12 @@ class TierStats:
             j = max(0, end - start)
             if j >= max(k, m):
                 continue
-            self.accepted_lengths[a] -= 1
+            if a < len(self.accepted_lengths):  # the run-length histogram: the block's verification moves or goes
+                self.accepted_lengths[a] -= 1
+                if j:
+                    self.accepted_lengths[min(a, j)] += 1
             if j == 0:
                 self.verifications -= 1
-            else:
-                self.accepted_lengths[min(a, j)] += 1
             self.proposed -= k - min(k, j)
             self.accepted -= a - min(a, j)
             self.emitted -= m - min(m, j)
