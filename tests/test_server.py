@@ -224,7 +224,7 @@ def test_chat_greedy_equals_direct_generate(client, ref, tiny_folder):
     assert r.usage.completion_tokens == len(expect.token_ids)
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     tri = r.triforce
-    assert tri["mode"] == "autoregressive" and tri["generated_tokens"] == len(expect.token_ids)
+    assert tri["mode"] == "auto" and tri["generated_tokens"] == len(expect.token_ids)
     assert tri["timed_out"] is False and tri["queue_seconds"] >= 0 and "target" in tri["tiers"]
 
 
