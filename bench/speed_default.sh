@@ -12,7 +12,7 @@ BOOKS=${BOOKS:-"pg1342 pg84 pg2701"}
 QWEN=${QWEN:-1}
 QWEN_DIR=${QWEN_DIR:-${TRIFORCE_CACHE:-$HOME/.cache/triforce}/qwen2.5-coder}
 mkdir -p "$OUT"
-export OMP_WAIT_POLICY=PASSIVE
+# the product's own OpenMP setting (GOMP_SPINCOUNT=10000, set by `import triforce`), as users get it
 bench() { triforce bench --threads 2 --reps 3 --no-progress "$@"; }
 for book in $BOOKS; do
   bench --book "$book.txt" --prompt-tokens 8000 --new-tokens 128 --temperature 0.6 \

@@ -70,7 +70,7 @@ class FakeTop:
 
 def test_governor_bypasses_slow_speculation_and_retries_with_doubling_backoff():
     top = FakeTop()
-    g = SpeedGovernor(top, probe=3, min_steps=4, backoff_min=32)
+    g = SpeedGovernor(top, probe=3, min_steps=4, backoff_min=32, backoff_max=512)
     assert not top.drafting
     for _ in range(3):  # probe: decode steps of 10 ms
         g.before_step([])

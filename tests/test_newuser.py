@@ -44,13 +44,14 @@ def tf(tiny_folder):
 
 # ------------------------------------------------------------------------------------------- 1. threads
 @pytest.mark.parametrize("preset,first,expect", [
-    ({}, "", "PASSIVE"),                                        # triforce chooses before torch starts OpenMP
-    ({"OMP_WAIT_POLICY": "ACTIVE"}, "", "ACTIVE"),              # the user's choice stands
-    ({"GOMP_SPINCOUNT": "1000"}, "", None),                     # so does a spin count
-    ({}, "import torch; ", None),                               # too late once torch is loaded: left alone
+    ({}, "", "None 10000"),                                     # triforce chooses before torch starts OpenMP
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, "", "ACTIVE None"),         # the user's choice stands
+    ({"GOMP_SPINCOUNT": "1000"}, "", "None 1000"),              # so does a spin count
+    ({}, "import torch; ", "None None"),                        # too late once torch is loaded: left alone
 ])
-def test_openmp_wait_policy_is_passive_unless_chosen(preset, first, expect):
-    code = first + "import os, triforce; print(os.environ.get('OMP_WAIT_POLICY'))"
+def test_openmp_spin_is_short_unless_chosen(preset, first, expect):
+    code = first + ("import os, triforce; "
+                    "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(**preset),
                          timeout=120)
     assert out.returncode == 0, out.stderr

@@ -20,7 +20,7 @@ hierarchy only changes how many tokens each verification emits, never their dist
 
 * :class:`SpeedGovernor` measures, while generating, the time per emitted token of the speculative steps against
   the time of plain decode steps of the same request, and bypasses the drafters (autoregressive steps) while
-  speculation is slower, trying again after a backoff that doubles each time it fails. A tier that stops paying
+  speculation is slower, trying again after a backoff (64 tokens) that doubles each time it fails. A tier that stops paying
   is therefore bypassed, and tried again later. Greedy output is unchanged token for token; under sampling the
   output distribution is unchanged, but the sample drawn for a seed depends on the timings.
 """
@@ -111,8 +111,8 @@ class SpeedGovernor:
 
     The first :attr:`probe` steps decode without drafting to time a decode step. Then the drafters run; once
     :attr:`min_steps` speculative steps are timed, if their time per emitted token (over the last :attr:`window`
-    steps) exceeds the median decode-step time, the drafters are bypassed for ``backoff`` tokens (32, doubling up to
-    512 while it keeps failing), then tried again (the lower tiers catch up: ``ModelTier.resume_drafting``).
+    steps) exceeds the median decode-step time, the drafters are bypassed for ``backoff`` tokens (64, doubling up to
+    1024 while it keeps failing), then tried again (the lower tiers catch up: ``ModelTier.resume_drafting``).
 
     Times are wall-clock seconds of each ``step`` + ``commit`` as the engine measures them; ``tokens`` are the tokens
     a step emitted.
@@ -124,9 +124,9 @@ class SpeedGovernor:
     top: object
     probe: int = 3
     window: int = 8
-    min_steps: int = 4
-    backoff_min: int = 32
-    backoff_max: int = 512
+    min_steps: int = 3
+    backoff_min: int = 64
+    backoff_max: int = 1024
     _decode: deque = field(default_factory=lambda: deque(maxlen=16))
     _spec: deque = field(default_factory=lambda: deque(maxlen=8))
     _left: int = 0

@@ -5,9 +5,13 @@ a parallel region spins for about 3 ms (``GOMP_SPINCOUNT`` 300,000) before it sl
 core busy, the spinning threads steal that core's time from the thread that still has work, and every parallel
 region waits for its slowest thread: decoding at 2 threads next to one CPU-bound process ran 4x slower than at
 1 thread (issue 16). With ``OMP_WAIT_POLICY=PASSIVE`` an idle thread sleeps at once, so a busy core costs at most
-its share of the work. libgomp reads the variable once, when torch loads it, so :func:`configure_openmp` must run
-before ``import torch``: ``import triforce`` does it first thing, which covers the ``triforce`` command and Python
-programs that import triforce before torch.
+its share of the work, but then every one of the hundreds of small parallel regions of a decode step pays a
+wake-up: on an idle machine a SmolLM2 decode step at 1K tokens took 55 ms at 2 threads, slower than 1 thread (52 ms),
+against 31 ms with libgomp's spinning. So triforce sets a short spin instead, ``GOMP_SPINCOUNT`` 10,000 (about
+0.1 ms): as fast as the default on an idle machine (31.4 ms) while a waiting thread gives its core back 30 times
+sooner (``bench/wait_policy.sh``). libgomp reads the variable once, when torch loads it, so
+:func:`configure_openmp` must run before ``import torch``: ``import triforce`` does it first thing, which covers the
+``triforce`` command and Python programs that import triforce before torch.
 
 Even so, a thread on a core another program keeps busy holds up every parallel region, so the default thread count
 (``--threads`` not given, ``TriForce.load(threads="auto")``) counts the cores other programs leave idle while the
@@ -25,8 +29,12 @@ import time
 WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
+#: libgomp spin count triforce sets (iterations a waiting OpenMP thread spins before it sleeps; libgomp's default 300,000)
+SPIN_COUNT = "10000"
+
+
 def configure_openmp() -> bool:
-    """Set ``OMP_WAIT_POLICY=PASSIVE`` for this process unless it is too late or the user chose.
+    """Set ``GOMP_SPINCOUNT`` to :data:`SPIN_COUNT` for this process unless it is too late or the user chose.
 
     Returns:
         True when the variable was set now; False when torch is already imported (OpenMP has read its settings) or
@@ -34,7 +42,7 @@ def configure_openmp() -> bool:
     """
     if "torch" in sys.modules or any(v in os.environ for v in WAIT_POLICY_VARS):
         return False
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
     return True
 
 

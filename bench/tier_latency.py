@@ -1,0 +1,53 @@
+"""Per-tier step latency of the embedded SmolLM2 at one context, for fp32 / int8 / int4 weights (random KV, no prefill).
+
+    python bench/tier_latency.py --threads 2 --context 1000 [--out PATH]
+
+For each weight scheme of the model under test (fp32 with oneDNN-packed weights, and the int8 / int4 copies of
+``quant.py``) it prints the medians of :func:`triforce.costmodel.measure_tier_latencies` in milliseconds: ``full_decode``
+and ``full_pass`` (gamma2 + 1 = 7 tokens) over a full cache, ``retrieval_decode`` / ``retrieval_pass`` over a retrieval
+cache of max(256, context / 8) slots, and ``draft_step`` / ``draft_pass`` of the int4 copy over a StreamingLLM cache
+of 16 + 240 tokens (the ``self`` tier). JSON lines, one per scheme. ``bench/wait_policy.sh`` runs it under three
+OpenMP wait settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--context", type=int, default=1000)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", help="append the JSON lines to this file too")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from triforce.costmodel import measure_tier_latencies
+    from triforce.loading import load_model
+    from triforce.quant import lower_precision_copy
+
+    model = load_model(None).model
+    model.pack_weights()
+    int4, int8 = lower_precision_copy(model, "int4"), lower_precision_copy(model, "int8")
+    budget = max(256, args.context // 8)
+    keys = ("full_decode", "full_pass", "retrieval_decode", "retrieval_pass", "draft_step", "draft_pass")
+    policy = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    for name, target in (("fp32", model), ("int8", int8), ("int4", int4)):
+        row = measure_tier_latencies(target, int4, [args.context], gamma1=4, gamma2=6, budget=budget,
+                                     reps=args.reps)[0]
+        line = {"weights": name, "context": args.context, "threads": args.threads, "budget": budget, **policy,
+                **{k + "_ms": round(1000 * row[k], 2) for k in keys}}
+        print(json.dumps(line), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(line) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
