@@ -16,12 +16,12 @@ mkdir -p "$OUT"
 bench() { triforce bench --threads 2 --reps 3 --no-progress "$@"; }
 for book in $BOOKS; do
   bench --book "$book.txt" --prompt-tokens 8000 --new-tokens 128 --temperature 0.6 \
-        --methods hf-ar,autoregressive,auto,retrieval-int8,llama.cpp --json "$OUT/${book}_8000_t06.json"
+        --methods hf-ar,autoregressive,auto,retrieval-int8,self,llama.cpp --json "$OUT/${book}_8000_t06.json"
   bench --book "$book.txt" --prompt-tokens 8000 --new-tokens 128 --temperature 0 \
         --methods autoregressive,auto --json "$OUT/${book}_8000_greedy.json"
   for n in 1000 4000; do
     bench --book "$book.txt" --prompt-tokens "$n" --new-tokens 128 --temperature 0.6 \
-          --methods autoregressive,auto --json "$OUT/${book}_${n}_t06.json"
+          --methods autoregressive,auto,self --json "$OUT/${book}_${n}_t06.json"
   done
 done
 if [ "$QWEN" = 1 ] && [ -f "$QWEN_DIR/qwen-coder-1.5b.gguf" ]; then

@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-METHODS = ("hf-ar", "llama.cpp", "autoregressive", "retrieval-int8", "draft", "auto")
+METHODS = ("hf-ar", "llama.cpp", "autoregressive", "retrieval-int8", "self", "draft", "auto")
 
 
 def load(directory: Path) -> list[dict]:

@@ -48,11 +48,14 @@ def test_plan_adds_retrieval_only_when_the_kv_cache_outweighs_a_share_of_the_wei
     short = plan_hierarchy(cfg, w, torch.float32, short_p, None, GREEDY)
     assert short.tiers == "ngram:6" and "no retrieval tier" in short.reason
     assert plan_hierarchy(cfg, w, torch.float32, long_p, None, GREEDY).tiers == "ngram:4,retrieval:6"
-    for p in (short_p, long_p):  # under sampling the target's int4 copy drafts, directly for the target
-        assert plan_hierarchy(cfg, w, torch.float32, p, None, SamplingParams(0.6)).tiers == "self:4"
+    # under sampling without a named drafter: plain decoding when short, the retrieval tier alone when long
+    assert plan_hierarchy(cfg, w, torch.float32, short_p, None, SamplingParams(0.6)).tiers == ""
+    assert plan_hierarchy(cfg, w, torch.float32, long_p, None, SamplingParams(0.6)).tiers == "retrieval:6"
+    for p in (short_p, long_p):  # a named self tier drafts directly for the target
+        assert plan_hierarchy(cfg, w, torch.float32, p, "self", SamplingParams(0.6)).tiers == "self:4"
     long = plan_hierarchy(cfg, w, torch.float32, long_p, "draft", GREEDY, gamma1=3, gamma2=5)
     assert long.tiers == "draft:3,retrieval:5"
-    assert long.budget == max(256, long_p // 8) and long.lower_weights == "int8"
+    assert long.budget == max(256, long_p // 4) and long.lower_weights == "int8"
     assert plan_hierarchy(cfg, w, torch.float32, long_p, "self", GREEDY, max_budget=100).budget == 100
 
 

@@ -264,15 +264,15 @@ def test_api_bad_arguments_are_named(kwargs, name):
         Engine(ours(hf_model())).generate(**kwargs)
 
 
-def test_options_a_mode_ignores_are_warned(tiny_folder):
+def test_options_a_mode_ignores_are_refused(tiny_folder):
     import subprocess
     import sys
 
     r = subprocess.run([sys.executable, "-m", "triforce", "generate", "--model", tiny_folder, "--prompt", "abc",
                         "--max-new-tokens", "2", "--gamma1", "3", "--budget", "64", "--no-progress",
                         "--mode", "autoregressive"], capture_output=True, text=True)
-    assert r.returncode == 0
-    assert "warning: --gamma1, --budget not used by autoregressive" in r.stderr
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "--gamma1, --budget: not used by autoregressive" in r.stderr
     r = subprocess.run([sys.executable, "-m", "triforce", "generate", "--model", tiny_folder, "--prompt", "abc",
                         "--max-new-tokens", "2", "--mode", "retrieval", "--budget", "64", "--chunk-size", "4",
                         "--no-progress"], capture_output=True, text=True)

@@ -6,13 +6,13 @@ import io
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
+from test_server import stop_server
 from triforce import SamplingParams, SpeculationConfig, TriForce
 from triforce.cli import LineProgress, main
 from triforce.prompts import strip_gutenberg
@@ -336,12 +336,7 @@ def test_api_key_guards_the_server(tiny_folder, tmp_path):
         assert re.search(r'triforce_requests_total\{endpoint="/v1/models",status="401"\} 4\.0', metrics.text)
         assert key not in metrics.text
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
     text = open(log).read()
     assert "(API key required)" in text and '"GET /v1/models HTTP/1.1" 401' in text  # access log on
     assert key not in text

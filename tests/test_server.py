@@ -38,6 +38,16 @@ SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
+def stop_server(proc) -> None:
+    """Stop a ``triforce serve`` subprocess as Ctrl-C would (SIGINT), killing it after 15 s."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _wait_healthy(url: str, proc=None, log=None, timeout: float = 90.0) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -76,12 +86,7 @@ def server(tiny_folder, tmp_path_factory):
         _wait_healthy(url, proc, log)
         yield url
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,16 @@ hierarchy only changes how many tokens each verification emits, never their dist
   arXiv 2211.17192, Sec. 3.4: speculation pays when drafting is cheap next to a verification; TriForce,
   arXiv 2404.11912, Sec. 4: a retrieval tier pays once the KV cache outweighs the weights it reads):
 
+  - a retrieval tier (target weights as int8, ``budget`` slots) goes under the target when the full KV cache at
+    the prompt length is at least :data:`RETRIEVAL_MIN_KV_SHARE` of the target's weight bytes (below that its step
+    reads nearly as many bytes as the target's own decode step);
   - the bottom tier is the one the user named (a draft model, ``ngram``, or ``self``: the target's int4 copy over
-    a StreamingLLM cache). Without one: the model-free n-gram drafter under greedy decoding (it costs no forward and
-    greedy text repeats itself), the ``self`` tier under sampling (the n-gram drafter's exact-match proposals are
-    rarely accepted there: 0.02-0.05 at T = 0.6 on SmolLM2 prose);
-  - a retrieval tier (target weights as int8, ``budget`` slots) goes between a draft model or the n-gram drafter
-    and the target when the full KV cache at the prompt length is at least :data:`RETRIEVAL_MIN_KV_SHARE` of the
-    target's weight bytes (below that its step reads nearly as many bytes as the target's own decode step). The
-    ``self`` tier drafts directly for the target: it already reads a fraction of the bytes, and on SmolLM2 at 8K
-    tokens, T = 0.6, ``self`` alone verified 3.7 tokens per target pass against 4.2 with a retrieval tier between
-    (docs/benchmarks.md).
+    a StreamingLLM cache; ``self`` drafts directly for the target). Without one: the model-free n-gram drafter under
+    greedy decoding (it costs no forward, and greedy text repeats itself); under sampling nothing below the
+    retrieval tier, and plain decoding for short prompts. Measured on this project's CPU (SmolLM2, 2 threads,
+    docs/benchmarks.md): under sampling the n-gram drafter's exact-match proposals are rarely accepted on prose
+    (0.02-0.05 at T = 0.6), and the ``self`` tier did not beat plain decoding (0.88x at 1K tokens, 1.00x at 8K),
+    because a verification pass costs about twice a decode step on a CPU.
 
 * :class:`SpeedGovernor` measures, while generating, the time per emitted token of the speculative steps against
   the time of plain decode steps of the same request, and bypasses the drafters (autoregressive steps) while
@@ -40,7 +40,7 @@ from .sampling import SamplingParams
 #: a retrieval tier goes into the hierarchy when the full KV cache is at least this share of the weights' bytes
 RETRIEVAL_MIN_KV_SHARE = 0.25
 #: retrieval budget of the auto plan: this share of the prompt, between the bounds below (paper: 4096 of 120K)
-RETRIEVAL_BUDGET_SHARE = 1 / 8
+RETRIEVAL_BUDGET_SHARE = 1 / 4
 RETRIEVAL_BUDGET_BOUNDS = (256, 4096)
 
 
@@ -50,7 +50,7 @@ class AutoPlan:
 
     Attributes:
         tiers: the hierarchy under the target, bottom first (``SpeculationConfig.tiers`` syntax), e.g.
-            ``"ngram:4,retrieval:6"``.
+            ``"ngram:4,retrieval:6"``; empty: plain autoregressive decoding.
         budget: retrieval cache slots (when a retrieval tier is in ``tiers``).
         lower_weights: weights of the tiers below the verifier (``int8``).
         reason: one sentence: the figures the choice rests on.
@@ -90,18 +90,19 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
     budget = int(min(hi, max_budget, max(lo, prompt_tokens * RETRIEVAL_BUDGET_SHARE)))
     budget = max(budget, chunk_size + gamma2 + 3)
     sizes = f"KV cache {kv / 2**20:.0f} MiB = {share:.2f} x the weights' {weight_bytes / 2**20:.0f} MiB"
-    chosen = bottom is None
-    bottom = bottom or ("ngram" if sampling.greedy else "self")
-    who = f"{bottom} drafts" + (" (chosen: " + ("greedy" if sampling.greedy else "sampling") + ")" if chosen else "")
-    if bottom == "self":
-        tiers = f"self:{gamma1}"
-        why = f"{sizes}; the target's int4 copy over a StreamingLLM cache drafts directly for it"
-    elif share >= RETRIEVAL_MIN_KV_SHARE and prompt_tokens > budget:
-        tiers = f"{bottom}:{gamma1},retrieval:{gamma2}"
+    if bottom is None:
+        bottom = "ngram" if sampling.greedy else None
+        who = "n-gram drafter (greedy)" if bottom else "no drafter below (sampling)"
+    else:
+        who = f"{bottom} drafts (named)"
+    retrieval = share >= RETRIEVAL_MIN_KV_SHARE and prompt_tokens > budget and bottom != "self"
+    if retrieval:
+        tiers = f"{bottom}:{gamma1},retrieval:{gamma2}" if bottom else f"retrieval:{gamma2}"
         why = f"{sizes} >= {RETRIEVAL_MIN_KV_SHARE}: a {budget}-slot retrieval tier with int8 weights; {who}"
     else:
-        tiers = f"{bottom}:{gamma2}"
-        why = f"{sizes} < {RETRIEVAL_MIN_KV_SHARE} or the prompt fits the budget: no retrieval tier; {who}"
+        tiers = f"{bottom}:{gamma1 if bottom == 'self' else gamma2}" if bottom else ""
+        why = (f"{sizes}: no retrieval tier" + ("" if bottom == "self" else
+               f" (below {RETRIEVAL_MIN_KV_SHARE} or the prompt fits the budget)") + f"; {who}")
     return AutoPlan(tiers=tiers, budget=budget, lower_weights="int8", reason=why)
 
 

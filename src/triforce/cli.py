@@ -165,7 +165,7 @@ def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpeculationConf
 
 
 def ignored_options(args: argparse.Namespace, spec: SpeculationConfig) -> list[str]:
-    """Speculation options given a non-default value that the chosen hierarchy does not use (for a warning)."""
+    """Speculation options given a non-default value that the chosen hierarchy does not use (refused, exit 2)."""
     if spec.mode == "auto" and spec.tiers is None:
         return []  # the hierarchy is chosen per request
     kinds = [k for k, _ in spec.chain]
@@ -369,8 +369,10 @@ def _generate(args: argparse.Namespace, out) -> int:
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
         spec = spec_from_args(args, has_draft=args.draft is not None)
         unused = ignored_options(args, spec)
-        if unused:
-            print(f"triforce: warning: {', '.join(unused)} not used by {spec.name} (see --mode / --tiers)", file=sys.stderr)
+        if unused:  # refused before anything loads: the user would believe the option took effect
+            raise CLIError(f"{', '.join(unused)}: not used by {spec.name}, whose tiers are "
+                           f"{' -> '.join([k for k, _ in spec.chain] + ['target'])}; choose a --mode or --tiers that "
+                           "uses them, or drop them")
         if args.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {args.max_new_tokens}")
         if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:

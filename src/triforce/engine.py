@@ -184,7 +184,7 @@ class SpeculationConfig:
         """This config with ``mode='auto'`` replaced by the hierarchy of an :class:`~triforce.auto.AutoPlan`."""
         if self.mode != "auto" or self.tiers is not None:
             return self
-        return replace(self, mode="autoregressive", tiers=plan.tiers, budget=plan.budget,
+        return replace(self, mode="autoregressive", tiers=plan.tiers or None, budget=plan.budget,
                        lower_weights=self.lower_weights or plan.lower_weights)
 
     def reach(self, index: int) -> int:
@@ -574,7 +574,8 @@ class Engine:
             stats = self._stats(top, spec, len(prompt_ids), generated, finish, t_prefill - t_start, t_end - t_prefill, seed)
             if plan is not None:
                 stats.mode = "auto"
-                stats.auto = dict(hierarchy=plan.tiers, budget=plan.budget, reason=plan.reason, **governor.to_dict())
+                stats.auto = dict(hierarchy=plan.tiers or "autoregressive", budget=plan.budget, reason=plan.reason,
+                                  **governor.to_dict())
             self.last_stats = stats
             top.truncate(len(seq) - 1)  # nothing past the output (e.g. drafts after an accepted EOS) stays cached
             self._full_tokens = top.cached
