@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 
+import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 import torch
 
 
