@@ -15,8 +15,8 @@ hierarchy only changes how many tokens each verification emits, never their dist
     greedy decoding (it costs no forward, and greedy text repeats itself); under sampling nothing below the
     retrieval tier, and plain decoding for short prompts. Measured on this project's CPU (SmolLM2, 2 threads,
     docs/benchmarks.md): under sampling the n-gram drafter's exact-match proposals are rarely accepted on prose
-    (0.02-0.05 at T = 0.6), and the ``self`` tier did not beat plain decoding (0.88x at 1K tokens, 1.00x at 8K),
-    because a verification pass costs about twice a decode step on a CPU.
+    (0.02-0.05 at T = 0.6), and the ``self`` tier was 0.71-1.12x plain decoding at 1K tokens and 0.97-1.16x at
+    8K on three books, because a verification pass costs about twice a decode step on this CPU.
 
 * :class:`SpeedGovernor` measures, while generating, the time per emitted token of the speculative steps against
   the time of plain decode steps of the same request, and bypasses the drafters (autoregressive steps) while
