@@ -32,12 +32,12 @@ def test_generate_json_schema(tiny_folder):
 
 def test_speculative_modes_match_autoregressive_greedy_through_the_cli(tiny_folder, tiny_draft_folder):
     outs = {}
-    for mode in ("autoregressive", "retrieval", "draft", "triforce"):
-        draft = ["--draft", tiny_draft_folder] if mode in ("draft", "triforce") else []  # else refused: unused
-        code, out, err = run("generate", "--model", tiny_folder, *draft, "--prompt",
+    retrieval, draft = ["--budget", "32", "--chunk-size", "4"], ["--draft", tiny_draft_folder, "--draft-window", "16"]
+    options = {"autoregressive": [], "retrieval": retrieval, "draft": draft, "triforce": retrieval + draft}
+    for mode in ("autoregressive", "retrieval", "draft", "triforce"):  # options a mode does not use are refused
+        code, out, err = run("generate", "--model", tiny_folder, *options[mode], "--prompt",
                              "the quick brown fox jumps over the lazy dog " * 3, "--max-new-tokens", "16",
-                             "--temperature", "0", "--json", "--mode", mode, "--budget", "32", "--chunk-size", "4",
-                             "--draft-window", "16", "--threads", "1")
+                             "--temperature", "0", "--json", "--mode", mode, "--threads", "1")
         assert code == 0, err
         outs[mode] = json.loads(out)["token_ids"]
     assert len(set(map(tuple, outs.values()))) == 1, outs
@@ -53,11 +53,11 @@ def test_default_mode_is_auto_with_the_draft_at_the_bottom(tiny_folder, tiny_dra
 
 def test_draft_self_needs_no_second_model_and_matches_autoregressive_greedy(tiny_folder):
     outs = {}
-    for extra in (["--mode", "autoregressive"], ["--draft", "self", "--mode", "draft"],
-                  ["--draft", "self", "--mode", "triforce", "--budget", "32", "--chunk-size", "4"]):
+    for extra in (["--mode", "autoregressive"], ["--draft", "self", "--mode", "draft", "--draft-window", "16"],
+                  ["--draft", "self", "--mode", "triforce", "--budget", "32", "--chunk-size", "4",
+                   "--draft-window", "16"]):
         code, out, err = run("generate", "--model", tiny_folder, "--prompt", "the quick brown fox " * 4,
-                             "--max-new-tokens", "16", "--temperature", "0", "--json", "--draft-window", "16",
-                             "--threads", "1", *extra)
+                             "--max-new-tokens", "16", "--temperature", "0", "--json", "--threads", "1", *extra)
         assert code == 0, err
         d = json.loads(out)
         outs[" ".join(extra)] = d["token_ids"]
