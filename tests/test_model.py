@@ -56,7 +56,9 @@ def test_rollback_then_rewrite_equals_fresh():
     cache.rollback(18)  # O(1): later writes overwrite the rejected entries
     out = model(ids[:, 18:30], torch.arange(18, 30), cache)
     ref = model(ids, torch.arange(30), FullKVCache(model.cfg, 40))[:, 18:]
-    assert (out - ref).abs().max().item() <= 1e-5
+    # fp32 rounding only (the 12-token block attends with csrc/attention.c, the 30-token prefill with SDPA); a stale
+    # or misplaced entry would move the logits by O(1)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .kernels import gqa_attention_kernel
 from .rope import apply_rope
 
 
@@ -111,6 +112,14 @@ class KVCache(ABC):
         return start, t
 
 
+#: longest block (tokens per forward) the full KV cache attends with ``kernels.gqa_attention_kernel`` instead of SDPA
+#: (where the kernel is available): decode steps and verification blocks; longer blocks (prefill) use SDPA, whose
+#: matrix-product tiling wins there. The kernel was at least as fast as SDPA up to 16 tokens on SmolLM2's and
+#: Qwen2.5's shapes at 8K (``bench/attention_kernel.py``). A row's result does not depend on the block it is in (same
+#: chunks, same order of operations), so a verification computes the logits a decode step would.
+KERNEL_MAX_BLOCK = 16
+
+
 def _causal_offset_mask(start: int, t: int, total: int, device: torch.device) -> torch.Tensor:
     """(T, total) bool: query i (position start+i) sees key j iff j <= start + i."""
     q_pos = torch.arange(start, start + t, device=device)[:, None]
@@ -175,6 +184,7 @@ class FullKVCache(KVCache):
         self.queries: list[torch.Tensor | None] = [None] * L  # each (B, nh, T, hs)
         self.query_start = -1  # absolute position of queries[l][:, :, 0]
         self._mask: torch.Tensor | None = None
+        self.kernel_max_block = KERNEL_MAX_BLOCK
 
     def begin_forward(self, positions: torch.Tensor) -> None:
         start, t = self._check_block(positions)
@@ -227,6 +237,10 @@ class FullKVCache(KVCache):
             self.v[layer, :, :, s:s + t].copy_(v, non_blocking=True)
         if self.record_queries:
             self.queries[layer] = q
+        if t <= self.kernel_max_block:  # a decode step or a verification block: csrc/attention.c on the CPU
+            out = gqa_attention_kernel(q, keys, values, s + t)
+            if out is not None:
+                return out
         return gqa_attention(q, keys[:, :, :s + t], values[:, :, :s + t], self._mask)
 
     def end_forward(self) -> None:

@@ -438,16 +438,18 @@ def _generate(args: argparse.Namespace, out) -> int:
             bar.close()
     import torch
 
+    from .kernels import status as kernel_status
+
     threads = torch.get_num_threads()
     if args.json:
-        out.write(json.dumps(dict(result.to_dict(), threads=threads), indent=2) + "\n")
+        out.write(json.dumps(dict(result.to_dict(), threads=threads, attention_kernel=kernel_status()), indent=2) + "\n")
         out.flush()
     else:
         out.write("\n")
         out.flush()
         s = result.stats
         print(f"[{result.finish_reason}] {s.summary()}; peak memory {fmt_bytes(s.peak_memory_bytes)}; "
-              f"{threads} thread{'' if threads == 1 else 's'}", file=sys.stderr)
+              f"{threads} thread{'' if threads == 1 else 's'}; attention kernel {kernel_status()}", file=sys.stderr)
     return 130 if result.finish_reason == "interrupted" else 0
 
 

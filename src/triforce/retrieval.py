@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .caches import CacheError, FullKVCache, KVCache, gqa_attention
+from .kernels import gqa_attention_kernel
 from .config import ModelConfig
 
 CHUNK_SCORES = ("mean", "max", "bound", "attn")
@@ -275,6 +276,10 @@ class RetrievalCache(KVCache):
     def attend(self, layer, q, k, v, q_pre):
         self.k[layer][:, :, self._slot_idx] = k.to(self.k.dtype)
         self.v[layer][:, :, self._slot_idx] = v.to(self.v.dtype)
+        if self._mask is None:  # one query over every slot: csrc/attention.c where it applies (fp32 on the CPU)
+            out = gqa_attention_kernel(q, self.k[layer], self.v[layer], self.budget)
+            if out is not None:
+                return out
         return gqa_attention(q, self.k[layer], self.v[layer], self._mask)
 
     def end_forward(self) -> None:

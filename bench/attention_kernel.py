@@ -1,0 +1,131 @@
+"""Our CPU attention kernel (csrc/attention.c) against PyTorch's SDPA: attention alone, and whole verifier forwards.
+
+    python bench/attention_kernel.py --threads 2 --contexts 1000 4000 8000 [--out bench/results/attention_kernel.json]
+
+Three measurements, in one process, repetitions interleaved (kernel and SDPA alternate, order rotated), medians:
+
+* ``floor``: the bandwidth of a large fp32 matrix-vector product (1 x 576 by 576 x 9216, 30 distinct matrices,
+  637 MB, the shape of a SmolLM2 decode step's biggest product), the rate at which this machine streams weights;
+  the *floor* of an attention is the time to read its keys and values once at that rate.
+* ``attention``: 30 layers of GQA attention over random fp32 keys and values, SmolLM2's shape (9 query heads over
+  3 KV heads, head_dim 64) and Qwen2.5-1.5B's (12 over 2, 128; 28 layers), for 1 query token (a decode step) and 7
+  (a verification block of gamma2 = 6 drafts), with SDPA as ``caches.gqa_attention`` calls it and with the kernel.
+* ``forward``: the embedded SmolLM2 (fp32, oneDNN-packed weights) over a FullKVCache of random KV: 1 token (an
+  autoregressive decode step) and 7 tokens (``full_pass``), the cache attending with SDPA or with the kernel
+  (``FullKVCache.kernel_max_block``).
+
+JSON on stdout (and to ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+import torch
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _interleaved(fns: dict, reps: int) -> dict[str, float]:
+    """Median seconds of each callable, one untimed warm-up each, order rotated between repetitions."""
+    names = list(fns)
+    for n in names:
+        fns[n]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(reps):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            times[n].append(_timed(fns[n]))
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def floor_bandwidth(reps: int) -> float:
+    """Bytes per second of a large fp32 GEMV (1 x 576 by 576 x 9216, 30 matrices)."""
+    w = torch.randn(30, 576, 9216)
+    x = torch.randn(1, 576)
+    s = _interleaved({"gemv": lambda: [x @ w[i] for i in range(30)]}, reps)["gemv"]
+    return w.numel() * 4 / s
+
+
+def attention_rows(shape: tuple[int, int, int, int], context: int, t: int, reps: int, bw: float) -> dict:
+    from triforce.caches import _causal_offset_mask, gqa_attention
+    from triforce.kernels import gqa_attention_kernel
+
+    layers, nh, nkv, hs = shape
+    k = torch.randn(layers, 1, nkv, context + 8, hs)
+    v = torch.randn(layers, 1, nkv, context + 8, hs)
+    q = torch.randn(1, nh, t, hs)
+    n = context + t
+    mask = None if t == 1 else _causal_offset_mask(context, t, n, q.device)
+    fns = {"sdpa": lambda: [gqa_attention(q, k[i, :, :, :n], v[i, :, :, :n], mask) for i in range(layers)],
+           "kernel": lambda: [gqa_attention_kernel(q, k[i], v[i], n) for i in range(layers)]}
+    s = _interleaved(fns, reps)
+    kv = 2 * layers * nkv * n * hs * 4
+    return {"layers": layers, "heads": nh, "kv_heads": nkv, "head_dim": hs, "context": context, "tokens": t,
+            "kv_mb": round(kv / 1e6, 1), "floor_ms": round(1000 * kv / bw, 2),
+            **{f"{m}_ms": round(1000 * s[m], 2) for m in fns},
+            **{f"{m}_gb_per_s": round(kv / s[m] / 1e9, 2) for m in fns},
+            "speedup": round(s["sdpa"] / s["kernel"], 3)}
+
+
+def forward_rows(model, context: int, reps: int) -> list[dict]:
+    from triforce.caches import FullKVCache
+    from triforce.synthetic import fill_random_kv
+
+    cache = FullKVCache(model.cfg, capacity=context + 8)
+    fill_random_kv(cache, context)
+    rows = []
+    for t in (1, 7):
+        ids = torch.randint(0, model.cfg.vocab_size, (1, t))
+        pos = torch.arange(context, context + t)
+
+        def step(max_block: int) -> None:
+            cache.kernel_max_block = max_block
+            model(ids, pos, cache)
+            cache.rollback(context)
+
+        s = _interleaved({"sdpa": lambda: step(0), "kernel": lambda: step(8)}, reps)
+        rows.append({"model": "SmolLM2-135M-Instruct", "context": context, "tokens": t,
+                     **{f"{m}_ms": round(1000 * s[m], 2) for m in s}, "speedup": round(s["sdpa"] / s["kernel"], 3)})
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--contexts", type=int, nargs="+", default=[1000, 4000, 8000])
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--no-forward", action="store_true", help="skip the whole-model forwards (no model needed)")
+    p.add_argument("--out")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from triforce import kernels
+
+    out = {"threads": args.threads, "kernel": kernels.status(), "reps": args.reps}
+    bw = floor_bandwidth(args.reps)
+    out["floor_gemv_gb_per_s"] = round(bw / 1e9, 2)
+    out["attention"] = [attention_rows(shape, c, t, args.reps, bw)
+                        for shape in ((30, 9, 3, 64), (28, 12, 2, 128)) for c in args.contexts for t in (1, 7)]
+    if not args.no_forward:
+        from triforce.loading import load_model
+
+        model = load_model(None).model
+        model.pack_weights()
+        out["forward"] = [r for c in args.contexts for r in forward_rows(model, c, args.reps)]
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,197 @@
+/* Attention of a few query rows over a long fp32 KV cache, split over key chunks (flash-decoding).
+ *
+ * What a decode step (T = 1) and a verification block (T = gamma + 1) of the verifier run at every layer: the g*T
+ * query rows of each KV head (grouped-query attention, g = nh / nkv) against that head's keys and values. PyTorch's
+ * CPU SDPA reads the cache at 6-7 GB/s on one core of this project's machine and parallelises over heads only (3 KV
+ * heads on 2 threads for SmolLM2); this kernel streams each key and value row once from memory for all g*T rows of
+ * its head and splits the keys into chunks, one work item per (batch, KV head, chunk), merged with the
+ * log-sum-exp rule of flash-decoding (Dao et al., "Flash-Decoding for long-context inference", 2023; the online
+ * softmax of Milakov & Gimelshein, arXiv 1805.02867):
+ *
+ *     chunk c: m_c = max_j s_j, l_c = sum_j exp(s_j - m_c), a_c = sum_j exp(s_j - m_c) v_j
+ *     out = sum_c exp(m_c - M) a_c / sum_c exp(m_c - M) l_c,  M = max_c m_c
+ *
+ * Built at first use by triforce/kernels.py with -O3 -mavx2 -mfma -fopenmp; the Python side checks every
+ * precondition below before calling. Causal mask: the row of token i (rows are ordered (g, T): row r is token r % T)
+ * sees keys j <= n_keys - T + i, as the full KV cache's block mask.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+
+/* expf for 8 lanes: Cephes' range reduction and degree-6 polynomial, relative error < 2e-7 on [-88, 88] */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {  /* the 4 horizontal sums */
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/* s[i * ld + j] = scale * q_i . k_j for NR (<= 3) query rows and keys [0, n): 4 keys x NR rows per step. Every
+ * score is summed in the same order whichever step computes it, so a query's output does not depend on the other
+ * rows of its block (a verification computes what a decode step would). */
+static inline __attribute__((always_inline)) void scores(const float* Q, const int NR, const float* K, int n,
+                                                         int hs, float scale, float* s, int ld) {
+    const __m128 sc = _mm_set1_ps(scale);
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        __m256 a[3][4];
+        for (int i = 0; i < NR; ++i)
+            for (int u = 0; u < 4; ++u) a[i][u] = _mm256_setzero_ps();
+        const float* kj = K + (int64_t)j * hs;
+        for (int d = 0; d < hs; d += 8) {
+            __m256 qq[3];
+            for (int i = 0; i < NR; ++i) qq[i] = _mm256_loadu_ps(Q + i * hs + d);
+            for (int u = 0; u < 4; ++u) {
+                __m256 kk = _mm256_loadu_ps(kj + u * hs + d);
+                for (int i = 0; i < NR; ++i) a[i][u] = _mm256_fmadd_ps(qq[i], kk, a[i][u]);
+            }
+        }
+        for (int i = 0; i < NR; ++i) _mm_storeu_ps(s + i * ld + j, _mm_mul_ps(hsum4(a[i][0], a[i][1], a[i][2], a[i][3]), sc));
+    }
+    for (; j < n; ++j) {
+        const float* kj = K + (int64_t)j * hs;
+        for (int i = 0; i < NR; ++i) {
+            __m256 a0 = _mm256_setzero_ps();
+            for (int d = 0; d < hs; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(Q + i * hs + d), _mm256_loadu_ps(kj + d), a0);
+            s[i * ld + j] = _mm_cvtss_f32(hsum4(a0, a0, a0, a0)) * scale;  /* the 4-key path's order of additions */
+        }
+    }
+}
+
+/* a[0 : 8 NV) = sum_j p_j V_j[0 : 8 NV) over keys [0, n) (V rows hs apart) */
+static inline __attribute__((always_inline)) void pv(const float* p, const float* V, int n, int hs, const int NV,
+                                                     float* a) {
+    __m256 o[8];
+    for (int e = 0; e < NV; ++e) o[e] = _mm256_setzero_ps();
+    for (int j = 0; j < n; ++j) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        const float* vj = V + (int64_t)j * hs;
+        for (int e = 0; e < NV; ++e) o[e] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * e), o[e]);
+    }
+    for (int e = 0; e < NV; ++e) _mm256_storeu_ps(a + 8 * e, o[e]);
+}
+
+/* One (batch, head, chunk) work item: for every row, its chunk maximum m, sum l and unnormalised output a. */
+static void chunk_item(const float* Q, const float* K, const float* V, int R, int T, int hs, int j0, int n,
+                       int last0, float scale, float* acc, float* mrow, float* lrow, float* sbuf) {
+    const int nmax = last0 + T - j0 < n ? last0 + T - j0 : n;  /* keys the last token's rows see */
+    for (int r0 = 0; nmax > 0 && r0 < R; r0 += 3) {
+        const int nr = R - r0 < 3 ? R - r0 : 3;
+        if (nr == 3) scores(Q + (int64_t)r0 * hs, 3, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n);
+        else if (nr == 2) scores(Q + (int64_t)r0 * hs, 2, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n);
+        else scores(Q + (int64_t)r0 * hs, 1, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n);
+    }
+    const int nv = hs / 8;
+    for (int r = 0; r < R; ++r) {
+        const int nvis = last0 + r % T - j0 + 1 < n ? last0 + r % T - j0 + 1 : n;  /* causal: keys <= last0 + i */
+        float* a = acc + (int64_t)r * hs;
+        if (nvis <= 0) {
+            mrow[r] = -INFINITY;
+            lrow[r] = 0.f;
+            memset(a, 0, (size_t)hs * sizeof(float));
+            continue;
+        }
+        float* s = sbuf + (int64_t)r * n;
+        float m = -INFINITY;
+        for (int j = 0; j < nvis; ++j) m = s[j] > m ? s[j] : m;
+        const __m256 mm = _mm256_set1_ps(m);
+        __m256 l8 = _mm256_setzero_ps();
+        int j = 0;
+        for (; j + 8 <= nvis; j += 8) {
+            __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mm));
+            _mm256_storeu_ps(s + j, p);
+            l8 = _mm256_add_ps(l8, p);
+        }
+        float l = hsum(l8);
+        for (; j < nvis; ++j) {
+            s[j] = expf(s[j] - m);
+            l += s[j];
+        }
+        for (int e0 = 0; e0 < nv; e0 += 8) {  /* 8 vectors of the output row at a time: 8 accumulators + p */
+            switch (nv - e0 < 8 ? nv - e0 : 8) {
+                case 8: pv(s, V + 8 * e0, nvis, hs, 8, a + 8 * e0); break;
+                case 7: pv(s, V + 8 * e0, nvis, hs, 7, a + 8 * e0); break;
+                case 6: pv(s, V + 8 * e0, nvis, hs, 6, a + 8 * e0); break;
+                case 5: pv(s, V + 8 * e0, nvis, hs, 5, a + 8 * e0); break;
+                case 4: pv(s, V + 8 * e0, nvis, hs, 4, a + 8 * e0); break;
+                case 3: pv(s, V + 8 * e0, nvis, hs, 3, a + 8 * e0); break;
+                case 2: pv(s, V + 8 * e0, nvis, hs, 2, a + 8 * e0); break;
+                default: pv(s, V + 8 * e0, nvis, hs, 1, a + 8 * e0); break;
+            }
+        }
+        mrow[r] = m;
+        lrow[r] = l;
+    }
+}
+
+/* q: (B, nkv, R, hs) contiguous; key/value (b, h, j, d) at b * bstride + h * hstride + j * hs + d, j < n_keys;
+ * out: (B, nkv, R, hs) contiguous; scratch: B * nkv * ceil(n_keys / chunk) * R * (hs + 2) floats.
+ * Returns 0, or -1 for arguments outside what the kernel handles (nothing written). */
+int triforce_gqa_attention(const float* q, const float* k, const float* v, float* out, float* scratch, int B,
+                           int nkv, int R, int T, int hs, int64_t bstride, int64_t hstride, int n_keys, int chunk,
+                           float scale, int nthreads) {
+    if (hs % 8 || hs > 256 || T < 1 || R % T || n_keys < T || chunk < 8 || (int64_t)R * chunk > 65536)
+        return -1;
+    const int nchunks = (n_keys + chunk - 1) / chunk, items = B * nkv * nchunks, last0 = n_keys - T;
+    const int64_t item_floats = (int64_t)R * (hs + 2);
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float sbuf[R * chunk];  /* <= 256 KB, see the check above */
+        #pragma omp for schedule(static)
+        for (int it = 0; it < items; ++it) {
+            const int c = it % nchunks, bh = it / nchunks, h = bh % nkv, b = bh / nkv;
+            const int j0 = c * chunk, n = n_keys - j0 < chunk ? n_keys - j0 : chunk;
+            const int64_t kv_off = b * bstride + h * hstride + (int64_t)j0 * hs;
+            float* acc = scratch + it * item_floats;
+            chunk_item(q + (int64_t)bh * R * hs, k + kv_off, v + kv_off, R, T, hs, j0, n, last0, scale,
+                       acc, acc + (int64_t)R * hs, acc + (int64_t)R * hs + R, sbuf);
+        }
+        /* merge the chunks of every (batch, head, row) */
+        #pragma omp for schedule(static)
+        for (int x = 0; x < B * nkv * R; ++x) {
+            const int r = x % R, bh = x / R;
+            const float* base = scratch + (int64_t)bh * nchunks * item_floats;
+            float M = -INFINITY, L = 0.f;
+            for (int c = 0; c < nchunks; ++c) {
+                const float mc = base[c * item_floats + (int64_t)R * hs + r];
+                M = mc > M ? mc : M;
+            }
+            float* o = out + (int64_t)x * hs;
+            for (int d = 0; d < hs; ++d) o[d] = 0.f;
+            for (int c = 0; c < nchunks; ++c) {
+                const float* it = base + c * item_floats;
+                const float lc = it[(int64_t)R * hs + R + r];
+                if (lc == 0.f) continue;
+                const float w = expf(it[(int64_t)R * hs + r] - M);
+                L += w * lc;
+                for (int d = 0; d < hs; ++d) o[d] += w * it[(int64_t)r * hs + d];
+            }
+            const float inv = 1.f / L;
+            for (int d = 0; d < hs; ++d) o[d] *= inv;
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,74 @@
+"""csrc/attention.c (``kernels.gqa_attention_kernel``) against PyTorch's SDPA with the full KV cache's causal mask."""
+
+import pytest
+import torch
+
+from triforce import kernels
+from triforce.caches import FullKVCache, _causal_offset_mask, gqa_attention
+from triforce.config import ModelConfig
+
+from tiny import hf_config
+
+pytestmark = pytest.mark.skipif(kernels.status().startswith("unavailable"), reason=f"kernel {kernels.status()}")
+
+
+@pytest.mark.parametrize("b,nh,nkv,t,hs,n_keys,cap", [
+    (1, 9, 3, 1, 64, 8000, 8010),    # SmolLM2 decode at 8K: many chunks, a partial last one
+    (1, 9, 3, 7, 64, 1000, 1000),    # a verification block of 7
+    (2, 12, 2, 3, 128, 300, 320),    # Qwen2.5 shape, batch 2
+    (1, 4, 4, 1, 8, 5, 9),           # MHA, fewer keys than a chunk
+    (1, 32, 8, 5, 16, 513, 600),     # Llama-3 grouping, chunk boundary + 1
+    (1, 6, 1, 2, 24, 257, 257),      # MQA, head_dim not a power of two
+])
+def test_kernel_matches_sdpa(b, nh, nkv, t, hs, n_keys, cap):
+    g = torch.Generator().manual_seed(n_keys)
+    q = torch.randn(b, nh, t, hs, generator=g)
+    k = torch.randn(b, nkv, cap, hs, generator=g) * 3  # spread the scores: softmax far from uniform
+    v = torch.randn(b, nkv, cap, hs, generator=g)
+    mask = _causal_offset_mask(n_keys - t, t, n_keys, q.device)
+    exact = gqa_attention(q.double(), k[:, :, :n_keys].double(), v[:, :, :n_keys].double(), mask)  # fp64 reference
+    sdpa = gqa_attention(q, k[:, :, :n_keys], v[:, :, :n_keys], None if t == 1 else mask)
+    out = kernels.gqa_attention_kernel(q, k, v, n_keys)
+    assert out is not None and out.shape == sdpa.shape and out.dtype == torch.float32
+    # fp32 rounding only: within 2x SDPA's own error against fp64 (and at most 1e-5 absolute)
+    err, err_sdpa = (out.double() - exact).abs().max().item(), (sdpa.double() - exact).abs().max().item()
+    assert err <= max(2 * err_sdpa, 1e-6) and err < 1e-5, (err, err_sdpa)
+
+
+def test_kernel_declines_what_it_does_not_handle():
+    q, k = torch.randn(1, 2, 1, 12), torch.randn(1, 2, 10, 12)  # head_dim 12: not a multiple of 8
+    assert kernels.gqa_attention_kernel(q, k, k, 10) is None
+    q, k = torch.randn(1, 2, 1, 16, dtype=torch.float64), torch.randn(1, 2, 10, 16, dtype=torch.float64)
+    assert kernels.gqa_attention_kernel(q, k, k, 10) is None
+    q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 10, 16)
+    assert kernels.gqa_attention_kernel(q, k, k, 11) is None  # more keys than the cache holds
+
+
+def test_full_cache_decode_uses_kernel_and_equals_sdpa():
+    """Decode steps through FullKVCache with the kernel on and off give the same outputs."""
+    tiny_cfg = ModelConfig.from_hf(hf_config(heads=6, kv_heads=2, hidden=96))
+    L, nkv, hs, nh = tiny_cfg.num_hidden_layers, tiny_cfg.num_key_value_heads, tiny_cfg.head_dim, tiny_cfg.num_attention_heads
+    outs = []
+    for max_block in (1, 0):
+        cache = FullKVCache(tiny_cfg, capacity=40)
+        cache.kernel_max_block = max_block
+        gen = torch.Generator().manual_seed(1)
+        for start, t in ((0, 30), (30, 1), (31, 1)):
+            cache.begin_forward(torch.arange(start, start + t))
+            out = [cache.attend(l, torch.randn(1, nh, t, hs, generator=gen), torch.randn(1, nkv, t, hs, generator=gen),
+                                torch.randn(1, nkv, t, hs, generator=gen), None) for l in range(L)]
+            cache.end_forward()
+        outs.append(torch.stack(out))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=2e-6)
+
+
+def test_row_does_not_depend_on_block():
+    """A query's output is bitwise the same whether it is attended alone (decode) or in a block (verification)."""
+    g = torch.Generator().manual_seed(3)
+    nh, nkv, hs, n = 9, 3, 64, 1500
+    k, v = torch.randn(1, nkv, n, hs, generator=g), torch.randn(1, nkv, n, hs, generator=g)
+    q = torch.randn(1, nh, 7, hs, generator=g)
+    block = kernels.gqa_attention_kernel(q, k, v, n)
+    for i in range(7):  # token i of the block sees keys [0, n - 7 + i]
+        alone = kernels.gqa_attention_kernel(q[:, :, i:i + 1], k, v, n - 6 + i)
+        assert torch.equal(block[:, :, i:i + 1], alone)
