@@ -7,6 +7,8 @@ Three measurements, in one process, repetitions interleaved (kernel and SDPA alt
 * ``floor``: the bandwidth of a large fp32 matrix-vector product (1 x 576 by 576 x 9216, 30 distinct matrices,
   637 MB, the shape of a SmolLM2 decode step's biggest product), the rate at which this machine streams weights;
   the *floor* of an attention is the time to read its keys and values once at that rate.
+* ``peak``: the FLOP rate of a large fp32 matrix product (1024^3), the compute ceiling; a verification block's
+  attention does ``4 * g * T * hs`` FLOP per key (``attention[].gflop``), compute-bound past about 10 flop per byte.
 * ``attention``: 30 layers of GQA attention over random fp32 keys and values, SmolLM2's shape (9 query heads over
   3 KV heads, head_dim 64) and Qwen2.5-1.5B's (12 over 2, 128; 28 layers), for 1 query token (a decode step) and 7
   (a verification block of gamma2 = 6 drafts), with SDPA as ``caches.gqa_attention`` calls it and with the kernel.
@@ -54,6 +56,13 @@ def floor_bandwidth(reps: int) -> float:
     return w.numel() * 4 / s
 
 
+def peak_flops(reps: int) -> float:
+    """FLOP per second of a large fp32 matrix product (1024^3, MKL through torch): the compute ceiling."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    s = _interleaved({"gemm": lambda: a @ b}, reps)["gemm"]
+    return 2 * 1024 ** 3 / s
+
+
 def attention_rows(shape: tuple[int, int, int, int], context: int, t: int, reps: int, bw: float) -> dict:
     from triforce.caches import _causal_offset_mask, gqa_attention
     from triforce.kernels import gqa_attention_kernel
@@ -70,6 +79,7 @@ def attention_rows(shape: tuple[int, int, int, int], context: int, t: int, reps:
     kv = 2 * layers * nkv * n * hs * 4
     return {"layers": layers, "heads": nh, "kv_heads": nkv, "head_dim": hs, "context": context, "tokens": t,
             "kv_mb": round(kv / 1e6, 1), "floor_ms": round(1000 * kv / bw, 2),
+            "gflop": round(4 * nh * t * hs * n * layers / 1e9, 3),
             **{f"{m}_ms": round(1000 * s[m], 2) for m in fns},
             **{f"{m}_gb_per_s": round(kv / s[m] / 1e9, 2) for m in fns},
             "speedup": round(s["sdpa"] / s["kernel"], 3)}
@@ -111,6 +121,7 @@ def main() -> int:
     out = {"threads": args.threads, "kernel": kernels.status(), "reps": args.reps}
     bw = floor_bandwidth(args.reps)
     out["floor_gemv_gb_per_s"] = round(bw / 1e9, 2)
+    out["peak_gemm_gflop_per_s"] = round(peak_flops(args.reps) / 1e9, 1)
     out["attention"] = [attention_rows(shape, c, t, args.reps, bw)
                         for shape in ((30, 9, 3, 64), (28, 12, 2, 128)) for c in args.contexts for t in (1, 7)]
     if not args.no_forward:
