@@ -99,7 +99,7 @@ def main() -> int:
     answer_tokens = None
     for run in args.runs.split(","):
         tf.engine.reuse_prefix = run != "no_reuse"
-        tf.engine._full, tf.engine._full_tokens = None, []  # start each run without a cache (private: bench only)
+        tf.engine.forget_prefix()  # start each run without a cache
         m1 = args.turn1_max_tokens if run != "reuse_tight" else answer_tokens
         if m1 is None:
             m1 = args.turn1_max_tokens

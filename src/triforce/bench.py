@@ -592,17 +592,19 @@ class _OursRunner:
         engine's prefix reuse feeds only the last prompt token (which also records the query the retrieval cache
         selects chunks with)."""
         from .caches import FullKVCache
+        from .plan import size_request
 
         n = len(ids) - 1
         eng = self.engine
-        if n < 1 or (len(eng._full_tokens) >= n and eng._full_tokens[:n] == ids[:n]):
+        held = eng.prefix_tokens
+        if n < 1 or (len(held) >= n and held[:n] == ids[:n]):
             return
-        total = eng._capacity(len(ids), new_tokens, self.spec)
+        total = size_request(len(ids), new_tokens, self.spec)[0]
         self.target.set_request_length(total)
-        eng._full = None
+        eng.forget_prefix()
         full = FullKVCache(self.target.cfg, total, self.target.dtype, self.target.device)
         _synthetic_module().fill_random_kv(full, n, self.cfg["seed"])
-        eng._full, eng._full_tokens = full, list(ids[:n])
+        eng.adopt_prefix(full, list(ids[:n]))
 
     def run(self, ids: list[int], new_tokens: int, seed: int) -> dict:
         if self.synthetic:
@@ -622,13 +624,13 @@ class _OursRunner:
         s = self.spec
         draft = self.draft
         if any(k == "self" for k, _ in s.chain):  # the self tier is timed as a draft model: the target's copy
-            draft = self.engine._lower_model(self.target, s.self_weights)
+            draft = self.engine.lower_model(self.target, s.self_weights)
         lat = cm.measure_tier_latencies(self.target, draft, [context], gamma1=s.gamma1, gamma2=s.gamma2,
                                         budget=s.budget, chunk_size=s.chunk_size, draft_sink=s.draft_sink,
                                         draft_window=s.draft_window, reps=reps, progress=None)
         latencies = lat[0]
         if s.lower_weights:  # the tiers below the verifier run the cheaper copies: time those
-            lower = self.engine._lower_model(self.target, s.lower_weights)
+            lower = self.engine.lower_model(self.target, s.lower_weights)
             low = cm.measure_tier_latencies(lower, draft, [context], gamma1=s.gamma1, gamma2=s.gamma2,
                                             budget=s.budget, chunk_size=s.chunk_size, draft_sink=s.draft_sink,
                                             draft_window=s.draft_window, reps=reps, progress=None)[0]

@@ -38,7 +38,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from .caches import CacheError, FullKVCache, KVCache, RetrievalCache, StreamingCache
+from .caches import CacheError, FullKVCache, KVCache, StreamingCache
+from .retrieval import RetrievalCache
 from .model import Transformer
 from .sampling import SamplingParams, logits_to_probs
 from .speculative import rejection_sample
