@@ -33,7 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from triforce.analyze import book_prompt, prefill_recorded, resolve_book  # noqa: E402
+from triforce.lab.analyze import prefill_recorded  # noqa: E402
+from triforce.lab.books import book_prompt, resolve_book  # noqa: E402
 from triforce.retrieval import RetrievalCache  # noqa: E402
 
 #: name -> (score, recent, query_window)

@@ -28,6 +28,8 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 #: options shared by ``generate``, ``serve``, ``bench``, ``analyze`` and the Python API
 DEFAULTS: dict[str, object] = {
     # model
+    "model": None,  # the embedded SmolLM2-135M-Instruct (download.py)
+    "draft": None,  # --mode auto picks the bottom tier (auto.py)
     "dtype": "float32",
     "device": "cpu",
     "threads": None,  # one thread per physical core other programs leave idle (threads.py)
@@ -64,6 +66,10 @@ DEFAULTS: dict[str, object] = {
     "lower_kv_dtype": None,
     "tiers": None,
 }
+
+#: ``SpeculationConfig()``'s mode: plain decoding unless the caller asks for a hierarchy (the command line and
+#: ``TriForce.stream`` without ``spec`` use ``DEFAULTS["mode"]``, ``auto``)
+LIBRARY_MODE = "autoregressive"
 
 #: ``triforce serve`` only
 SERVE_DEFAULTS: dict[str, object] = {

@@ -1,4 +1,9 @@
-"""The engine: builds the tier hierarchy for a mode, prefills, runs the decode loop, measures.
+"""The engine: builds the tier hierarchy of a request's plan, prefills, runs the decode loop, measures.
+
+A request is checked, sized and placed once (:meth:`Engine.plan`, a :class:`~triforce.plan.RequestPlan`); the
+hierarchy (:class:`~triforce.hierarchy.SpeculationConfig`) and the plan are all :meth:`Engine.build_hierarchy`
+needs. Tools reach the engine through public hooks only (:attr:`Engine.full_cache`, :attr:`Engine.prefix_tokens`,
+:meth:`Engine.adopt_prefix`, :meth:`Engine.forget_prefix`, :meth:`Engine.lower_model`).
 
 Modes (all lossless; see ``tiers.py`` for the tiers):
 

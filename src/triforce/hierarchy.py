@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Iterable, Mapping
 
-from .defaults import DEFAULTS, DTYPE_NAMES, SELF_WEIGHTS
+from .defaults import DEFAULTS, DTYPE_NAMES, LIBRARY_MODE, SELF_WEIGHTS
 from .retrieval import CHUNK_SCORES
 
 MODES = ("auto", "autoregressive", "retrieval", "draft", "triforce")
@@ -120,7 +120,7 @@ class SpeculationConfig:
         ValueError: (on construction) a value outside its range, naming the parameter and the allowed values.
     """
 
-    mode: str = "autoregressive"  # the library's default; the command line's is DEFAULTS["mode"] (auto)
+    mode: str = LIBRARY_MODE
     gamma1: int = _d("gamma1")
     gamma2: int = _d("gamma2")
     budget: int = _d("budget")
@@ -259,11 +259,11 @@ class SpeculationConfig:
 
     def option_users(self) -> dict[str, str]:
         """Every option of this config that a hierarchy may use -> who uses it (a phrase, for messages)."""
-        users = dict(HIERARCHY_OPTIONS)
+        kinds: dict[str, list[str]] = {}
         for kind, names in KIND_OPTIONS.items():
             for name in names:
-                users[name] = (users[name] + " or " if name in users else "a ") + kind + " tier"
-        return users
+                kinds.setdefault(name, []).append(kind)
+        return dict(HIERARCHY_OPTIONS, **{name: "a " + " or ".join(k) + " tier" for name, k in kinds.items()})
 
     def unused_options(self, given: Iterable[str]) -> dict[str, str]:
         """Of the options ``given`` (field names set to a non-default value), those this hierarchy cannot use.

@@ -32,10 +32,11 @@ from types import SimpleNamespace
 
 import torch
 
-from .caches import FullKVCache, RetrievalCache, StreamingCache
-from .config import ModelConfig
-from .model import Transformer
-from .rope import RotaryEmbedding
+from ..caches import FullKVCache, StreamingCache
+from ..retrieval import RetrievalCache
+from ..config import ModelConfig
+from ..model import Transformer
+from ..rope import RotaryEmbedding
 
 SYNTHETIC_SHAPES: dict[str, dict] = {
     "llama2-7b": {

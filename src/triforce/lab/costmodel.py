@@ -23,9 +23,11 @@ from typing import Callable
 
 import torch
 
-from .caches import FullKVCache, RetrievalCache, StreamingCache, kv_bytes
-from .model import Transformer
-from .ngram import NGramDrafter
+from ..caches import FullKVCache, StreamingCache, kv_bytes
+from ..retrieval import RetrievalCache
+from ..defaults import DEFAULTS
+from ..model import Transformer
+from ..ngram import NGramDrafter
 from .synthetic import fill_random_kv
 
 #: what :func:`measure_tier_latencies` times, in seconds (medians); see its docstring.
@@ -72,9 +74,11 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def measure_tier_latencies(target: Transformer, draft: Transformer | None, contexts: list[int], *, gamma1: int = 4,
-                           gamma2: int = 6, budget: int = 4096, chunk_size: int = 8, draft_sink: int = 16,
-                           draft_window: int = 240, reps: int = 5, progress: Callable[[int], None] | None = None,
+def measure_tier_latencies(target: Transformer, draft: Transformer | None, contexts: list[int], *,
+                           gamma1: int = DEFAULTS["gamma1"], gamma2: int = DEFAULTS["gamma2"],
+                           budget: int = DEFAULTS["budget"], chunk_size: int = DEFAULTS["chunk_size"],
+                           draft_sink: int = DEFAULTS["draft_sink"], draft_window: int = DEFAULTS["draft_window"],
+                           reps: int = 5, progress: Callable[[int], None] | None = None,
                            seed: int = 0) -> list[dict]:
     """Median latency of each tier's forward at each context length, caches filled with random KV (no prefill).
 
