@@ -250,7 +250,7 @@ def test_bench_table_shows_measured_first_and_labels_the_prediction():
 
 # ------------------------------------------------------------------------------------------- 5. progress
 def test_line_progress_when_stderr_is_not_a_terminal(monkeypatch):
-    import triforce.cli as cli
+    import triforce.cli.progress as cli
 
     clock = iter([0.0, 1.0, 2.5, 5.0, 13.0, 20.0])  # start, one reading per update, one for close
     monkeypatch.setattr(cli.time, "monotonic", lambda: next(clock))
