@@ -231,7 +231,7 @@ class Engine:
             raise ValueError(f"mode {spec.name!r} needs a draft model (--draft MODEL), or --draft ngram for the "
                              "model-free drafter; without one use mode 'autoregressive' or 'retrieval'")
         cfg = self.target.cfg
-        cfg.check_length(self._plan(len(prompt_ids), max_new_tokens, spec, place=False).full_capacity)
+        cfg.check_length(size_request(len(prompt_ids), max_new_tokens, spec)[0])  # before any allocation or placement
         context = cfg.max_position_embeddings
         if cfg.rope_type != "dynamic" and len(prompt_ids) >= context:
             raise ValueError(f"max_prompt_tokens: the prompt has {len(prompt_ids)} tokens, not fewer than the model's "
