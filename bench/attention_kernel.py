@@ -87,7 +87,7 @@ def attention_rows(shape: tuple[int, int, int, int], context: int, t: int, reps:
 
 def forward_rows(model, context: int, reps: int) -> list[dict]:
     from triforce.caches import FullKVCache
-    from triforce.synthetic import fill_random_kv
+    from triforce.lab.synthetic import fill_random_kv
 
     cache = FullKVCache(model.cfg, capacity=context + 8)
     fill_random_kv(cache, context)

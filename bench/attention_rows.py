@@ -20,6 +20,7 @@ import time
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 import torch
 import torch.nn.functional as F
+from common import emit_json  # noqa: E402  (bench/common.py, beside this script)
 
 
 def main() -> int:
@@ -59,11 +60,7 @@ def main() -> int:
         r["vs_first"] = round(r["ms"] / base, 2)
     out = {"context": s, "threads": args.threads, "shape": "SmolLM2-135M (30 layers, 9/3 heads, 64)", "fp32": True,
            "rows": rows}
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_json(out, args.out)
     return 0
 
 

@@ -33,6 +33,7 @@ import sys
 import time
 
 import torch
+from common import add_run_options  # noqa: E402  (bench/common.py, beside this script)
 
 BOOKS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "books")
 CHAT_REQUEST = "\n\nSummarize the text above, quoting its key sentences."
@@ -240,11 +241,7 @@ def main() -> int:
     p.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram match of the configurations that do "
                    "not fix it (1)")
     p.add_argument("--ngram-n", type=int, default=4, help="longest n-gram match (4)")
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("--reps", type=int, default=1)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="bench/results/beyond.json")
+    add_run_options(p, "bench/results/beyond.json")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--by-book", action="store_true", help="with --markdown, also print the table per book")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="run nothing: summarize the records of these earlier "

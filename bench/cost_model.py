@@ -1,7 +1,7 @@
 """Cost model: step latency of every speculation tier against context length (TriForce Sec. 4.3, Appendix).
 
 For each context length the caches are filled with random keys/values (no prefill, see
-``triforce.synthetic.fill_random_kv``) and each tier's forward is timed, interleaved over repetitions, medians:
+``triforce.lab.synthetic.fill_random_kv``) and each tier's forward is timed, interleaved over repetitions, medians:
 
 * ``full_decode`` target + full KV cache, 1 token (autoregressive);   ``full_pass`` the same, gamma2 + 1 tokens;
 * ``retrieval_decode`` / ``retrieval_pass`` target + retrieval cache of --budget slots, 1 / gamma1 + 1 tokens;
@@ -9,7 +9,7 @@ For each context length the caches are filled with random keys/values (no prefil
 * ``ngram_propose`` one n-gram (prompt-lookup) proposal: the model-free bottom tier.
 
 With ``--acceptance`` it adds the predicted speedup over autoregressive decoding of each ``--chains`` hierarchy
-(``triforce.costmodel.predict``). ``--synthetic`` runs paper-shaped random models (timing only; every output says
+(``triforce.lab.costmodel.predict``). ``--synthetic`` runs paper-shaped random models (timing only; every output says
 ``synthetic``).
 
     python bench/cost_model.py --contexts 1024 4096 16384 65536 --threads 2 \
@@ -42,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Parse and check the arguments (one-line error, exit status 2, before any model is loaded)."""
-    from triforce.synthetic import SYNTHETIC_SHAPES
+    from triforce.lab.synthetic import SYNTHETIC_SHAPES
 
     p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="target: Hugging Face folder, .gguf or hub id (default: SmolLM2-135M-Instruct)")
@@ -134,7 +134,7 @@ def build_models(a):
     from triforce.memory import check_fits
 
     if a.synthetic:
-        from triforce.synthetic import random_model, synthetic_config, synthetic_label
+        from triforce.lab.synthetic import random_model, synthetic_config, synthetic_label
 
         cfg = synthetic_config(a.synthetic, a.layers)
         d_name = (a.draft or "llama-68m") if a.has_draft else None
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     from tqdm import tqdm
 
-    from triforce.costmodel import measure_tier_latencies, predict
+    from triforce.lab.costmodel import measure_tier_latencies, predict
     from triforce.memory import InsufficientMemoryError
 
     try:

@@ -28,10 +28,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from triforce.caches import FullKVCache, RetrievalCache, StreamingCache  # noqa: E402
+from triforce.caches import FullKVCache, StreamingCache  # noqa: E402
+from triforce.retrieval import RetrievalCache  # noqa: E402
 from triforce.engine import Engine, SpeculationConfig  # noqa: E402
 from triforce.sampling import SamplingParams  # noqa: E402
-from triforce.synthetic import fill_random_kv, random_model, random_query, synthetic_config, synthetic_label  # noqa: E402
+from triforce.lab.synthetic import fill_random_kv, random_model, random_query, synthetic_config, synthetic_label  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:

@@ -33,7 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from triforce.analyze import book_prompt, prefill_recorded, resolve_book  # noqa: E402
+from triforce.lab.analyze import prefill_recorded  # noqa: E402
+from triforce.lab.books import book_prompt, resolve_book  # noqa: E402
 from triforce.retrieval import RetrievalCache  # noqa: E402
 
 #: name -> (score, recent, query_window)
@@ -181,7 +182,7 @@ def main(argv=None):
         # acceptance: an engine with prefix reuse, handed this prefill (its KV of the prompt is the engine's own)
         if args.accept_rules:
             eng = Engine(model, eos_ids=lm.eos_ids)
-            eng._full, eng._full_tokens = full, list(ids)
+            eng.adopt_prefix(full, list(ids))
             samp = SamplingParams(temperature=args.temperature, top_p=0.9 if args.temperature > 0 else 1.0)
             res["acceptance"] = {"temperature": args.temperature, "new_tokens": args.accept_tokens, "gamma2": 6,
                                  "rebuild_every": args.rebuild_every, "runs": res.get("acceptance", {}).get("runs", {})}

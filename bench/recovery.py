@@ -1,6 +1,6 @@
 """Attention recovery of the retrieval cache's chunk selection, per chunk score (TriForce Sec. 3.1, Fig. 2).
 
-A thin wrapper over :mod:`triforce.analyze` (``triforce analyze --analyses recovery`` computes the same, with a PNG):
+A thin wrapper over :mod:`triforce.lab.analyze` (``triforce analyze --analyses recovery`` computes the same, with a PNG):
 recovery = the share of the last prompt token's attention mass over the earlier positions that falls on the keys
 the retrieval cache keeps (its own key, present in every cache, left out of both), per layer, budget and chunk
 score (``mean``: the paper's q . mean key; ``max``: the best key of the chunk; ``bound``: Quest's per-channel upper
@@ -35,8 +35,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     from triforce import load_model
-    from triforce.analyze import (book_prompt, prefill_recorded, recovery_at_query, recovery_table, resolve_book,
-                                  summarize_recovery)
+    from triforce.lab.analyze import prefill_recorded, recovery_at_query, summarize_recovery
+    from triforce.lab.analyze.summaries import recovery_table
+    from triforce.lab.books import book_prompt, resolve_book
 
     lm = load_model(None)
     per_book = {}

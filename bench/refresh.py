@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from beyond import build_prompt, load_book, repeated_ngram_share  # noqa: E402
+from common import add_run_options  # noqa: E402  (bench/common.py, beside this script)
 
 
 def parse_policy(name: str) -> dict:
@@ -179,11 +180,7 @@ def main() -> int:
     p.add_argument("--gamma", type=int, default=6, help="tokens the retrieval tier proposes per verification (6)")
     p.add_argument("--chunk-score", default="mean")
     p.add_argument("--policies", nargs="+", default=["never", "below-0.5", "below-0.7", "every-128"])
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("--reps", type=int, default=1)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="bench/results/refresh.json")
+    add_run_options(p, "bench/results/refresh.json")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="run nothing: summarize the records of these earlier "
                    "outputs together (e.g. one process per book)")

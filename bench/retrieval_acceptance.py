@@ -115,7 +115,7 @@ def command_line(argv) -> str:
 # ---------------------------------------------------------------------------------------------------- prompts
 def book_prompt(tokenizer, path: Path, n: int) -> list[int]:
     """The first ``n`` tokens of the book with its Project Gutenberg header and footer removed (no chat template)."""
-    from triforce.analyze import book_prompt as _book_prompt
+    from triforce.lab.books import book_prompt as _book_prompt
 
     return _book_prompt(tokenizer, path, n)
 
@@ -126,9 +126,9 @@ def attention_recovery(model, ids: list[int], budgets: list[int], chunk_size: in
 
     A separate prefill into a fresh full cache (recording queries); the selection is ``RetrievalCache.build`` at P-1
     with the query of position P-1, exactly as the engine builds it (mean over layers and query heads; the
-    computation is :func:`triforce.analyze.recovery_at_query`, also behind ``triforce analyze``).
+    computation is :func:`triforce.lab.analyze.recovery_at_query`, also behind ``triforce analyze``).
     """
-    from triforce.analyze import prefill_recorded, recovery_at_query
+    from triforce.lab.analyze import prefill_recorded, recovery_at_query
 
     full, query, _ = prefill_recorded(model, ids)  # restores the model's RoPE afterwards
     rec = recovery_at_query(model, full, query, len(ids) - 1, budgets, chunk_size, scores=("mean",))["mean"]

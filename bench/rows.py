@@ -22,21 +22,20 @@ import sys
 import time
 
 import torch
+from common import add_run_options  # noqa: E402  (bench/common.py, beside this script)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--context", type=int, default=8000)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 5, 7])
-    p.add_argument("--reps", type=int, default=9)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="bench/results/rows.json")
+    add_run_options(p, "bench/results/rows.json", reps=9, sampling=False)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
     from triforce.caches import FullKVCache
     from triforce.loading import load_model
-    from triforce.synthetic import fill_random_kv
+    from triforce.lab.synthetic import fill_random_kv
 
     plain = load_model(None).model
     packed = load_model(None).model

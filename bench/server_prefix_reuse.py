@@ -25,6 +25,7 @@ import socket
 import sys
 import threading
 import time
+from common import emit_json  # noqa: E402  (bench/common.py, beside this script)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BOOK = os.path.join(HERE, "..", "..", "shared", "data", "books", "pg1342.txt")
@@ -48,7 +49,7 @@ def main() -> int:
 
     from triforce import TriForce
     from triforce.prompts import strip_gutenberg
-    from triforce.server import ServerDefaults, create_app, model_id_for
+    from triforce.serve import ServerDefaults, create_app, model_id_for
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -99,7 +100,7 @@ def main() -> int:
     answer_tokens = None
     for run in args.runs.split(","):
         tf.engine.reuse_prefix = run != "no_reuse"
-        tf.engine._full, tf.engine._full_tokens = None, []  # start each run without a cache (private: bench only)
+        tf.engine.forget_prefix()  # start each run without a cache
         m1 = args.turn1_max_tokens if run != "reuse_tight" else answer_tokens
         if m1 is None:
             m1 = args.turn1_max_tokens
@@ -116,11 +117,7 @@ def main() -> int:
     results["turn2_outputs_identical"] = len(texts) == 1
     server.should_exit = True
     thread.join(10)
-    out = json.dumps(results, indent=2)
-    print(out)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(out + "\n")
+    emit_json(results, args.out)
     return 0
 
 

@@ -3,7 +3,7 @@
     python bench/tier_latency.py --threads 2 --context 1000 [--out PATH]
 
 For each weight scheme of the model under test (fp32 with oneDNN-packed weights, and the int8 / int4 copies of
-``quant.py``) it prints the medians of :func:`triforce.costmodel.measure_tier_latencies` in milliseconds: ``full_decode``
+``quant.py``) it prints the medians of :func:`triforce.lab.costmodel.measure_tier_latencies` in milliseconds: ``full_decode``
 and ``full_pass`` (gamma2 + 1 = 7 tokens) over a full cache, ``retrieval_decode`` / ``retrieval_pass`` over a retrieval
 cache of max(256, context / 8) slots, and ``draft_step`` / ``draft_pass`` of the int4 copy over a StreamingLLM cache
 of 16 + 240 tokens (the ``self`` tier). JSON lines, one per scheme. ``bench/wait_policy.sh`` runs it under three
@@ -18,17 +18,16 @@ import os
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 import torch
+from common import add_run_options  # noqa: E402  (bench/common.py, beside this script)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--context", type=int, default=1000)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--out", help="append the JSON lines to this file too")
+    add_run_options(p, None, reps=5, sampling=False, out_help="append the JSON lines to this file too")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from triforce.costmodel import measure_tier_latencies
+    from triforce.lab.costmodel import measure_tier_latencies
     from triforce.loading import load_model
     from triforce.quant import lower_precision_copy
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tiny import hf_model, ours
-from triforce.analyze import (acceptance_points, attention_probs, chunk_ranking, locality_after_prompt,
-                              prefill_recorded, recovery_at_query, run_acceptance, summarize_acceptance)
-from triforce.caches import CHUNK_SCORES, RetrievalCache
+from triforce.lab.analyze import (acceptance_points, attention_probs, chunk_ranking, locality_after_prompt,
+                                  prefill_recorded, recovery_at_query, run_acceptance, summarize_acceptance)
+from triforce.retrieval import CHUNK_SCORES, RetrievalCache
 from triforce.cli import main
 
 P = 96  # prompt tokens; n = P - 1 keys for the last prompt token's query

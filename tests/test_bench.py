@@ -7,7 +7,9 @@ import sys
 import pytest
 import torch
 
-from triforce import bench
+from triforce.cli.bench import add_bench_parser
+from triforce.lab import bench
+from triforce.lab.bench import methods
 from triforce.cli import main
 
 PROMPT = "the quick brown fox jumps over the lazy dog. " * 4
@@ -122,15 +124,15 @@ def test_aggregate_tiers_sums_over_reps():
 
 
 def test_plan_skips_what_cannot_run(monkeypatch):
-    args = bench.add_bench_parser(_subparsers()).parse_args([])
-    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)
+    args = add_bench_parser(_subparsers()).parse_args([])
+    monkeypatch.setattr(methods.importlib.util, "find_spec", lambda name: None)
     run, skipped = bench.plan_methods(args)
     assert run == ["hf-ar", "hf-lookup", "auto", "autoregressive", "self", "draft", "retrieval", "triforce",
                    "retrieval-int8", "triforce-int8"]
     assert "--draft MODEL" in skipped["hf-assisted"] and "llama-cpp-python" in skipped["llama.cpp"]
-    args = bench.add_bench_parser(_subparsers()).parse_args(["--synthetic", "llama2-7b", "--layers", "1"])
+    args = add_bench_parser(_subparsers()).parse_args(["--synthetic", "llama2-7b", "--layers", "1"])
     run, skipped = bench.plan_methods(args)
-    assert run == list(bench.SYNTHETIC_METHODS) and "synthetic" in skipped["hf-lookup"]
+    assert run == list(methods.SYNTHETIC_METHODS) and "synthetic" in skipped["hf-lookup"]
 
 
 def _subparsers():

@@ -189,7 +189,7 @@ def test_request_that_does_not_fit_in_memory_is_refused_before_allocating():
     engine = Engine(ours(hf_model(max_pos=10**13)))  # a context long enough that only memory can refuse
     with pytest.raises(InsufficientMemoryError, match=r"full KV cache .* free"):
         engine.generate([5, 6, 7], max_new_tokens=10**12, spec=SpeculationConfig())
-    assert engine._full is None  # nothing was allocated
+    assert engine.full_cache is None  # nothing was allocated
 
 
 def test_request_longer_than_the_context_is_refused(tiny_folder):

@@ -6,12 +6,13 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from triforce.caches import FullKVCache, RetrievalCache, StreamingCache
+from triforce.caches import FullKVCache, StreamingCache
+from triforce.retrieval import RetrievalCache
 from triforce.config import ModelConfig
-from triforce.costmodel import expected_tokens, measure_tier_latencies, predict
+from triforce.lab.costmodel import expected_tokens, measure_tier_latencies, predict
 from triforce.engine import Engine, SpeculationConfig
 from triforce.sampling import SamplingParams
-from triforce.synthetic import SYNTHETIC_SHAPES, fill_random_kv, random_model, random_query, synthetic_config
+from triforce.lab.synthetic import SYNTHETIC_SHAPES, fill_random_kv, random_model, random_query, synthetic_config
 
 
 def tiny_cfg(**kw) -> ModelConfig:
@@ -252,7 +253,7 @@ def test_measure_tier_latencies_shape_and_rollback():
 
 def test_observed_run_lengths_replace_the_independent_model():
     """Acceptance in runs: with the same rate, the observed run lengths give the tokens per verification exactly."""
-    from triforce.costmodel import accepted_length_distribution, predict
+    from triforce.lab.costmodel import accepted_length_distribution, predict
 
     # 10 verifications of gamma 4 drafts: 7 accept all 4, 3 accept none -> rate 28/40 = 0.7, 3.1 + 0.7... tokens each
     counts = [3, 0, 0, 0, 7]

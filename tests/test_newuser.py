@@ -232,7 +232,7 @@ def test_draft_the_hierarchy_cannot_use_is_refused(tiny_folder, tiny_draft_folde
 
 
 def test_bench_table_shows_measured_first_and_labels_the_prediction():
-    from triforce.bench import format_table
+    from triforce.lab.bench import format_table
 
     spread = lambda v: {"median": v, "min": v, "max": v, "iqr": 0.0}  # noqa: E731
     result = {"synthetic": False, "greedy": None,
@@ -250,7 +250,7 @@ def test_bench_table_shows_measured_first_and_labels_the_prediction():
 
 # ------------------------------------------------------------------------------------------- 5. progress
 def test_line_progress_when_stderr_is_not_a_terminal(monkeypatch):
-    import triforce.cli as cli
+    import triforce.cli.progress as cli
 
     clock = iter([0.0, 1.0, 2.5, 5.0, 13.0, 20.0])  # start, one reading per update, one for close
     monkeypatch.setattr(cli.time, "monotonic", lambda: next(clock))
@@ -289,7 +289,7 @@ def test_python_api_prefill_progress_callback(tf):
 def _start_server(tiny_folder, log, env_extra, *args):
     env = clean_env(**env_extra)
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "triforce.server", "--model", tiny_folder, "--host", "127.0.0.1",
+        proc = subprocess.Popen([sys.executable, "-m", "triforce.serve", "--model", tiny_folder, "--host", "127.0.0.1",
                                  "--port", "0", "--threads", "1", "--log-level", "info", *args],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     t0 = time.monotonic()
@@ -348,7 +348,7 @@ def test_api_key_guards_the_server(tiny_folder, tmp_path):
     ([], {"TRIFORCE_API_KEY": "bad key"}, "$TRIFORCE_API_KEY must be a non-empty string"),
 ])
 def test_bad_api_key_exits_2_without_echoing_it(tiny_folder, argv, env, fragment, monkeypatch, capsys):
-    from triforce.server import main_for_tests
+    from triforce.cli.serve import main_for_tests
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -359,7 +359,7 @@ def test_bad_api_key_exits_2_without_echoing_it(tiny_folder, argv, env, fragment
 
 
 def test_server_defaults_repr_hides_the_key():
-    from triforce.server import ServerDefaults
+    from triforce.serve import ServerDefaults
 
     assert "s3cret" not in repr(ServerDefaults(api_key="s3cret"))
 

@@ -86,7 +86,7 @@ def test_kv_dtype_bf16_verifier_is_its_own_reference():
     engine = Engine(target, draft, kv_dtype="bfloat16")
     prompt = list(range(3, 50))
     ref, _ = engine.generate(prompt, max_new_tokens=20, sampling=GREEDY)
-    assert engine._full.k.dtype == torch.bfloat16
+    assert engine.full_cache.k.dtype == torch.bfloat16
     for mode in ("retrieval", "triforce"):
         spec = SpeculationConfig(mode=mode, budget=24, chunk_size=4, gamma1=2, gamma2=4, draft_sink=4, draft_window=12)
         assert engine.generate(prompt, max_new_tokens=20, sampling=GREEDY, spec=spec)[0] == ref

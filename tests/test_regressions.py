@@ -262,10 +262,10 @@ def test_generate_and_serve_check_threads_and_seed_alike(tiny_folder, option, va
     """`serve` used to accept any --threads >= 1 and wrote its --seed range differently: one helper each now (checked
     before anything is loaded; `serve`'s option checks are called directly, so no server can start here)."""
     from triforce.cli import CLIError, build_parser, cmd_generate
-    from triforce.server import _defaults_from_args
+    from triforce.cli.serve import defaults_from_args
 
     errors = []
-    for command, run in (("generate", cmd_generate), ("serve", _defaults_from_args)):
+    for command, run in (("generate", cmd_generate), ("serve", defaults_from_args)):
         prompt = ["--prompt", "x"] if command == "generate" else []
         with pytest.raises(CLIError) as e:
             run(build_parser().parse_args([command, "--model", tiny_folder, *prompt, option, value]))
@@ -278,7 +278,7 @@ def test_generate_and_serve_check_threads_and_seed_alike(tiny_folder, option, va
 def test_the_largest_seed_is_the_same_everywhere(engine):
     from triforce.cli import check_seed
     from triforce.engine import MAX_SEED
-    from triforce.server import MAX_SEED as SERVER_MAX_SEED
+    from triforce.serve.schema import MAX_SEED as SERVER_MAX_SEED
 
     assert MAX_SEED == SERVER_MAX_SEED == 2**63 - 1
     check_seed(MAX_SEED)

@@ -2,7 +2,7 @@
 
 Two servers on tiny models:
 
-* ``server``: a real subprocess, ``python -m triforce.server --model TINY --port 0 --threads 1`` (the port it
+* ``server``: a real subprocess, ``python -m triforce.serve --model TINY --port 0 --threads 1`` (the port it
   bound is read from its log): chat and completions, streamed or not, greedy output equal to a direct cold
   ``TriForce.generate``, 8 concurrent clients, a client that disconnects mid-stream, 80 malformed requests,
   prefix reuse across chat turns, metrics.
@@ -31,7 +31,8 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
 from triforce import SamplingParams, SpeculationConfig, TriForce  # noqa: E402
-from triforce.server import ServerDefaults, create_app, main_for_tests  # noqa: E402
+from triforce.cli.serve import main_for_tests  # noqa: E402
+from triforce.serve import ServerDefaults, create_app  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0)
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
@@ -68,7 +69,7 @@ def server(tiny_folder, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("server") / "server.log")
     env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "triforce.server", "--model", tiny_folder, "--host", "127.0.0.1",
+        proc = subprocess.Popen([sys.executable, "-m", "triforce.serve", "--model", tiny_folder, "--host", "127.0.0.1",
                                  "--port", "0", "--threads", "1", "--log-level", "warning"],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     try:

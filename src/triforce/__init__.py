@@ -9,8 +9,12 @@ Where things happen:
     sampling.py     temperature / top-k / top-p, identical in every tier
     speculative.py  the acceptance rule: accepted, recovered and bonus tokens
     tiers.py        drafting, verifying and accepting, tier by tier
-    engine.py       modes, prefill, the decode loop, stats
-    api.py          text-level API (tokenizer, stop strings); cli.py the command line
+    hierarchy.py    the hierarchy: tier specs, --mode presets; defaults.py every default
+    plan.py         a request sized and placed once (capacities, cache bytes, KV placement)
+    engine.py       builds the tiers, prefill, the decode loop, stats
+    api.py          text-level API (tokenizer, stop strings)
+    cli/, serve/    the command line; the OpenAI-compatible server
+    lab/            research tools (bench, analyze, cost model), never imported by the library
 """
 
 __version__ = "0.1.0"
@@ -21,8 +25,11 @@ configure_openmp()
 
 from .api import GenerationResult, TokenEvent, TriForce  # noqa: E402
 from .engine import MODES, Engine, GenerationStats, SpeculationConfig  # noqa: E402
+from .hierarchy import TierSpec  # noqa: E402
+from .plan import RequestPlan  # noqa: E402
 from .loading import LoadedModel, load_model  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
 
 __all__ = ["TriForce", "GenerationResult", "TokenEvent", "Engine", "GenerationStats", "SpeculationConfig", "MODES",
+           "TierSpec", "RequestPlan",
            "SamplingParams", "load_model", "LoadedModel", "__version__"]

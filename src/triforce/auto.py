@@ -35,6 +35,7 @@ import torch
 
 from .caches import kv_bytes
 from .config import ModelConfig
+from .defaults import DEFAULTS
 from .sampling import SamplingParams
 
 #: a retrieval tier goes into the hierarchy when the full KV cache is at least this share of the weights' bytes
@@ -63,8 +64,8 @@ class AutoPlan:
 
 
 def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, prompt_tokens: int, bottom: str | None,
-                   sampling: SamplingParams, gamma1: int = 4, gamma2: int = 6, chunk_size: int = 8,
-                   max_budget: int = 4096) -> AutoPlan:
+                   sampling: SamplingParams, gamma1: int = DEFAULTS["gamma1"], gamma2: int = DEFAULTS["gamma2"],
+                   chunk_size: int = DEFAULTS["chunk_size"], max_budget: int = DEFAULTS["budget"]) -> AutoPlan:
     """Choose the hierarchy for a request of ``prompt_tokens`` (rules in the module docstring).
 
     Args:

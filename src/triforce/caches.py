@@ -417,16 +417,3 @@ class StreamingCache(KVCache):
         """Stored key (B, nkv, hs) of ``position`` in ``layer`` (for tests)."""
         return self.k[layer, :, :, self._slot(position)]
 
-
-def __getattr__(name: str):
-    """Lazy re-export of :mod:`triforce.retrieval`'s ``RetrievalCache`` and ``CHUNK_SCORES`` (PEP 562).
-
-    Lazy because :mod:`triforce.retrieval` imports this module; an eager import here would be a cycle.
-
-    Raises:
-        AttributeError: any other unknown name.
-    """
-    if name in ("RetrievalCache", "CHUNK_SCORES"):
-        from . import retrieval
-        return getattr(retrieval, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,6 +20,18 @@ class UnsupportedModelError(ValueError):
     """Raised for a checkpoint whose architecture or RoPE variant we do not implement."""
 
 
+class ModelLoadError(ValueError):
+    """A model source could not be found, read or fetched; the message says which and why."""
+
+
+def check_architecture(model_type: str | None) -> None:
+    """Raise :class:`UnsupportedModelError` (listing the supported ones) unless ``model_type`` is one of
+    :data:`SUPPORTED_ARCHITECTURES`."""
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(f"unsupported architecture {model_type!r}: triforce runs "
+                                    f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 2/3/3.1, Mistral, Qwen2/2.5)")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and hyper-parameters of a Llama-family decoder.

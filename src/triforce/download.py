@@ -107,7 +107,7 @@ def download_default_model(force: bool = False, quiet: bool = False) -> Path:
     gguf = fetch_gguf(force=force, quiet=quiet)
     from safetensors.torch import save_file
 
-    from .loading import read_gguf
+    from .gguf import read_gguf
 
     hf_config, state, tokenizer = read_gguf(gguf)
     out = default_model_dir()

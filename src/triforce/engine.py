@@ -1,4 +1,9 @@
-"""The engine: builds the tier hierarchy for a mode, prefills, runs the decode loop, measures.
+"""The engine: builds the tier hierarchy of a request's plan, prefills, runs the decode loop, measures.
+
+A request is checked, sized and placed once (:meth:`Engine.plan`, a :class:`~triforce.plan.RequestPlan`); the
+hierarchy (:class:`~triforce.hierarchy.SpeculationConfig`) and the plan are all :meth:`Engine.build_hierarchy`
+needs. Tools reach the engine through public hooks only (:attr:`Engine.full_cache`, :attr:`Engine.prefix_tokens`,
+:meth:`Engine.adopt_prefix`, :meth:`Engine.forget_prefix`, :meth:`Engine.lower_model`).
 
 Modes (all lossless; see ``tiers.py`` for the tiers):
 
@@ -28,194 +33,21 @@ from typing import Callable, Generator
 import torch
 
 from .auto import SpeedGovernor, plan_hierarchy
-from .caches import CHUNK_SCORES, FullKVCache, RetrievalCache, StreamingCache, kv_bytes
-from .memory import KVPlacement, check_fits, peak_memory_bytes, plan_kv_placement
+from .caches import FullKVCache, StreamingCache
+from .defaults import SELF_WEIGHTS  # noqa: F401  (re-exported)
+from .hierarchy import (DRAFTER_KINDS, MAX_SEED, MODES, TIER_KINDS,  # noqa: F401  (re-exported)
+                        SpeculationConfig, _positive_int)
+from .memory import KVPlacement, peak_memory_bytes
 from .model import Transformer
-from .sampling import SamplingParams
-from .tiers import ModelTier, RetrievalTier, StreamingTier, VerifyFn
 from .ngram import NGramDrafter
 from .parallel import agree_on_fit
+from .plan import DRAFT_PREFILL_CHUNK, RequestPlan, check_plan_fits, plan_request, size_request
+from .retrieval import RetrievalCache
+from .sampling import SamplingParams
 from .speculative import rejection_sample
+from .tiers import ModelTier, RetrievalTier, StreamingTier, VerifyFn
 
-MODES = ("auto", "autoregressive", "retrieval", "draft", "triforce")
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-TIER_KINDS = ("ngram", "self", "draft", "retrieval")
-#: the bottom tier of the ``draft``/``triforce`` presets for each ``SpeculationConfig.drafter``
-DRAFTER_KINDS = {"model": "draft", "ngram": "ngram", "self": "self"}
-#: weights of the ``self`` tier (the target's own weights, quantized; see ``quant.py``)
-SELF_WEIGHTS = ("int4", "int8", "bfloat16")
-MAX_SEED = 2**63 - 1  # seeds are in [0, MAX_SEED]: torch.Generator.manual_seed takes a non-negative int64
-
-
-def _positive_int(name: str, value, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class SpeculationConfig:
-    """How tokens are speculated (TriForce, arXiv 2404.11912, Sec. 4; defaults from the paper's on-chip runs).
-
-    Attributes:
-        mode: one of :data:`MODES`.
-        gamma1: tokens the draft proposes per retrieval-tier verification (``triforce`` mode).
-        gamma2: tokens proposed per target verification by the tier just below the target.
-        budget: retrieval cache slots per layer and KV head (chunk 0 + selected chunks + generated tokens).
-        chunk_size: tokens per retrieval chunk.
-        rebuild_every: re-select the retrieval chunks every N generated tokens (None: only when full).
-        draft_sink: StreamingLLM attention-sink tokens of the draft cache.
-        draft_window: StreamingLLM recent-window tokens of the draft cache.
-        drafter: bottom tier of the ``draft`` and ``triforce`` presets: ``model`` (the draft model), ``ngram`` or
-            ``self`` (the target's own weights as ``self_weights``, over a StreamingLLM cache of ``draft_sink`` +
-            ``draft_window`` tokens).
-        self_weights: weights of the ``self`` tier, one of :data:`SELF_WEIGHTS` (default ``int4``).
-        ngram_n: longest suffix the n-gram drafter matches.
-        ngram_min: shortest suffix the n-gram drafter may match (>= 1; capped at ngram_n; default 3, measured
-            best on 4 books x 2 prompt kinds in ``bench/beyond.py``, docs/benchmarks.md).
-        stop_below: model drafters end a proposal before a token whose confidence (max probability at temperature
-            1) is below this (None: fixed-length proposals).
-        adaptive_gamma: each verifying tier adapts its gamma from the last block: +1 after a fully accepted block
-            (up to twice the configured gamma), -1 when fewer than half were accepted.
-        rebuild_below: re-select the retrieval chunks when the acceptance of the retrieval tier's last 16 proposed
-            tokens falls below this fraction (None: off).
-        chunk_score: retrieval chunk score, one of ``mean`` (the paper's), ``max``, ``bound``, ``attn`` (see
-            :class:`~triforce.retrieval.RetrievalCache`).
-        lower_weights: weights of the tiers below the verifier (the retrieval tier's copy of the target, and the
-            draft model): None (as loaded), ``int8`` (weight-only) or ``bfloat16`` (see ``quant.py``). Lossless:
-            the verifier decides every token; only acceptance can change.
-        lower_kv_dtype: dtype of the retrieval and draft caches: None (as the model), ``bfloat16`` or ``float16``.
-        tiers: an explicit hierarchy under the full-cache target, bottom first, ``kind:gamma`` entries with kind in
-            :data:`TIER_KINDS` (``ngram`` only at the bottom), e.g. ``"self:4,retrieval:6"``: each gamma is
-            how many tokens that tier proposes per verification by the tier above. Overrides ``mode``.
-
-    Raises:
-        ValueError: (on construction) a value outside its range, naming the parameter and the allowed values.
-    """
-
-    mode: str = "autoregressive"
-    gamma1: int = 4
-    gamma2: int = 6
-    budget: int = 4096
-    chunk_size: int = 8
-    rebuild_every: int | None = None
-    draft_sink: int = 16
-    draft_window: int = 240
-    drafter: str = "model"
-    self_weights: str = "int4"
-    ngram_n: int = 4
-    ngram_min: int = 3
-    chunk_score: str = "mean"
-    rebuild_below: float | None = None
-    stop_below: float | None = None
-    adaptive_gamma: bool = False
-    lower_weights: str | None = None
-    lower_kv_dtype: str | None = None
-    tiers: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.drafter not in DRAFTER_KINDS:
-            raise ValueError(f"drafter must be one of {', '.join(DRAFTER_KINDS)}, got {self.drafter!r}")
-        if self.self_weights not in SELF_WEIGHTS:
-            raise ValueError(f"self_weights must be one of {', '.join(SELF_WEIGHTS)}, got {self.self_weights!r}")
-        _positive_int("ngram_n", self.ngram_n)
-        _positive_int("ngram_min", self.ngram_min)
-        if self.chunk_score not in CHUNK_SCORES:
-            raise ValueError(f"chunk_score must be one of {', '.join(CHUNK_SCORES)}, got {self.chunk_score!r}")
-        chain = self.chain  # parses and checks `tiers`
-        _positive_int("gamma1", self.gamma1)
-        _positive_int("gamma2", self.gamma2)
-        _positive_int("chunk_size", self.chunk_size)
-        _positive_int("budget", self.budget)
-        if self.rebuild_every is not None:
-            _positive_int("rebuild_every", self.rebuild_every)
-        if self.rebuild_below is not None and not (isinstance(self.rebuild_below, (int, float))
-                                                   and 0 < self.rebuild_below <= 1):
-            raise ValueError(f"rebuild_below must be in (0, 1], got {self.rebuild_below!r}")
-        if not isinstance(self.adaptive_gamma, bool):
-            raise ValueError(f"adaptive_gamma must be True or False, got {self.adaptive_gamma!r}")
-        if self.stop_below is not None and not (isinstance(self.stop_below, (int, float)) and 0 < self.stop_below < 1):
-            raise ValueError(f"stop_below must be in (0, 1), got {self.stop_below!r}")
-        if self.lower_weights not in (None, "int8", "int4", "bfloat16"):
-            raise ValueError(f"lower_weights must be None, 'int8', 'int4' or 'bfloat16', got {self.lower_weights!r}")
-        if self.lower_kv_dtype not in (None, *KV_DTYPES):
-            raise ValueError(f"lower_kv_dtype must be None or one of {', '.join(KV_DTYPES)}, got {self.lower_kv_dtype!r}")
-        _positive_int("draft_sink", self.draft_sink, 0)
-        _positive_int("draft_window", self.draft_window)
-        for i, (kind, _) in enumerate(self.chain):
-            # chunk 0 + the block the retrieval tier may run ahead (gamma + 1) + the verifier's newest token
-            gamma = self.reach(i)
-            if kind == "retrieval" and self.budget < self.chunk_size + gamma + 2:
-                raise ValueError(f"budget must be >= chunk_size + gamma + 2 = {self.chunk_size + gamma + 2} "
-                                 f"(chunk 0 plus room for a speculation block of {gamma} tokens), got {self.budget}: "
-                                 "raise --budget or lower --chunk-size / the gamma of the retrieval tier and the tiers "
-                                 "above it")
-
-    @property
-    def chain(self) -> list[tuple[str, int]]:
-        """The hierarchy under the full-cache target, bottom first: ``[(kind, gamma), ...]``.
-
-        Raises:
-            ValueError: a malformed ``tiers`` string (the allowed kinds are in the message).
-        """
-        bottom = DRAFTER_KINDS[self.drafter]
-        if self.tiers is None:
-            return {"auto": [], "autoregressive": [], "retrieval": [("retrieval", self.gamma2)], "draft": [(bottom, self.gamma2)],
-                    "triforce": [(bottom, self.gamma1), ("retrieval", self.gamma2)]}[self.mode]
-        chain = []
-        for entry in str(self.tiers).split(","):
-            kind, _, gamma = entry.strip().partition(":")
-            if kind not in TIER_KINDS or not gamma.strip().isdigit() or int(gamma) < 1:
-                raise ValueError(f"tiers entries must be KIND:GAMMA with KIND in {', '.join(TIER_KINDS)} and GAMMA >= 1, "
-                                 f"bottom first (e.g. self:4,retrieval:6); got {entry.strip()!r}")
-            chain.append((kind, int(gamma)))
-        kinds = [k for k, _ in chain]
-        if "ngram" in kinds[1:] or len(set(kinds)) != len(kinds):
-            raise ValueError(f"tiers: each kind at most once and ngram only at the bottom, got {self.tiers!r}")
-        return chain
-
-    @property
-    def max_chain(self) -> list[tuple[str, int]]:
-        """:attr:`chain` with each gamma at the largest value it can reach (twice it with ``adaptive_gamma``)."""
-        return [(k, 2 * g if self.adaptive_gamma else g) for k, g in self.chain]
-
-    def resolve_auto(self, plan) -> "SpeculationConfig":
-        """This config with ``mode='auto'`` replaced by the hierarchy of an :class:`~triforce.auto.AutoPlan`."""
-        if self.mode != "auto" or self.tiers is not None:
-            return self
-        return replace(self, mode="autoregressive", tiers=plan.tiers or None, budget=plan.budget,
-                       lower_weights=self.lower_weights or plan.lower_weights)
-
-    def reach(self, index: int) -> int:
-        """Most tokens the tier at ``index`` of :attr:`chain` may run ahead of the committed sequence.
-
-        A tier proposes continuations of the unverified tokens of the tiers above it, so its reach is not its own gamma
-        but the largest gamma (at its adaptive maximum, :attr:`max_chain`) of that tier and every tier above it; the
-        verifier's block bounds them all. Used for the retrieval tier's budget check and rebuild lookahead.
-
-        Raises:
-            IndexError: ``index`` outside :attr:`chain`.
-        """
-        chain = self.max_chain
-        if not 0 <= index < len(chain):
-            raise IndexError(f"index must be in [0, {len(chain)}), got {index}")
-        return max(g for _, g in chain[index:])
-
-    @property
-    def name(self) -> str:
-        """The mode, or the explicit tier string."""
-        return self.mode if self.tiers is None else "tiers:" + ",".join(f"{k}:{g}" for k, g in self.chain)
-
-    @property
-    def uses_draft(self) -> bool:
-        """The hierarchy has a draft-model tier (needs a draft model)."""
-        return any(k == "draft" for k, _ in self.chain)
-
-    @property
-    def uses_retrieval(self) -> bool:
-        """The hierarchy has a retrieval-cache tier."""
-        return any(k == "retrieval" for k, _ in self.chain)
 
 
 @dataclass
@@ -311,32 +143,37 @@ class Engine:
         self.tier_verify: dict[str, VerifyFn] = {}  # per-tier override of the verification rule (tests)
         self.governor_factory: Callable = SpeedGovernor  # mode auto: decides when to bypass the drafters (tests swap it)
 
-    # ------------------------------------------------------------------ planning
-    def cache_bytes(self, prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig) -> dict[str, int]:
-        """Bytes each cache of a request would allocate, by cache."""
-        dtype = self.kv_dtype
-        lower = KV_DTYPES[spec.lower_kv_dtype] if spec.lower_kv_dtype else None
-        out = {"full KV cache": kv_bytes(self.target.cfg, self._capacity(prompt_tokens, max_new_tokens, spec), dtype)}
-        if spec.uses_retrieval:
-            out["retrieval cache"] = kv_bytes(self.target.cfg, spec.budget, lower or dtype)
-        if spec.uses_draft and self.draft is not None:
-            out["draft cache"] = kv_bytes(self.draft.cfg, self._draft_capacity(spec), lower or self.draft.dtype)
-        kinds = [k for k, _ in spec.chain]
-        if "self" in kinds:
-            out["self-draft cache"] = kv_bytes(self.target.cfg, self._draft_capacity(spec), lower or dtype)
-        copies = [(m, spec.lower_weights) for m in ([self.target] if spec.uses_retrieval else [])
-                  + ([self.draft] if spec.uses_draft and self.draft else []) if spec.lower_weights]
-        copies += [(self.target, spec.self_weights)] if "self" in kinds else []
-        bytes_per_weight = {"int8": 1.0, "int4": 0.625, "bfloat16": 2.0}  # int4: 4 bits + bf16 scale/zero per 32
-        for m, scheme in dict.fromkeys(copies):
-            if (id(m), scheme) not in self._lower:
-                key = f"{scheme} copies of the lower tiers' weights"
-                weights = m.weight_bytes() // m.dtype.itemsize
-                out[key] = out.get(key, 0) + int(weights * bytes_per_weight[scheme])
-        return out
+    # ------------------------------------------------------------------ public hooks (benchmarks, tests, server)
+    @property
+    def full_cache(self) -> FullKVCache | None:
+        """The verifier's full KV cache kept from the last request (prefix reuse), or None. Read-only use."""
+        return self._full
 
-    def _lower_model(self, model: Transformer, weights: str | None) -> Transformer:
-        """``model`` itself, or its lower-precision copy for the tiers below the verifier (made once, kept)."""
+    @property
+    def prefix_tokens(self) -> list[int]:
+        """The tokens whose KV :attr:`full_cache` holds (a copy), what the next request may reuse."""
+        return list(self._full_tokens)
+
+    def adopt_prefix(self, cache: FullKVCache, tokens: list[int]) -> None:
+        """Hand the engine a full KV cache holding the KV of ``tokens`` (positions 0 .. len-1), to be reused by the next
+        request as if a previous request had left it (benchmarks: a prefill computed elsewhere, random KV).
+
+        Raises:
+            ValueError: ``cache.length`` differs from ``len(tokens)``, or the cache is not the target's shape.
+        """
+        if cache.length != len(tokens):
+            raise ValueError(f"tokens: the cache holds {cache.length} positions, got {len(tokens)} tokens")
+        if cache.k.shape[0] != self.target.cfg.num_hidden_layers:
+            raise ValueError(f"cache: {cache.k.shape[0]} layers, the target has {self.target.cfg.num_hidden_layers}")
+        self._full, self._full_tokens = cache, list(tokens)
+
+    def forget_prefix(self) -> None:
+        """Drop the kept full KV cache: the next request prefills its whole prompt (and allocates anew)."""
+        self._full, self._full_tokens = None, []
+
+    def lower_model(self, model: Transformer, weights: str | None) -> Transformer:
+        """``model`` itself (``weights`` None), or its lower-precision copy for the tiers below the verifier
+        (``int8``, ``int4``, ``bfloat16``; ``quant.py``), made once and kept; its RoPE follows ``model``'s."""
         if weights is None:
             return model
         key = (id(model), weights)
@@ -348,21 +185,21 @@ class Engine:
         lower.rope = model.rope  # RoPE is fixed per request (dynamic NTK): follow the source model
         return lower
 
-    @staticmethod
-    def _capacity(prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig) -> int:
-        chain = spec.max_chain
-        block = chain[-1][1] if chain else 0  # the largest block the verifier checks at once
-        return prompt_tokens + max_new_tokens + block + 1
+    # ------------------------------------------------------------------ planning
+    def cache_bytes(self, prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig) -> dict[str, int]:
+        """Bytes each cache of a request would allocate, by cache (:attr:`~triforce.plan.RequestPlan.cache_bytes`)."""
+        return dict(self._plan(prompt_tokens, max_new_tokens, spec, place=False).cache_bytes)
 
-    @staticmethod
-    def _lookahead(spec: SpeculationConfig) -> int:
-        """Most positions any tier can run ahead of the committed sequence."""
-        return sum(g for _, g in spec.max_chain) + len(spec.chain) + 1
-
-    DRAFT_PREFILL_CHUNK = 256
-
-    def _draft_capacity(self, spec: SpeculationConfig) -> int:
-        return spec.draft_sink + spec.draft_window + self._lookahead(spec) + self.DRAFT_PREFILL_CHUNK
+    def _plan(self, prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig, place: bool) -> RequestPlan:
+        """:func:`~triforce.plan.plan_request` with this engine's models and settings (``place``: with offloading,
+        place the full cache's layers, which reads free device memory)."""
+        fixed, full = self.on_chip_layers, self._full
+        if fixed is None and full is not None and full.offload \
+                and full.capacity >= size_request(prompt_tokens, max_new_tokens, spec)[0]:
+            fixed = full.on_chip_layers  # the cache kept for prefix reuse keeps its placement
+        return plan_request(self.target, self.draft, spec, prompt_tokens, max_new_tokens, self.kv_dtype,
+                            existing_copies=self._lower.keys(), offload_kv=self.offload_kv and place,
+                            on_chip_layers=fixed)
 
     def plan_auto(self, prompt_tokens: int, sampling: SamplingParams, spec: SpeculationConfig):
         """The hierarchy ``mode='auto'`` runs for a prompt of ``prompt_tokens`` (:func:`~triforce.auto.plan_hierarchy`)."""
@@ -371,17 +208,15 @@ class Engine:
                               sampling, gamma1=spec.gamma1, gamma2=spec.gamma2, chunk_size=spec.chunk_size,
                               max_budget=spec.budget)
 
-    def validate(self, prompt_ids: list[int], max_new_tokens: int, spec: SpeculationConfig) -> KVPlacement | None:
-        """Check a request before any heavy work. Side-effect free: a server may validate one request while another
-        runs; :meth:`stream` stores the plan in :attr:`placement` only when its request starts.
+    def plan(self, prompt_ids: list[int], max_new_tokens: int, spec: SpeculationConfig) -> RequestPlan:
+        """Check a request before any heavy work and size and place it once (:class:`~triforce.plan.RequestPlan`).
 
-        Returns:
-            with ``offload_kv``, the offloading plan this request would get (:class:`~triforce.memory.KVPlacement`);
-            otherwise None.
+        Side-effect free: a server may plan one request while another runs; :meth:`stream` keeps the plan of the
+        request it runs (:attr:`placement`) only when that request starts.
 
         Raises:
             ValueError: empty prompt, max_new_tokens < 1, a token id outside the vocabulary, a draft mode without a
-                draft model, a request longer than a sliding window.
+                draft model, a request longer than a sliding window or the model's context.
             InsufficientMemoryError: the caches do not fit in free memory (under tensor parallelism: on any rank,
                 agreed by every rank, see :func:`~triforce.parallel.agree_on_fit`).
         """
@@ -395,46 +230,49 @@ class Engine:
         if spec.uses_draft and self.draft is None:
             raise ValueError(f"mode {spec.name!r} needs a draft model (--draft MODEL), or --draft ngram for the "
                              "model-free drafter; without one use mode 'autoregressive' or 'retrieval'")
-        total = self._capacity(len(prompt_ids), max_new_tokens, spec)
-        self.target.cfg.check_length(total)
-        context = self.target.cfg.max_position_embeddings
-        if self.target.cfg.rope_type != "dynamic" and len(prompt_ids) >= context:
+        cfg = self.target.cfg
+        cfg.check_length(size_request(len(prompt_ids), max_new_tokens, spec)[0])  # before any allocation or placement
+        context = cfg.max_position_embeddings
+        if cfg.rope_type != "dynamic" and len(prompt_ids) >= context:
             raise ValueError(f"max_prompt_tokens: the prompt has {len(prompt_ids)} tokens, not fewer than the model's "
                              f"context of {context}; keep the first N with --max-prompt-tokens N")
-        if self.target.cfg.rope_type != "dynamic" and len(prompt_ids) + max_new_tokens > context:
+        if cfg.rope_type != "dynamic" and len(prompt_ids) + max_new_tokens > context:
             raise ValueError(f"max_new_tokens={max_new_tokens} with a {len(prompt_ids)}-token prompt exceeds the model's "
                              f"context of {context} tokens (max_position_embeddings)")
-        return agree_on_fit(self.target.tp, lambda: self._fit(len(prompt_ids), max_new_tokens, spec, total))
 
-    def _fit(self, prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig, total: int) -> KVPlacement | None:
-        """The memory checks of :meth:`validate` on this rank; returns the offloading plan (None without offloading)."""
-        needed = self.cache_bytes(prompt_tokens, max_new_tokens, spec)
-        weights = {"weights": self.target.weight_bytes() + (self.draft.weight_bytes() if self.draft else 0)}
-        if not self.offload_kv:
-            check_fits(needed, self.target.device, "this request", already=weights)
-            return None
-        full = needed.pop("full KV cache")
-        L = self.target.cfg.num_hidden_layers
-        fixed = self.on_chip_layers
-        if fixed is None and self._full is not None and self._full.offload and self._full.capacity >= total:
-            fixed = self._full.on_chip_layers  # the cache kept for prefix reuse keeps its placement
-        placement = plan_kv_placement(L, full // L, self.target.device, sum(needed.values()), fixed)
-        on_device = dict(needed, **{"on-chip KV layers and stream buffers": placement.device_bytes})
-        if self.target.device.type == "cpu":  # one memory pool
-            check_fits(dict(on_device, **{"offloaded full KV cache": full}), "cpu", "this request", already=weights)
-        else:
-            check_fits(on_device, self.target.device, "this request", already=weights)
-            check_fits({"offloaded full KV cache": full}, "cpu", "this request's host memory")
-        return placement
+        def fit() -> RequestPlan:
+            plan = self._plan(len(prompt_ids), max_new_tokens, spec, place=True)
+            weights = self.target.weight_bytes() + (self.draft.weight_bytes() if self.draft else 0)
+            check_plan_fits(plan, self.target.device, weights)
+            return plan
+
+        return agree_on_fit(self.target.tp, fit)
+
+    def validate(self, prompt_ids: list[int], max_new_tokens: int, spec: SpeculationConfig) -> KVPlacement | None:
+        """:meth:`plan`'s checks; returns only the offloading plan (:class:`~triforce.memory.KVPlacement`, None
+        without offloading). Side-effect free.
+
+        Raises:
+            ValueError, InsufficientMemoryError: see :meth:`plan`.
+        """
+        return self.plan(prompt_ids, max_new_tokens, spec).placement
 
     # ------------------------------------------------------------------ hierarchy
     def build_hierarchy(self, prompt_tokens: int, max_new_tokens: int, sampling: SamplingParams,
-                        spec: SpeculationConfig, generator: torch.Generator) -> ModelTier:
-        """Allocate the caches and chain the tiers for ``spec.mode``; returns the top (verifier) tier."""
-        total = self._capacity(prompt_tokens, max_new_tokens, spec)
+                        spec: SpeculationConfig, generator: torch.Generator, plan: RequestPlan | None = None) -> ModelTier:
+        """Allocate the caches of ``plan`` and chain the tiers of ``spec``; returns the top (verifier) tier.
+
+        Args:
+            plan: the request's :class:`~triforce.plan.RequestPlan` from :meth:`plan` (None: sized here, placed as
+                :attr:`placement`, unchecked; for tests and tools that build a hierarchy by hand).
+        """
+        if plan is None:
+            plan = replace(self._plan(prompt_tokens, max_new_tokens, spec, place=False),
+                           placement=self.placement if self.offload_kv else None)
+        total = plan.full_capacity
         common = dict(sampling=sampling, generator=generator, eos_ids=self.eos_ids, tp=self.target.tp)
         full, reused = self._full, list(self._full_tokens)
-        placement = self.placement if self.offload_kv else None
+        placement = plan.placement
         on_chip = placement.on_chip_layers if placement else self.target.cfg.num_hidden_layers
         moved = full is not None and (full.offload != self.offload_kv or full.on_chip_layers != on_chip)
         if full is None or not self.reuse_prefix or (full.capacity < total and self.target.cfg.rope_type == "dynamic"):
@@ -464,20 +302,20 @@ class Engine:
             elif kind in ("draft", "self"):  # a small model, or the target's quantized weights, over StreamingLLM
                 if kind == "draft":
                     self.draft.set_request_length(total)
-                    d = self._lower_model(self.draft, spec.lower_weights)
+                    d = self.lower_model(self.draft, spec.lower_weights)
                     kv = self.kv_dtype if self.draft.dtype == self.target.dtype else self.draft.dtype
                 else:
-                    d, kv = self._lower_model(self.target, spec.self_weights), self.kv_dtype
+                    d, kv = self.lower_model(self.target, spec.self_weights), self.kv_dtype
                 kv = KV_DTYPES[spec.lower_kv_dtype] if spec.lower_kv_dtype else kv
-                cache = StreamingCache(d.cfg, spec.draft_sink, spec.draft_window,
-                                       self._lookahead(spec) + self.DRAFT_PREFILL_CHUNK, d.rope, kv, d.device)
+                cache = StreamingCache(d.cfg, spec.draft_sink, spec.draft_window, plan.streaming_extra, d.rope, kv,
+                                       d.device)
                 node = StreamingTier(kind, d, cache, drafter=drafter, gamma=gamma,
-                                     prefill_chunk=self.DRAFT_PREFILL_CHUNK, verify_fn=verify, **adaptive, **common)
+                                     prefill_chunk=DRAFT_PREFILL_CHUNK, verify_fn=verify, **adaptive, **common)
             else:
                 cache = RetrievalCache(self.target.cfg, full, spec.budget, spec.chunk_size, spec.chunk_score,
                                        dtype=KV_DTYPES[spec.lower_kv_dtype] if spec.lower_kv_dtype else None)
                 refeed = max(refeed, cache.query_window)  # the prompt's last forward records its query window
-                node = RetrievalTier("retrieval", self._lower_model(self.target, spec.lower_weights), cache, drafter=drafter, gamma=gamma, full=full,
+                node = RetrievalTier("retrieval", self.lower_model(self.target, spec.lower_weights), cache, drafter=drafter, gamma=gamma, full=full,
                                      lookahead=spec.reach(index) + 1,
                                      rebuild_every=spec.rebuild_every, rebuild_below=spec.rebuild_below,
                                      verify_fn=verify, **adaptive,
@@ -524,19 +362,19 @@ class Engine:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
             raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
         self.last_stats = None
-        plan = None
-        if spec.mode == "auto" and spec.tiers is None:
-            plan = self.plan_auto(len(prompt_ids), sampling, spec)
-            spec = spec.resolve_auto(plan)
-        placement = self.validate(prompt_ids, max_new_tokens, spec)
+        auto = None
+        if spec.chooses_per_request:
+            auto = self.plan_auto(len(prompt_ids), sampling, spec)
+            spec = spec.resolve_auto(auto)
+        plan = self.plan(prompt_ids, max_new_tokens, spec)  # sized and placed once, before anything is allocated
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")
             if self.target.tp is not None:  # every rank draws from rank 0's seed
                 seed = self.target.tp.broadcast_int(seed)
         generator = torch.Generator(device=self.target.device).manual_seed(seed)
-        self.placement = placement  # this request's plan, reported in its stats
-        top = self.build_hierarchy(len(prompt_ids), max_new_tokens, sampling, spec, generator)
-        governor = self.governor_factory(top) if plan is not None else None
+        self.placement = plan.placement  # this request's placement, reported in its stats
+        top = self.build_hierarchy(len(prompt_ids), max_new_tokens, sampling, spec, generator, plan=plan)
+        governor = self.governor_factory(top) if auto is not None else None
         eos = frozenset(self.eos_ids)
         t_start = t_prefill = time.perf_counter()
         seq = list(prompt_ids)
@@ -572,9 +410,9 @@ class Engine:
             for tier_stats in top.all_stats():  # nothing past the output (stop string mid-block) is counted
                 tier_stats.discount_past(len(seq))
             stats = self._stats(top, spec, len(prompt_ids), generated, finish, t_prefill - t_start, t_end - t_prefill, seed)
-            if plan is not None:
+            if auto is not None:
                 stats.mode = "auto"
-                stats.auto = dict(hierarchy=plan.tiers or "autoregressive", budget=plan.budget, reason=plan.reason,
+                stats.auto = dict(hierarchy=auto.tiers or "autoregressive", budget=auto.budget, reason=auto.reason,
                                   **governor.to_dict())
             self.last_stats = stats
             top.truncate(len(seq) - 1)  # nothing past the output (e.g. drafts after an accepted EOS) stays cached

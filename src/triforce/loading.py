@@ -21,16 +21,13 @@ from typing import Any
 
 import torch
 
-from .config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from .config import ModelConfig, ModelLoadError, UnsupportedModelError, check_architecture  # noqa: F401  (re-exported)
+from .gguf import read_gguf
 from .memory import check_fits
 from .model import Transformer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-
-
-class ModelLoadError(ValueError):
-    """A model source could not be found, read or fetched; the message says which and why."""
 
 
 @dataclass
@@ -93,36 +90,6 @@ def parse_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _check_architecture(model_type: str | None) -> None:
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(f"unsupported architecture {model_type!r}: triforce runs "
-                                    f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 2/3/3.1, Mistral, Qwen2/2.5)")
-
-
-def read_gguf(path: str | Path) -> tuple[Any, dict[str, torch.Tensor], Any]:
-    """Read a GGUF file with transformers' reader: ``(hf_config, fp32 state dict in HF names, tokenizer)``.
-
-    Raises:
-        UnsupportedModelError: an architecture outside :data:`~triforce.config.SUPPORTED_ARCHITECTURES`.
-        ModelLoadError: the file cannot be parsed.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    path = Path(path)
-    try:
-        meta = load_gguf_checkpoint(str(path), return_tensors=False)
-    except Exception as e:  # transformers raises ValueError/KeyError/... for files it cannot read
-        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
-    _check_architecture(meta.get("config", {}).get("model_type"))
-    hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(hf_config)
-    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return hf_config, state, tokenizer
-
-
 def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -139,7 +106,7 @@ def _read_folder(folder: Path, dtype: torch.dtype, device: str | torch.device, t
     from transformers import AutoConfig, AutoTokenizer
 
     raw = json.loads((folder / "config.json").read_text())
-    _check_architecture(raw.get("model_type"))
+    check_architecture(raw.get("model_type"))
     hf_config = AutoConfig.from_pretrained(str(folder))
     if tp is not None:  # refuse a size that does not divide the heads before reading any weight
         from .parallel import check_tp_size

@@ -1,7 +1,6 @@
 """TriForce's retrieval KV cache (arXiv 2404.11912, Sec. 4.1): the middle tier's cache and its selection rules.
 
-Moved out of :mod:`triforce.caches` (which still re-exports :class:`RetrievalCache` and ``CHUNK_SCORES`` lazily, so
-``from triforce.caches import RetrievalCache`` keeps working).
+Its own module because it builds from the full cache (:mod:`triforce.caches`) and holds the selection rules.
 """
 
 from __future__ import annotations

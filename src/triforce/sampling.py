@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .defaults import DEFAULTS
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -27,9 +29,9 @@ class SamplingParams:
         ValueError: (on construction) a value outside the ranges above, naming the parameter.
     """
 
-    temperature: float = 0.6
-    top_p: float = 0.9
-    top_k: int = 0
+    temperature: float = DEFAULTS["temperature"]
+    top_p: float = DEFAULTS["top_p"]
+    top_k: int = DEFAULTS["top_k"]
 
     def __post_init__(self) -> None:
         t = self.temperature

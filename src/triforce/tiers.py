@@ -38,7 +38,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from .caches import CacheError, FullKVCache, KVCache, RetrievalCache, StreamingCache
+from .caches import CacheError, FullKVCache, KVCache, StreamingCache
+from .retrieval import RetrievalCache
 from .model import Transformer
 from .sampling import SamplingParams, logits_to_probs
 from .speculative import rejection_sample
@@ -372,7 +373,7 @@ class ModelTier:
 
 
 class RetrievalTier(ModelTier):
-    """Tier 1: the target model over a :class:`~triforce.caches.RetrievalCache` built from the full cache.
+    """Tier 1: the target model over a :class:`~triforce.retrieval.RetrievalCache` built from the full cache.
 
     Extra args:
         full: the verifier's full cache (source of the selection and of exact KV for accepted tokens).

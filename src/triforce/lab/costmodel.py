@@ -9,7 +9,7 @@ up the full-cache target).
 Two parts:
 
 * :func:`measure_tier_latencies` times each tier's forward at fixed context lengths, with caches filled with random
-  KV (:func:`triforce.synthetic.fill_random_kv`), so no prefill is needed and any context can be timed;
+  KV (:func:`triforce.lab.synthetic.fill_random_kv`), so no prefill is needed and any context can be timed;
 * :func:`predict` combines those latencies with measured acceptance rates into seconds per token and a speedup.
 """
 
@@ -23,9 +23,11 @@ from typing import Callable
 
 import torch
 
-from .caches import FullKVCache, RetrievalCache, StreamingCache, kv_bytes
-from .model import Transformer
-from .ngram import NGramDrafter
+from ..caches import FullKVCache, StreamingCache, kv_bytes
+from ..retrieval import RetrievalCache
+from ..defaults import DEFAULTS
+from ..model import Transformer
+from ..ngram import NGramDrafter
 from .synthetic import fill_random_kv
 
 #: what :func:`measure_tier_latencies` times, in seconds (medians); see its docstring.
@@ -72,13 +74,15 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def measure_tier_latencies(target: Transformer, draft: Transformer | None, contexts: list[int], *, gamma1: int = 4,
-                           gamma2: int = 6, budget: int = 4096, chunk_size: int = 8, draft_sink: int = 16,
-                           draft_window: int = 240, reps: int = 5, progress: Callable[[int], None] | None = None,
+def measure_tier_latencies(target: Transformer, draft: Transformer | None, contexts: list[int], *,
+                           gamma1: int = DEFAULTS["gamma1"], gamma2: int = DEFAULTS["gamma2"],
+                           budget: int = DEFAULTS["budget"], chunk_size: int = DEFAULTS["chunk_size"],
+                           draft_sink: int = DEFAULTS["draft_sink"], draft_window: int = DEFAULTS["draft_window"],
+                           reps: int = 5, progress: Callable[[int], None] | None = None,
                            seed: int = 0) -> list[dict]:
     """Median latency of each tier's forward at each context length, caches filled with random KV (no prefill).
 
-    For each context n the caches are allocated, filled by :func:`~triforce.synthetic.fill_random_kv` to
+    For each context n the caches are allocated, filled by :func:`~triforce.lab.synthetic.fill_random_kv` to
     represent positions [0, n), and each forward below runs at positions n, n+1, ... over random token ids, then
     the cache is rolled back to n (``cache.rollback``), so every repetition sees the same context. The forwards are
     interleaved: each repetition runs every kind once, in an order rotated from one repetition to the next, after
@@ -90,7 +94,7 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
     * ``full_pass``: target over the full KV cache, ``gamma2 + 1`` tokens: the pending token plus the ``gamma2``
       proposals the target verifies (``ModelTier.step`` feeds ``seq[len(cached):] + drafts``; the recovered/bonus
       token of the previous step is not cached yet, hence +1), logits for every position.
-    * ``retrieval_decode``: target over a ``budget``-slot :class:`~triforce.caches.RetrievalCache` built from the
+    * ``retrieval_decode``: target over a ``budget``-slot :class:`~triforce.retrieval.RetrievalCache` built from the
       full cache (random query), 1 token: a retrieval tier without drafter (``retrieval`` mode) or the last step of
       a proposal.
     * ``retrieval_pass``: the same cache, ``gamma1 + 1`` tokens: the pending token plus the ``gamma1`` draft tokens

@@ -32,10 +32,11 @@ from types import SimpleNamespace
 
 import torch
 
-from .caches import FullKVCache, RetrievalCache, StreamingCache
-from .config import ModelConfig
-from .model import Transformer
-from .rope import RotaryEmbedding
+from ..caches import FullKVCache, StreamingCache
+from ..retrieval import RetrievalCache
+from ..config import ModelConfig
+from ..model import Transformer
+from ..rope import RotaryEmbedding
 
 SYNTHETIC_SHAPES: dict[str, dict] = {
     "llama2-7b": {
@@ -223,7 +224,7 @@ def fill_random_kv(cache, length: int, seed: int = 0) -> None:
     * :class:`~triforce.caches.FullKVCache`: slots [0, length) of every layer are filled.
     * :class:`~triforce.caches.StreamingCache`: the sink slots and the recent window (positions
       ``[max(sink, length - window), length)``) are filled, as the StreamingLLM policy would keep them.
-    * :class:`~triforce.caches.RetrievalCache`: built (chunk selection, TriForce Sec. 4.1) from its full cache,
+    * :class:`~triforce.retrieval.RetrievalCache`: built (chunk selection, TriForce Sec. 4.1) from its full cache,
       which must already hold ``length`` positions, with :func:`random_query` (seed ``seed``).
 
     Args:

@@ -1,0 +1,210 @@
+"""``triforce generate`` and ``triforce download``: their parsers and commands."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+
+from ..sampling import SamplingParams
+from .common import CLIError, check_seed, check_threads, option_error
+from .options import add_generation_args, spec_from_args
+from .progress import prefill_progress, stdout_to_stderr
+
+
+def add_generate_parser(sub) -> argparse.ArgumentParser:
+    """Add ``generate`` (the prompt group, the shared model, sampling and speculation groups, output flags)."""
+    gen = sub.add_parser("generate", help="generate a continuation of a prompt")
+    src = gen.add_argument_group("prompt")
+    src.add_argument("--prompt", help="prompt text; with --prompt-file, a question about that document")
+    src.add_argument("--prompt-file", help="read the prompt from a file ('-' = stdin); Project Gutenberg header and "
+                                           "footer are stripped; with --prompt, the document the question is about "
+                                           "(document first, then the question)")
+    src.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    src.add_argument("--system", help="system message (with --chat)")
+    src.add_argument("--max-prompt-tokens", type=int, help="keep the first N prompt tokens (with --prompt and "
+                                                            "--prompt-file: cut the document so the question stays)")
+    add_generation_args(gen)
+    gen.add_argument("--json", action="store_true", help="print one JSON object (schema in README) instead of text")
+    gen.add_argument("--no-progress", action="store_true", help="no prefill progress (a bar on a terminal, a line "
+                                                                 "every 10 s otherwise)")
+    return gen
+
+
+def add_download_parser(sub) -> argparse.ArgumentParser:
+    """Add ``download``."""
+    dl = sub.add_parser("download", help="fetch the embedded default model (SmolLM2-135M-Instruct) into the cache")
+    dl.add_argument("--force", action="store_true", help="download and convert again")
+    return dl
+
+
+def check_offload(args: argparse.Namespace) -> None:
+    """``--on-chip-layers`` of ``generate`` and ``serve``: only with ``--offload-kv``, and >= 0.
+
+    Raises:
+        CLIError: naming the option.
+    """
+    if args.on_chip_layers is not None and not args.offload_kv:
+        raise CLIError("--on-chip-layers needs --offload-kv")
+    if args.on_chip_layers is not None and args.on_chip_layers < 0:
+        raise CLIError(f"--on-chip-layers must be >= 0, got {args.on_chip_layers}")
+
+
+def load_from_args(args: argparse.Namespace, tp=None):
+    """The :class:`~triforce.api.TriForce` that the model options of ``generate`` or ``serve`` describe (compiled
+    with ``--compile``); ``tp``: this rank's :class:`~triforce.parallel.TensorParallel` or None.
+
+    Raises:
+        ValueError, ModelLoadError, InsufficientMemoryError: from :meth:`~triforce.api.TriForce.load`.
+    """
+    from ..api import TriForce
+
+    tf = TriForce.load(args.model, args.draft, dtype=args.dtype, device=args.device, tp=tp,
+                       offload_kv=args.offload_kv, on_chip_layers=args.on_chip_layers, kv_dtype=args.kv_dtype,
+                       quantize=args.quantize, packed_weights={"auto": None, "on": True, "off": False}[args.packed_weights],
+                       threads="auto" if args.threads is None else args.threads)
+    if args.compile:
+        tf.compile(args.compile)
+    return tf
+
+
+def _read_prompt(args: argparse.Namespace) -> tuple[str, str | None]:
+    """``(text, document)``: the prompt, or with both ``--prompt`` and ``--prompt-file`` the question and the
+    document (Gutenberg header and footer stripped, line endings ``\n``)."""
+    from ..prompts import normalize_newlines, strip_gutenberg
+
+    if args.prompt is None and args.prompt_file is None:
+        raise CLIError("give --prompt TEXT, --prompt-file PATH ('-' reads stdin), or both (a question about a document)")
+    if args.prompt is not None and not args.prompt.strip() and args.prompt_file is not None:
+        raise CLIError("--prompt: the question about --prompt-file is empty")
+    document = None
+    if args.prompt_file is not None:
+        if args.prompt_file == "-":
+            document = sys.stdin.read()
+        else:
+            try:
+                with open(args.prompt_file, encoding="utf-8", errors="replace") as f:
+                    document = f.read()
+            except OSError as e:
+                raise CLIError(f"--prompt-file {args.prompt_file!r}: {e.strerror}") from e
+        document = strip_gutenberg(document)
+    if args.prompt is None:
+        return document, None
+    return normalize_newlines(args.prompt), document
+
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """``triforce generate``: check options, load, stream text (or print JSON); returns the exit status.
+
+    With ``--json``, everything but the final JSON object (download and conversion messages, warnings, progress)
+    goes to stderr, C libraries and child processes included (:func:`stdout_to_stderr`).
+
+    Raises:
+        CLIError, ValueError, ModelLoadError, InsufficientMemoryError: reported by :func:`main` as one line, exit 2.
+    """
+    if not args.json:
+        return _generate(args, sys.stdout)
+    buf = io.StringIO()
+    with stdout_to_stderr():
+        code = _generate(args, buf)
+    sys.stdout.write(buf.getvalue())
+    sys.stdout.flush()
+    return code
+
+
+def _generate(args: argparse.Namespace, out) -> int:
+    """:func:`cmd_generate` writing text or the JSON object to ``out``."""
+    from ..memory import fmt_bytes
+
+    check_threads(args.threads)
+    from ..loading import parse_device
+
+    check_seed(args.seed)
+    try:
+        parse_device(args.device)
+    except ValueError as e:
+        raise CLIError("--" + str(e)) from e
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        spec = spec_from_args(args, has_draft=args.draft is not None)
+        if args.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {args.max_new_tokens}")
+        if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {args.max_prompt_tokens}")
+        if args.system is not None and not args.chat:
+            raise ValueError("system is only used with --chat")
+        if any(not s for s in args.stop):
+            raise CLIError("--stop strings must not be empty")
+    except ValueError as e:
+        raise option_error(e) from e
+    text, document = _read_prompt(args)
+    from ..parallel import init_tensor_parallel
+
+    try:
+        tp = init_tensor_parallel(args.tp, args.device)
+    except ValueError as e:
+        raise CLIError("--" + str(e)) from e
+    if tp is not None and tp.rank != 0:  # only rank 0 prints
+        out = open(os.devnull, "w")
+        args.no_progress = True
+    check_offload(args)
+    try:
+        tf = load_from_args(args, tp)
+    except ValueError as e:
+        raise option_error(e) from e
+    try:
+        ids = tf.encode(text, chat=args.chat, system=args.system, max_prompt_tokens=args.max_prompt_tokens,
+                        document=document)
+        if args.offload_kv:  # the memory planner's choice, reported before the prefill
+            print(tf.engine.validate(ids, args.max_new_tokens, spec).summary(), file=sys.stderr)
+    except ValueError as e:
+        raise option_error(e) from e
+    bar = prefill_progress(len(ids), disable=args.no_progress)
+    gen = tf.stream(ids, max_new_tokens=args.max_new_tokens, sampling=sampling, spec=spec, seed=args.seed,
+                    stop=args.stop, prefill_progress=bar.update)
+    result = None
+    try:
+        while True:
+            try:
+                event = next(gen)
+            except StopIteration as stop:
+                result = stop.value
+                break
+            if bar is not None:
+                bar.close()
+                bar = None
+            if not args.json:
+                out.write(event.text)
+                out.flush()
+    except ValueError as e:
+        raise option_error(e) from e
+    finally:
+        if bar is not None:
+            bar.close()
+    import torch
+
+    from ..kernels import status as kernel_status
+
+    threads = torch.get_num_threads()
+    if args.json:
+        out.write(json.dumps(dict(result.to_dict(), threads=threads, attention_kernel=kernel_status()), indent=2) + "\n")
+        out.flush()
+    else:
+        out.write("\n")
+        out.flush()
+        s = result.stats
+        print(f"[{result.finish_reason}] {s.summary()}; peak memory {fmt_bytes(s.peak_memory_bytes)}; "
+              f"{threads} thread{'' if threads == 1 else 's'}; attention kernel {kernel_status()}", file=sys.stderr)
+    return 130 if result.finish_reason == "interrupted" else 0
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    """``triforce download``: fetch and convert the default model; prints its folder."""
+    from ..download import download_default_model
+
+    path = download_default_model(force=args.force)
+    print(path)
+    return 0

@@ -1,0 +1,190 @@
+"""The command line's shared options, generated from one table, and their translation into a hierarchy.
+
+:data:`OPTIONS` describes every option that more than one subcommand (``generate``, ``serve``, ``bench``,
+``analyze``) takes: flags, type, allowed values and help; its default is never written here but read from
+:mod:`triforce.defaults` (the help shows it through ``{default}``). :func:`add_options` adds a list of them to an
+argparse group, with a subcommand's own default (``bench`` seeds from 0) and help where it differs.
+:func:`spec_from_args` turns the parsed speculation options into a
+:class:`~triforce.hierarchy.SpeculationConfig` and refuses, with the reason, options the hierarchy cannot use.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from ..defaults import COMPILE_MODES, DTYPE_NAMES, LOWER_KV_DTYPES, LOWER_WEIGHTS, PACKED_WEIGHTS, SELF_WEIGHTS, default
+from ..hierarchy import MODES, SpeculationConfig
+from ..retrieval import CHUNK_SCORES
+from .common import CLIError
+
+
+@dataclass(frozen=True)
+class Option:
+    """One command-line option.
+
+    Attributes:
+        flag: ``--name``; its ``dest`` is the name with ``_`` for ``-``.
+        help: help text; ``{default}`` is replaced by the option's default.
+        type: argparse ``type`` (None: a string, or a flag with ``action``).
+        choices: allowed values (None: any).
+        action: argparse ``action`` (``store_true``, ``append``) or None.
+        metavar: argparse ``metavar`` or None.
+    """
+
+    flag: str
+    help: str
+    type: type | None = None
+    choices: tuple | None = None
+    action: str | None = None
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        """The attribute name in the parsed namespace."""
+        return self.flag[2:].replace("-", "_")
+
+
+_ALL = [  # by the kind of value; the groups of each subcommand are the tuples below
+    # strings (paths, names, specs)
+    Option("--model", "target model: Hugging Face folder, .gguf file or hub id (default: the embedded "
+                      "SmolLM2-135M-Instruct)"),
+    Option("--draft", "draft model sharing the target's tokenizer, 'ngram' for the model-free n-gram drafter, or "
+                      "'self' for the target's own weights quantized to int4 (--self-weights) over a StreamingLLM "
+                      "cache (the bottom tier of the draft/triforce/auto modes)"),
+    Option("--device", "torch device (cpu, cuda, cuda:1; default {default})"),
+    Option("--tiers", "explicit hierarchy under the full-cache target, bottom first, KIND:GAMMA entries with KIND in "
+                      "ngram, self, draft, retrieval (e.g. ngram:8,draft:4,retrieval:6); overrides --mode"),
+    # numbers
+    Option("--threads", "CPU threads for torch (default: one per physical core that other programs leave idle while "
+                        "the model loads)", type=int),
+    Option("--on-chip-layers", "with --offload-kv: leading layers kept on the device (default: chosen from free "
+                               "device memory)", type=int),
+    Option("--tp", "tensor-parallel ranks (default {default}); launch with `torchrun --nproc-per-node N -m triforce "
+                   "generate ... --tp N` (gloo on CPU, NCCL on GPU)", type=int),
+    Option("--max-new-tokens", "tokens to generate (default {default})", type=int),
+    Option("--temperature", "0 = greedy (default {default})", type=float),
+    Option("--top-p", "nucleus mass in (0, 1] (default {default})", type=float),
+    Option("--top-k", "0 = disabled (default {default})", type=int),
+    Option("--seed", "seed for every random draw (default: random, reported in --json)", type=int),
+    Option("--gamma1", "draft tokens per retrieval-tier verification, --mode triforce (default {default})", type=int),
+    Option("--gamma2", "tokens proposed per target verification (default {default})", type=int),
+    Option("--budget", "retrieval cache slots (default {default})", type=int),
+    Option("--chunk-size", "retrieval chunk size (default {default})", type=int),
+    Option("--stop-below", "model drafters end a proposal before a token whose confidence is below this (default: "
+                           "off)", type=float),
+    Option("--rebuild-below", "re-select retrieval chunks when the retrieval tier's acceptance over its last 16 "
+                              "proposed tokens falls below this fraction (default: never)", type=float),
+    Option("--rebuild-every", "re-select retrieval chunks every N tokens (default: never)", type=int),
+    Option("--draft-sink", "StreamingLLM sink tokens of the draft cache (default {default})", type=int),
+    Option("--draft-window", "StreamingLLM window of the draft cache (default {default})", type=int),
+    Option("--ngram-n", "longest suffix the n-gram drafter matches (default {default})", type=int),
+    Option("--ngram-min", "shortest suffix the n-gram drafter may match (default {default})", type=int),
+    # one of a few values
+    Option("--dtype", "weights and KV dtype (default {default})", choices=DTYPE_NAMES),
+    Option("--kv-dtype", "dtype of every KV cache (default: --dtype); the full cache's dtype is the verifier's",
+           choices=DTYPE_NAMES),
+    Option("--quantize", "weight-only int8 for the target itself (changes its outputs like --dtype does; see "
+                         "--lower-weights for a lossless use)", choices=("int8",)),
+    Option("--packed-weights", "CPU, fp32: oneDNN-prepacked weights for multi-token passes (verification blocks, "
+                               "prefill), faster than MKL there; one more copy of the weights in memory (auto, the "
+                               "default: when it takes at most a quarter of the free memory)", choices=PACKED_WEIGHTS),
+    Option("--compile", "torch.compile each block's norms and MLP (reduce-overhead: CUDA graphs on GPUs); the first "
+                        "steps are slow while kernels compile", choices=COMPILE_MODES),
+    Option("--mode", "auto (default: the hierarchy is chosen per request and bypassed while it does not pay), "
+                     "autoregressive, retrieval, draft, triforce", choices=MODES),
+    Option("--self-weights", "weights of the --draft self tier (default {default})", choices=SELF_WEIGHTS),
+    Option("--chunk-score", "retrieval chunk score: mean (paper: q . mean key), max (best key), bound (Quest upper "
+                            "bound), attn (per-head attention mass over recent verifier queries + a recent window; "
+                            "GQA models) (default {default})", choices=CHUNK_SCORES),
+    Option("--lower-weights", "cheaper weights for the tiers below the verifier (retrieval tier, draft model): "
+                              "lossless, the verifier decides every token (default: as loaded)", choices=LOWER_WEIGHTS),
+    Option("--lower-kv-dtype", "dtype of the retrieval and draft caches (lossless; default: as --kv-dtype)",
+           choices=LOWER_KV_DTYPES),
+    # flags and lists
+    Option("--offload-kv", "keep the full KV cache in (pinned) host memory and stream it to the device layer by "
+                           "layer with prefetch; retrieval and draft caches stay on the device", action="store_true"),
+    Option("--stop", "stop string (repeatable)", action="append"),
+    Option("--adaptive-gamma", "adapt each verifier's gamma from its last block (up to twice the given gamma)",
+           action="store_true"),
+]
+#: every shared option by ``dest``
+OPTIONS: dict[str, Option] = {o.dest: o for o in _ALL}
+#: the groups of ``generate`` and ``serve``, by title
+MODEL_OPTIONS = ("model", "draft", "dtype", "device", "threads", "kv_dtype", "quantize", "packed_weights", "compile",
+                 "offload_kv", "on_chip_layers", "tp")
+SAMPLING_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+SPECULATION_OPTIONS = ("mode", "self_weights", "gamma1", "gamma2", "budget", "chunk_size", "chunk_score", "stop_below",
+                       "adaptive_gamma", "rebuild_below", "rebuild_every", "draft_sink", "draft_window", "ngram_n",
+                       "ngram_min", "lower_weights", "lower_kv_dtype", "tiers")
+
+
+def add_options(group, names, command: str | None = None, **helps: str) -> None:
+    """Add the shared options ``names`` (``dest`` names) to an argparse parser or group.
+
+    Args:
+        group: the parser or argument group.
+        names: keys of :data:`OPTIONS`.
+        command: the subcommand whose own defaults win (:func:`triforce.defaults.default`), or None.
+        helps: ``dest=help`` for the options whose help differs in this subcommand (``{default}`` allowed).
+
+    Raises:
+        KeyError: an unknown name.
+    """
+    for name in names:
+        opt = OPTIONS[name]
+        value = [] if opt.action == "append" else default(name, command)
+        kw = dict(default=value, help=helps.get(name, opt.help).format(default=value))
+        if opt.action:
+            kw["action"] = opt.action
+        else:
+            kw.update(type=opt.type, choices=opt.choices, metavar=opt.metavar)
+        group.add_argument(opt.flag, **kw)
+
+
+def add_generation_args(p: argparse.ArgumentParser) -> None:
+    """The model, sampling and speculation groups of ``generate`` and ``serve``."""
+    add_options(p.add_argument_group("model"), MODEL_OPTIONS)
+    add_options(p.add_argument_group("sampling"), SAMPLING_OPTIONS)
+    add_options(p.add_argument_group("speculation (TriForce)"), SPECULATION_OPTIONS)
+
+
+def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpeculationConfig:
+    """The speculation settings of the parsed options of ``generate`` or ``serve``.
+
+    Refuses, with the reason, a hierarchy that lacks what an option names: ``--draft`` without a tier that uses it,
+    and any speculation option given a non-default value that the hierarchy cannot use
+    (:meth:`~triforce.hierarchy.SpeculationConfig.unused_options`). With ``--mode auto`` (no ``--tiers``) every
+    option is kept for the hierarchy chosen per request.
+
+    Raises:
+        CLIError: naming the option(s) and the reason.
+        ValueError: a value outside its range (from :class:`~triforce.hierarchy.SpeculationConfig`, naming the
+            parameter; :func:`~triforce.cli.common.option_error` turns it into the option's name).
+    """
+    mode = args.mode or "auto"
+    if mode in ("draft", "triforce") and not has_draft and not args.tiers:
+        raise CLIError(f"--mode {mode} needs --draft MODEL, --draft ngram or --draft self (or use --mode auto, "
+                       "autoregressive or retrieval)")
+    names = [n for n in SpeculationConfig.option_names() if n not in ("mode", "drafter") and hasattr(args, n)]
+    spec = SpeculationConfig(mode=mode, drafter=args.draft if args.draft in ("ngram", "self") else "model",
+                             **{n: getattr(args, n) for n in names})
+    if spec.uses_draft and (args.draft is None or args.draft in ("ngram", "self")):
+        raise CLIError(f"--tiers {args.tiers} has a draft tier: give --draft MODEL")
+    kinds = [k for k, _ in spec.chain]
+    wanted = {"ngram": "ngram", "self": "self"}.get(args.draft, "draft")
+    if args.draft is not None and wanted not in kinds and not spec.chooses_per_request:
+        how = (f"add {wanted}:GAMMA at the bottom of --tiers" if args.tiers else
+               "--mode auto, --mode triforce (drafter -> retrieval -> target) and --mode draft (drafter -> target) use it")
+        what = {"ngram": "n-gram", "self": "self"}.get(wanted, "draft-model")
+        raise CLIError(f"--draft {args.draft}: not used by {spec.name}, whose tiers ({' -> '.join(kinds + ['target'])}) "
+                       f"have no {what} tier; {how}, or drop --draft")
+    given = [n for n in names if getattr(args, n) != default(n)]
+    unused = spec.unused_options(given)
+    if unused:  # refused before anything loads: the user would believe the option took effect
+        flags = ["--" + n.replace("_", "-") for n in unused]
+        why = "; ".join(f"--{n.replace('_', '-')} is for {who}" for n, who in unused.items())
+        raise CLIError(f"{', '.join(flags)}: not used by {spec.name}, whose tiers are "
+                       f"{' -> '.join(kinds + ['target'])} ({why}); choose a --mode or --tiers that uses them, "
+                       "or drop them")
+    return spec

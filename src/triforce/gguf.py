@@ -1,0 +1,38 @@
+"""Reading a GGUF file with transformers' reader: the Hugging Face config, the fp32 state dict, the tokenizer.
+
+Used by the loader (``loading.py``) and by the default model's download (``download.py``), which converts the
+embedded GGUF file into a Hugging Face folder once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ModelLoadError, check_architecture
+
+
+def read_gguf(path: str | Path) -> tuple[Any, dict[str, torch.Tensor], Any]:
+    """Read a GGUF file with transformers' reader: ``(hf_config, fp32 state dict in HF names, tokenizer)``.
+
+    Raises:
+        UnsupportedModelError: an architecture outside :data:`~triforce.config.SUPPORTED_ARCHITECTURES`.
+        ModelLoadError: the file cannot be parsed.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = Path(path)
+    try:
+        meta = load_gguf_checkpoint(str(path), return_tensors=False)
+    except Exception as e:  # transformers raises ValueError/KeyError/... for files it cannot read
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+    check_architecture(meta.get("config", {}).get("model_type"))
+    hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return hf_config, state, tokenizer

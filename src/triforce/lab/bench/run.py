@@ -1,0 +1,251 @@
+"""``triforce bench``: the interleaved run over the workers and the ``triforce bench`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..books import BOOKS_DIR
+from .methods import (DEFINITIONS, METHODS, OUR_SPECULATIVE, PAUSE_BETWEEN_RUNS_S, SYNTHETIC_DRAFT,
+                      WARMUP_NEW_TOKENS, WARMUP_PROMPT_TOKENS, BenchError, _costmodel_module, plan_methods,
+                      validate_args)
+from .report import format_table, write_png
+from .stats import _speedups, _summarize, compare_greedy
+from .worker import Worker
+
+
+
+
+# ---------------------------------------------------------------------------------------------------- the run
+def _prompt_text(args: argparse.Namespace) -> tuple[str, str]:
+    """``(text, description of its source)``."""
+    from ...prompts import strip_gutenberg
+
+    if args.prompt is not None:
+        return args.prompt, "--prompt"
+    path = Path(args.prompt_file) if args.prompt_file else BOOKS_DIR / (args.book or "pg1342.txt")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return strip_gutenberg(f.read()), (str(args.prompt_file) if args.prompt_file else f"book {path.name}")
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """A ``triforce bench`` command line that reruns this benchmark."""
+    parts = ["triforce", "bench"]
+    for opt in ("model", "draft", "synthetic", "layers", "prompt", "prompt_file", "book", "prompt_tokens",
+                "new_tokens", "temperature", "top_p", "top_k", "seed", "dtype", "threads", "budget", "chunk_size",
+                "gamma1", "gamma2", "methods", "reps", "json", "png"):
+        v = getattr(args, opt)
+        if v is not None:
+            parts += ["--" + opt.replace("_", "-"), str(v)]
+    return shlex.join(parts)
+
+
+def _model_label(args: argparse.Namespace) -> str:
+    if args.synthetic:
+        from ..synthetic import SYNTHETIC_SHAPES
+
+        full = SYNTHETIC_SHAPES[args.synthetic]["num_hidden_layers"]
+        return f"synthetic {args.synthetic} ({args.layers or full} of {full} layers, random weights)"
+    return args.model or "SmolLM2-135M-Instruct (default)"
+
+
+def _draft_label(args: argparse.Namespace) -> str:
+    if args.synthetic and args.draft != "ngram":
+        return f"synthetic {SYNTHETIC_DRAFT} (random weights)"
+    return args.draft or "ngram"
+
+
+def _machine() -> dict:
+    import torch
+    import transformers
+
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "load_average_1_5_15min_at_end": [round(x, 2) for x in os.getloadavg()]}
+    try:
+        from importlib.metadata import version
+
+        info["llama_cpp_python"] = version("llama_cpp_python")
+    except Exception:
+        info["llama_cpp_python"] = None
+    return info
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    """Run the benchmark described by validated ``args``; returns the JSON-ready result.
+
+    Raises:
+        BenchError: the prompt does not fit the model's context (naming the option), or no method could run.
+    """
+    from tqdm import tqdm
+
+    to_run, skipped = plan_methods(args)
+    greedy = args.temperature == 0
+    threads = args.threads or os.cpu_count()
+    config = {"model": args.model, "draft": args.draft, "dtype": args.dtype, "threads": threads,
+              "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+              "budget": args.budget, "chunk_size": args.chunk_size, "gamma1": args.gamma1, "gamma2": args.gamma2,
+              "synthetic": args.synthetic, "layers": args.layers, "packed_weights": args.packed_weights}
+    results: dict[str, dict] = {m: {"status": "skipped", "reason": r, "description": METHODS[m][1]}
+                                for m, r in skipped.items()}
+    bar_off = args.no_progress or None
+    workers: dict[str, Worker] = {}
+    log_dir = tempfile.mkdtemp(prefix="triforce-bench-")
+    log = (lambda msg: print(msg, file=sys.stderr)) if not args.no_progress else (lambda msg: None)
+    try:
+        log(f"bench: starting {len(to_run)} workers ({', '.join(to_run)}); skipped: "
+            f"{', '.join(skipped) or 'none'}")
+        for m in to_run:
+            workers[m] = Worker(m, config, log_dir)
+        for m in list(workers):
+            try:
+                ready = workers[m].receive()
+                results[m] = {"status": "ok", "description": METHODS[m][1], "load_seconds": ready["load_seconds"],
+                              **ready.get("describe", {})}
+            except (RuntimeError, ValueError) as e:
+                results[m] = {"status": "failed", "reason": f"could not load: {e}", "description": METHODS[m][1]}
+                workers.pop(m).kill()
+        if not workers:
+            raise BenchError("no method could run: " + "; ".join(f"{m}: {r['reason']}" for m, r in results.items()))
+        # the prompt: token ids from the first worker with a tokenizer (synthetic: random ids)
+        if args.synthetic:
+            import random
+
+            rng = random.Random(args.seed)
+            ids = [rng.randrange(1, 1000) for _ in range(args.prompt_tokens)]
+            context, dynamic, source = None, False, f"random token ids (synthetic {args.synthetic})"
+        else:
+            text, source = _prompt_text(args)
+            enc = next((w for m, w in workers.items() if METHODS[m][0] in ("ours", "hf")), None)
+            if enc is None:
+                raise BenchError("--methods: at least one transformers or triforce method is needed to tokenize the "
+                                 "prompt")
+            reply = enc.request(cmd="encode", text=text, max_prompt_tokens=args.prompt_tokens)
+            ids, context, dynamic = reply["ids"], reply["context"], reply.get("dynamic_rope", False)
+        if context and not dynamic and len(ids) + args.new_tokens + 2 * args.gamma2 + 2 > context:
+            raise BenchError(f"--prompt-tokens {len(ids)} plus --new-tokens {args.new_tokens} (and a speculation "
+                             f"block of --gamma2) exceed the model's context of {context} tokens: lower them")
+        runs: dict[str, list[dict]] = {m: [] for m in workers}
+        total = len(workers) * (args.reps + 1)
+        with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=bar_off, leave=False) as bar:
+            for rep in range(-1, args.reps):  # rep -1: the warm-up
+                for m in list(workers):
+                    bar.set_description(f"{'warm-up' if rep < 0 else f'rep {rep + 1}/{args.reps}'} {m}")
+                    w = workers[m]
+                    try:
+                        if rep < 0:
+                            w.request(cmd="run", ids=ids[:WARMUP_PROMPT_TOKENS], new_tokens=WARMUP_NEW_TOKENS,
+                                      seed=args.seed)
+                        else:
+                            runs[m].append(w.request(cmd="run", ids=ids, new_tokens=args.new_tokens,
+                                                     seed=args.seed + rep))
+                    except (RuntimeError, ValueError) as e:
+                        results[m].update(status="failed", reason=f"{'warm-up' if rep < 0 else f'rep {rep + 1}'}: {e}")
+                        workers.pop(m).kill()
+                        bar.update(args.reps - max(rep, 0))
+                        continue
+                    bar.update(1)
+                    time.sleep(PAUSE_BETWEEN_RUNS_S)
+        for m, w in workers.items():
+            _summarize(results[m], runs[m])
+        predictions = {}
+        cm = _costmodel_module()
+        specs = [m for m in workers if m in OUR_SPECULATIVE and results[m].get("acceptance")]
+        if cm is None:
+            for m in specs:
+                results[m]["predicted"] = {"status": "skipped", "reason": "triforce.lab.costmodel is not installed"}
+        else:
+            for m in tqdm(specs, desc="cost model", file=sys.stderr, disable=bar_off, leave=False):
+                try:
+                    predictions[m] = workers[m].request(cmd="predict", context=len(ids),
+                                                        acceptance=results[m]["acceptance"], reps=args.reps)
+                    results[m]["predicted"] = predictions[m]
+                except (RuntimeError, ValueError) as e:
+                    results[m]["predicted"] = {"status": "failed", "reason": str(e)}
+        for m in list(workers):
+            results[m]["peak_memory_bytes"] = workers.pop(m).close().get("peak_memory_bytes")
+    finally:
+        for w in workers.values():
+            w.kill()
+        shutil.rmtree(log_dir, ignore_errors=True)  # failures quote the log's tail in the JSON already
+    ok = [m for m in METHODS if results.get(m, {}).get("status") == "ok"]
+    _speedups(results, ok)
+    for m in ok:
+        pred = results[m].get("predicted", {}).get("prediction") if isinstance(results[m].get("predicted"), dict) else None
+        if pred:
+            ps = pred.get("speedup") or pred.get("speedup_vs_autoregressive")
+            results[m]["predicted_speedup_vs_autoregressive"] = ps
+            meas = results[m].get("speedup_vs_autoregressive")
+            if ps and meas:
+                results[m]["measured_over_predicted"] = round(meas / ps, 4)
+    greedy_report = None
+    mismatches: list[str] = []
+    if greedy and ok:
+        # synthetic: transformers' random weights and random KV are not ours, so only our methods are comparable
+        comparable = [m for m in ok if not args.synthetic or METHODS[m][0] == "ours"]
+        if comparable:
+            reference = next((m for m in ("hf-ar", "autoregressive") if m in comparable), comparable[0])
+            cmp = compare_greedy({m: results[m]["token_ids"] for m in comparable}, reference)
+            for m in comparable:
+                results[m]["greedy"] = cmp[m]
+            mismatches = [m for m in comparable if not cmp[m]["same_tokens"]]
+            greedy_report = {"reference": reference, "all_same": not mismatches, "compared": comparable}
+            if args.synthetic:
+                greedy_report["note"] = ("synthetic: transformers has other random weights and KV, so only our "
+                                         "methods are compared")
+    return {
+        "benchmark": "triforce bench", "synthetic": bool(args.synthetic),
+        "label": f"synthetic {args.synthetic} (random weights, timing only)" if args.synthetic else None,
+        "command": _command_line(args),
+        "settings": {"model": _model_label(args), "draft": _draft_label(args),
+                     "synthetic": args.synthetic, "layers": args.layers, "prompt_source": source,
+                     "prompt_tokens": len(ids), "new_tokens": args.new_tokens, "temperature": args.temperature,
+                     "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "dtype": args.dtype,
+                     "threads": threads, "reps": args.reps, "budget": args.budget, "chunk_size": args.chunk_size,
+                     "gamma1": args.gamma1, "gamma2": args.gamma2, "packed_weights": args.packed_weights,
+                     "interleaved": True,
+                     "warmup": f"{WARMUP_NEW_TOKENS} tokens after the first {WARMUP_PROMPT_TOKENS} prompt tokens"},
+        "machine": _machine(), "definitions": DEFINITIONS,
+        "greedy": greedy_report, "greedy_mismatches": mismatches,
+        "methods": {m: results[m] for m in METHODS if m in results},
+    }
+
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``triforce bench``: validate, run, print/write the JSON, the table (stderr) and the PNG; exit status.
+
+    Raises:
+        BenchError (a ValueError): bad options, reported by ``triforce``'s ``main`` as one line, exit status 2.
+    """
+    validate_args(args)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    result = run_bench(args)
+    text = json.dumps(result, indent=2)
+    if args.json in (None, "-"):
+        sys.stdout.write(text + "\n")
+    else:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(format_table(result), file=sys.stderr)
+    for m in result["greedy_mismatches"]:
+        g = result["methods"][m]["greedy"]
+        print(f"triforce: warning: {m} produced different greedy tokens from {result['greedy']['reference']} "
+              f"(first difference at generated token {g['first_difference']})", file=sys.stderr)
+    if args.png:
+        why = write_png(result, args.png)
+        if why:
+            print(f"triforce: {why}", file=sys.stderr)
+    return 0

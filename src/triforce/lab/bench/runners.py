@@ -1,0 +1,335 @@
+"""``triforce bench``: the worker side of each family of methods (ours, transformers, llama.cpp)."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .methods import SYNTHETIC_DRAFT, _costmodel_module, _gguf_for, _synthetic_module
+
+
+def _hf_source(model: str | None) -> tuple[str, dict]:
+    """``(path or hub id, extra from_pretrained kwargs)`` for transformers from a ``--model`` value."""
+    if model is None:
+        from ...download import download_default_model
+
+        return str(download_default_model(quiet=True)), {}
+    p = Path(model).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return str(p.parent), {"gguf_file": p.name}
+    if p.is_dir() and not (p / "config.json").is_file():
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return str(p), {"gguf_file": ggufs[0].name}
+    return model, {}
+
+
+class _Clock:
+    """A transformers streamer (``BaseStreamer`` protocol: ``put``, ``end``) that timestamps generated tokens.
+
+    transformers' first ``put()`` carries the prompt; every later one carries one token (or an accepted block of
+    tokens in assisted generation), all given the same timestamp.
+    """
+
+    def __init__(self, t0: float) -> None:
+        self.t0, self.first = t0, True
+        self.times: list[float] = []
+        self.tokens: list[int] = []
+
+    def put(self, value) -> None:
+        if self.first:
+            self.first = False
+            return
+        now = time.perf_counter() - self.t0
+        ids = value.reshape(-1).tolist()
+        self.tokens.extend(int(i) for i in ids)
+        self.times.extend([now] * len(ids))
+
+    def end(self) -> None:
+        pass
+
+
+class _OursRunner:
+    """Worker side of our methods: an :class:`~triforce.engine.Engine` that ignores EOS."""
+
+    def __init__(self, method: str, cfg: dict) -> None:
+        import torch
+
+        from ...engine import Engine, SpeculationConfig
+        from ...sampling import SamplingParams
+
+        self.method, self.cfg = method, cfg
+        self.synthetic = cfg.get("synthetic")
+        draft_src = cfg.get("draft")
+        uses_bottom = method in ("draft", "triforce", "triforce-int8", "auto")
+        drafter = "ngram" if draft_src in (None, "ngram") else "model"
+        if self.synthetic:
+            syn = _synthetic_module()
+            scfg = syn.synthetic_config(self.synthetic, layers=cfg.get("layers"))
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg["dtype"]]
+            target = syn.random_model(scfg, dtype, "cpu", cfg["seed"])
+            self.tokenizer, self.context, self.rope_dynamic = None, None, False
+            draft = None
+            if uses_bottom and draft_src != "ngram":  # the paper's draft shape, sharing the target's vocabulary
+                dcfg = syn.synthetic_config(SYNTHETIC_DRAFT, vocab_size=scfg.vocab_size)
+                draft, drafter = syn.random_model(dcfg, dtype, "cpu", cfg["seed"] + 1), "model"
+        else:
+            from ...loading import ModelLoadError, load_model
+
+            lm = load_model(cfg.get("model"), cfg["dtype"])
+            target = lm.model
+            self.tokenizer, self.context = lm.tokenizer, lm.model.cfg.max_position_embeddings
+            self.rope_dynamic = lm.model.cfg.rope_type == "dynamic"
+            draft = None
+            if uses_bottom and drafter == "model":
+                try:
+                    draft_lm = load_model(draft_src, cfg["dtype"])
+                except ModelLoadError as e:
+                    raise ModelLoadError(f"draft: {e}") from e
+                from ...api import check_same_tokenizer
+
+                check_same_tokenizer(lm.tokenizer, draft_lm.tokenizer)
+                draft = draft_lm.model
+        packed = cfg.get("packed_weights", "auto")
+        if packed == "on" or (packed == "auto" and target.packing_fits()):
+            for model in (target, draft):
+                if model is not None:
+                    model.pack_weights()
+        self.target, self.draft = target, draft
+        self.engine = Engine(target, draft, eos_ids=())
+        self.sampling = SamplingParams(temperature=cfg["temperature"], top_p=cfg["top_p"], top_k=cfg["top_k"])
+        mode = method.removesuffix("-int8")
+        lower = dict(lower_weights="int8", lower_kv_dtype="bfloat16") if method.endswith("-int8") else {}
+        if method == "self":
+            mode, drafter = "draft", "self"
+        elif method == "auto" and drafter == "ngram" and draft_src is None:
+            drafter = "model"  # auto's own choice of bottom tier, as `triforce generate` without --draft
+        self.spec = SpeculationConfig(mode=mode, drafter=drafter, budget=cfg["budget"], chunk_size=cfg["chunk_size"],
+                                      gamma1=cfg["gamma1"], gamma2=cfg["gamma2"], **lower)
+
+    def describe(self) -> dict:
+        return {"chain": [list(x) for x in self.spec.chain], "drafter": self.spec.drafter,
+                "spec": {"mode": self.spec.mode, "budget": self.spec.budget, "chunk_size": self.spec.chunk_size,
+                         "gamma1": self.spec.gamma1, "gamma2": self.spec.gamma2, "drafter": self.spec.drafter,
+                         "lower_weights": self.spec.lower_weights, "lower_kv_dtype": self.spec.lower_kv_dtype}}
+
+    def _fill_prefix(self, ids: list[int], new_tokens: int) -> None:
+        """Synthetic models: make the engine's full KV cache hold random KV for ``ids[:-1]`` (no prefill), so the
+        engine's prefix reuse feeds only the last prompt token (which also records the query the retrieval cache
+        selects chunks with)."""
+        from ...caches import FullKVCache
+        from ...plan import size_request
+
+        n = len(ids) - 1
+        eng = self.engine
+        held = eng.prefix_tokens
+        if n < 1 or (len(held) >= n and held[:n] == ids[:n]):
+            return
+        total = size_request(len(ids), new_tokens, self.spec)[0]
+        self.target.set_request_length(total)
+        eng.forget_prefix()
+        full = FullKVCache(self.target.cfg, total, self.target.dtype, self.target.device)
+        _synthetic_module().fill_random_kv(full, n, self.cfg["seed"])
+        eng.adopt_prefix(full, list(ids[:n]))
+
+    def run(self, ids: list[int], new_tokens: int, seed: int) -> dict:
+        if self.synthetic:
+            self._fill_prefix(ids, new_tokens)
+        t0 = time.perf_counter()
+        gen = self.engine.stream(ids, max_new_tokens=new_tokens, sampling=self.sampling, spec=self.spec, seed=seed)
+        tokens, times = [], []
+        for tok in gen:
+            times.append(time.perf_counter() - t0)
+            tokens.append(int(tok))
+        stats = self.engine.last_stats
+        return {"tokens": tokens, "times": times, "stats": stats.to_dict() if stats else None}
+
+    def predict(self, context: int, acceptance: dict, reps: int) -> dict:
+        """The cost model's prediction for this method at ``context`` tokens (issue 4, item 2)."""
+        cm = _costmodel_module()
+        s = self.spec
+        draft = self.draft
+        if any(k == "self" for k, _ in s.chain):  # the self tier is timed as a draft model: the target's copy
+            draft = self.engine.lower_model(self.target, s.self_weights)
+        lat = cm.measure_tier_latencies(self.target, draft, [context], gamma1=s.gamma1, gamma2=s.gamma2,
+                                        budget=s.budget, chunk_size=s.chunk_size, draft_sink=s.draft_sink,
+                                        draft_window=s.draft_window, reps=reps, progress=None)
+        latencies = lat[0]
+        if s.lower_weights:  # the tiers below the verifier run the cheaper copies: time those
+            lower = self.engine.lower_model(self.target, s.lower_weights)
+            low = cm.measure_tier_latencies(lower, draft, [context], gamma1=s.gamma1, gamma2=s.gamma2,
+                                            budget=s.budget, chunk_size=s.chunk_size, draft_sink=s.draft_sink,
+                                            draft_window=s.draft_window, reps=reps, progress=None)[0]
+            for key in ("retrieval_decode", "retrieval_pass", "draft_step", "draft_pass"):
+                if key in low:
+                    latencies[key] = low[key]
+        rates = {name: t["acceptance_rate"] for name, t in acceptance.items() if t.get("acceptance_rate") is not None}
+        lengths = {name: t["accepted_lengths"] for name, t in acceptance.items() if t.get("accepted_lengths")}
+        pred = cm.predict(s.chain, latencies, rates, accepted_lengths=lengths)
+        return {"latencies": latencies, "prediction": pred}
+
+
+class _HFRunner:
+    """Worker side of the transformers methods (``generate`` with a timestamping streamer)."""
+
+    def __init__(self, method: str, cfg: dict) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.method, self.cfg = method, cfg
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg["dtype"]]
+        self.cache, self._cache_ids = None, None  # the prompt's KV but its last token, kept between runs
+        if cfg.get("synthetic"):
+            from transformers import LlamaConfig
+
+            fields = dict(_synthetic_module().SYNTHETIC_SHAPES[cfg["synthetic"]])
+            fields.pop("architectures", None)
+            fields.pop("model_type", None)
+            if cfg.get("layers"):
+                fields["num_hidden_layers"] = cfg["layers"]
+            torch.manual_seed(cfg["seed"])
+            self.model = AutoModelForCausalLM.from_config(LlamaConfig(**fields), dtype=dtype).eval()
+            self.tokenizer = None
+        else:
+            src, kw = _hf_source(cfg.get("model"))
+            self.model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw).eval()
+            self.tokenizer = AutoTokenizer.from_pretrained(src, **kw)
+        self.context = self.model.config.max_position_embeddings
+        self.assistant = None
+        if method == "hf-assisted":
+            dsrc, dkw = _hf_source(cfg["draft"])
+            self.assistant = AutoModelForCausalLM.from_pretrained(dsrc, dtype=dtype, **dkw).eval()
+
+    def describe(self) -> dict:
+        return {}
+
+    def run(self, ids: list[int], new_tokens: int, seed: int) -> dict:
+        import torch
+        from transformers import GenerationConfig
+
+        cfg = self.cfg
+        greedy = cfg["temperature"] == 0
+        gc = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=not greedy,
+                              eos_token_id=None, pad_token_id=0,
+                              **({} if greedy else dict(temperature=cfg["temperature"], top_p=cfg["top_p"],
+                                                         top_k=cfg["top_k"] or None)))
+        extra: dict[str, Any] = {}
+        if self.method == "hf-assisted":
+            extra["assistant_model"] = self.assistant
+        elif self.method == "hf-lookup":
+            gc.prompt_lookup_num_tokens = cfg["gamma2"]
+        x = torch.tensor([ids])
+        t0 = time.perf_counter()  # a prefill of the prompt's KV (first run only) counts in the time to first token
+        if cfg.get("synthetic"):
+            extra["past_key_values"] = self._random_prefix(ids)
+        elif self.method == "hf-ar":  # assisted and prompt-lookup generation mishandle a given cache (their greedy
+            extra["past_key_values"] = self._prefix(ids)  # tokens then differ): they prefill on every run
+        torch.manual_seed(seed)
+        clock = _Clock(t0)
+        with torch.no_grad():
+            out = self.model.generate(x, attention_mask=torch.ones_like(x), generation_config=gc, streamer=clock,
+                                      **extra)
+        tokens = out[0, len(ids):].tolist()
+        if self.cache is not None:  # back to the prompt minus its last token, for the next run
+            extra_len = self.cache.get_seq_length() - (len(ids) - 1)
+            if extra_len > 0:
+                self.cache.crop(-extra_len)
+        return {"tokens": tokens, "times": clock.times[:len(tokens)], "stats": None}
+
+
+    def _prefix(self, ids: list[int]):
+        """The prompt's KV cache but its last token (a DynamicCache), computed by one forward the first time and
+        kept between runs, as our engine's prefix reuse does; ``generate`` then feeds only the last prompt token.
+        Returns None (a plain prefill) for a one-token prompt."""
+        import torch
+        from transformers import DynamicCache
+
+        n = len(ids) - 1
+        if n < 1:
+            return None
+        if self.cache is not None and self.cache.get_seq_length() == n and self._cache_ids == ids[:n]:
+            return self.cache
+        self.cache = None
+        cache = DynamicCache(config=self.model.config)
+        with torch.no_grad():
+            self.model(torch.tensor([ids[:n]]), past_key_values=cache, use_cache=True)
+        self.cache, self._cache_ids = cache, list(ids[:n])
+        return cache
+
+    def _random_prefix(self, ids: list[int]):
+        """Synthetic models: a DynamicCache holding random KV for ``ids[:-1]`` (kept and reused across runs)."""
+        import torch
+        from transformers import DynamicCache
+
+        n = len(ids) - 1
+        if self.cache is not None and self.cache.get_seq_length() == n and getattr(self, "_cache_ids", None) == ids[:n]:
+            return self.cache
+        c = self.model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        gen = torch.Generator().manual_seed(self.cfg["seed"])
+        cache = DynamicCache(config=c)
+        for layer in range(c.num_hidden_layers):
+            shape = (1, c.num_key_value_heads, n, head_dim)
+            cache.update(torch.randn(shape, generator=gen).to(self.model.dtype),
+                         torch.randn(shape, generator=gen).to(self.model.dtype), layer)
+        self.cache, self._cache_ids = cache, list(ids[:n])
+        return cache
+
+
+class _LlamaRunner:
+    """Worker side of llama.cpp (llama-cpp-python): prefill with ``eval``, then sample/eval token by token."""
+
+    def __init__(self, method: str, cfg: dict) -> None:
+        import llama_cpp  # noqa: F401  (fails here, reported as the method's skip reason)
+
+        self.cfg = cfg
+        self.path = _gguf_for(cfg.get("model"))[0]
+        self.llm = None
+        self.n_ctx = 0
+        self.context = None
+
+    def describe(self) -> dict:
+        import llama_cpp
+
+        return {"gguf": self.path, "llama_cpp_python": getattr(llama_cpp, "__version__", None)}
+
+    def _ensure(self, n_ctx: int) -> None:
+        if self.llm is not None and self.n_ctx >= n_ctx:
+            return
+        from llama_cpp import Llama
+
+        self.llm = None
+        threads = self.cfg.get("threads") or os.cpu_count()
+        self.n_ctx = 256 * math.ceil(n_ctx / 256)
+        self.llm = Llama(model_path=self.path, n_ctx=self.n_ctx, n_threads=threads, n_threads_batch=threads,
+                         n_batch=512, seed=self.cfg["seed"], verbose=False)
+
+    def run(self, ids: list[int], new_tokens: int, seed: int) -> dict:
+        cfg = self.cfg
+        self._ensure(len(ids) + new_tokens + 8)
+        llm = self.llm
+        llm.reset()
+        llm.set_seed(seed)
+        greedy = cfg["temperature"] == 0
+        tokens, times = [], []
+        # one sampler chain for the whole run, so its random state advances from token to token (Llama.sample()
+        # alone builds a fresh chain, re-seeded, for every token); llama.cpp's chain applies top-k, top-p, then
+        # the temperature (transformers and triforce apply the temperature first)
+        llm._sampler = llm._init_sampler(temp=0.0 if greedy else cfg["temperature"], top_k=cfg["top_k"],
+                                         top_p=cfg["top_p"], min_p=0.0, typical_p=1.0, repeat_penalty=1.0,
+                                         frequency_penalty=0.0, presence_penalty=0.0)
+        try:
+            t0 = time.perf_counter()
+            llm.eval(ids)
+            for i in range(new_tokens):
+                tok = llm.sample()
+                times.append(time.perf_counter() - t0)
+                tokens.append(int(tok))
+                if i + 1 < new_tokens:
+                    llm.eval([tok])
+        finally:
+            llm._sampler = None
+        return {"tokens": tokens, "times": times, "stats": None}

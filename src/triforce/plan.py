@@ -1,0 +1,134 @@
+"""The request plan: every request is sized and placed once, before anything is allocated.
+
+:func:`plan_request` computes, from the models, the hierarchy and the request's lengths, what the engine then
+allocates: the full KV cache's capacity (prompt + new tokens + the largest block the verifier checks + 1), how far
+any tier may run ahead, the StreamingLLM caches' capacity, the bytes of every cache and weight copy it will make,
+and, with KV offloading, where the full cache's layers live (:func:`~triforce.memory.plan_kv_placement`).
+:func:`check_plan_fits` refuses a plan that does not fit in free memory. The engine validates a request with these
+(:meth:`~triforce.engine.Engine.plan`, side-effect free) and builds its caches from the same
+:class:`RequestPlan` (:meth:`~triforce.engine.Engine.build_hierarchy`), so nothing is recomputed in between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Collection, Mapping
+
+import torch
+
+from .caches import kv_bytes
+from .hierarchy import SpeculationConfig
+from .memory import KVPlacement, check_fits, plan_kv_placement
+from .model import Transformer
+
+#: tokens per prefill forward of a StreamingLLM tier (its cache holds one such chunk beyond sink + window)
+DRAFT_PREFILL_CHUNK = 256
+#: bytes per weight of the lower tiers' weight copies (int4: 4 bits + a bf16 scale and zero per 32 weights)
+BYTES_PER_WEIGHT = {"int8": 1.0, "int4": 0.625, "bfloat16": 2.0}
+FULL_CACHE = "full KV cache"
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """The sizes and placement of one request (all counts in tokens, sizes in bytes).
+
+    Attributes:
+        prompt_tokens, max_new_tokens: the request's lengths.
+        full_capacity: positions of the verifier's full KV cache: prompt + new tokens + the largest block the
+            verifier checks at once + 1.
+        lookahead: most positions any tier may run ahead of the committed sequence (sum of the tiers' largest
+            gammas + one per tier + 1).
+        draft_capacity: slots of a StreamingLLM tier's cache: sink + window + ``lookahead`` + one prefill chunk.
+        cache_bytes: bytes each cache (and each lower-precision weight copy still to make) will allocate, by name.
+        placement: with KV offloading, where the full cache's layers live; None otherwise.
+    """
+
+    prompt_tokens: int
+    max_new_tokens: int
+    full_capacity: int
+    lookahead: int
+    draft_capacity: int
+    cache_bytes: Mapping[str, int] = field(default_factory=dict)
+    placement: KVPlacement | None = None
+
+    @property
+    def streaming_extra(self) -> int:
+        """Slots a StreamingLLM cache keeps beyond sink + window (rollback room and one prefill chunk)."""
+        return self.lookahead + DRAFT_PREFILL_CHUNK
+
+
+def size_request(prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig) -> tuple[int, int, int]:
+    """``(full_capacity, lookahead, draft_capacity)`` of a request (see :class:`RequestPlan`), in positions."""
+    chain = spec.max_chain
+    block = chain[-1][1] if chain else 0  # the largest block the verifier checks at once
+    lookahead = sum(g for _, g in chain) + len(chain) + 1
+    draft = spec.draft_sink + spec.draft_window + lookahead + DRAFT_PREFILL_CHUNK
+    return prompt_tokens + max_new_tokens + block + 1, lookahead, draft
+
+
+def plan_request(target: Transformer, draft: Transformer | None, spec: SpeculationConfig, prompt_tokens: int,
+                 max_new_tokens: int, kv_dtype: torch.dtype, *, existing_copies: Collection[tuple[int, str]] = (),
+                 offload_kv: bool = False, on_chip_layers: int | None = None) -> RequestPlan:
+    """Size a request's caches and, with ``offload_kv``, place the full cache's layers.
+
+    Args:
+        target, draft: the models (the draft only matters for a hierarchy with a ``draft`` tier).
+        spec: the request's hierarchy (``auto`` already resolved).
+        prompt_tokens, max_new_tokens: lengths, tokens.
+        kv_dtype: dtype of the full cache (and of the lower caches without ``spec.lower_kv_dtype``).
+        existing_copies: ``(id(model), scheme)`` of the lower-precision weight copies already made (not counted).
+        offload_kv: keep the full cache in host memory, streamed layer by layer.
+        on_chip_layers: with ``offload_kv``, leading layers kept on the device (None: chosen from free memory).
+
+    Returns:
+        :class:`RequestPlan`.
+
+    Raises:
+        ValueError, InsufficientMemoryError: from :func:`~triforce.memory.plan_kv_placement` (offloading only).
+    """
+    full_capacity, lookahead, draft_capacity = size_request(prompt_tokens, max_new_tokens, spec)
+    lower = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(spec.lower_kv_dtype)
+    kinds = [k for k, _ in spec.chain]
+    out = {FULL_CACHE: kv_bytes(target.cfg, full_capacity, kv_dtype)}
+    if "retrieval" in kinds:
+        out["retrieval cache"] = kv_bytes(target.cfg, spec.budget, lower or kv_dtype)
+    if "draft" in kinds and draft is not None:
+        out["draft cache"] = kv_bytes(draft.cfg, draft_capacity, lower or draft.dtype)
+    if "self" in kinds:
+        out["self-draft cache"] = kv_bytes(target.cfg, draft_capacity, lower or kv_dtype)
+    copies = [(m, spec.lower_weights) for m in ([target] if "retrieval" in kinds else [])
+              + ([draft] if "draft" in kinds and draft is not None else []) if spec.lower_weights]
+    copies += [(target, spec.self_weights)] if "self" in kinds else []
+    for m, scheme in dict.fromkeys(copies):
+        if (id(m), scheme) not in existing_copies:
+            key = f"{scheme} copies of the lower tiers' weights"
+            out[key] = out.get(key, 0) + int(m.weight_bytes() // m.dtype.itemsize * BYTES_PER_WEIGHT[scheme])
+    placement = None
+    if offload_kv:
+        L = target.cfg.num_hidden_layers
+        others = sum(v for k, v in out.items() if k != FULL_CACHE)
+        placement = plan_kv_placement(L, out[FULL_CACHE] // L, target.device, others, on_chip_layers)
+    return RequestPlan(prompt_tokens, max_new_tokens, full_capacity, lookahead, draft_capacity, out, placement)
+
+
+def check_plan_fits(plan: RequestPlan, device: torch.device, weight_bytes: int) -> None:
+    """Refuse a plan whose caches do not fit beside the weights already loaded.
+
+    Without offloading everything is on ``device``; with it, the on-chip layers, stream buffers and lower caches
+    are on the device and the whole full cache in host memory (one pool on a CPU).
+
+    Raises:
+        InsufficientMemoryError: with the figures (bytes by cache, weights, free memory).
+    """
+    weights = {"weights": weight_bytes}
+    needed = dict(plan.cache_bytes)
+    if plan.placement is None:
+        check_fits(needed, device, "this request", already=weights)
+        return
+    full = needed.pop(FULL_CACHE)
+    on_device = dict(needed, **{"on-chip KV layers and stream buffers": plan.placement.device_bytes})
+    if torch.device(device).type == "cpu":  # one memory pool
+        check_fits(dict(on_device, **{"offloaded full KV cache": full}), "cpu", "this request", already=weights)
+    else:
+        check_fits(on_device, device, "this request", already=weights)
+        check_fits({"offloaded full KV cache": full}, "cpu", "this request's host memory")

@@ -1,0 +1,379 @@
+"""``triforce serve``: the FastAPI application: endpoints, middleware (metrics, API key), answers and streams.
+
+FastAPI, starlette and uvicorn are imported inside the functions that need them, so importing this module (and the
+rest of ``triforce.serve``) works without the ``serve`` extra.
+"""
+
+# (no ``from __future__ import annotations``: FastAPI reads the endpoints' annotations, e.g. ``Request``, at runtime)
+import asyncio
+import functools
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .metrics import ServerMetrics
+from .schema import GenerationRequest, parse_json_body, parse_request
+from .settings import (API_KEY_ENV, DISCONNECT_POLL_SECONDS, ENDPOINTS, MAX_BODY_BYTES, OPEN_PATHS, APIError,
+                       ServerDefaults, _invalid, model_id_for)
+from .worker import GenerationWorker, _Job, check_with_engine
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fastapi import FastAPI
+
+    from ..api import TriForce
+    from ..hierarchy import SpeculationConfig
+
+
+def _sse(obj: Any) -> bytes:
+    """One server-sent event carrying ``obj`` as compact JSON."""
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _error_response(err: APIError):
+    """The JSON response of an :class:`APIError` (OpenAI's error body, its status and headers)."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+# ---------------------------------------------------------------------------------------------------- middleware
+class _Metered:
+    """ASGI middleware: counts requests by endpoint and status, times them to their last byte."""
+
+    def __init__(self, app, metrics: ServerMetrics) -> None:
+        self.inner, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.inner(scope, receive, send)
+        t0, status = time.perf_counter(), [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.inner(scope, receive, send_status)
+        finally:
+            path = scope.get("path", "")
+            endpoint = path if path in ENDPOINTS else ("/v1/models" if path.startswith("/v1/models/") else "other")
+            self.metrics.requests.labels(endpoint, str(status[0])).inc()
+            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
+
+
+class _RequireKey:
+    """ASGI middleware: answer 401 to requests (all but ``/health``) without ``Authorization: Bearer <key>``; the
+    key is compared in constant time and never logged or echoed."""
+
+    def __init__(self, app, key: str) -> None:
+        self.inner, self.key = app, key.encode("ascii")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("path", "") not in OPEN_PATHS:
+            auth = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                err = APIError(401, "missing or incorrect API key: send it as 'Authorization: Bearer <key>' "
+                                    "(the key given to the server with --api-key or $" + API_KEY_ENV + ")",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                return await _error_response(err)(scope, receive, send)
+        return await self.inner(scope, receive, send)
+
+
+@functools.lru_cache(maxsize=None)
+def _job_stream_class():
+    """``StreamingResponse`` that cancels its job however the response ends (client gone included)."""
+    from starlette.responses import StreamingResponse
+
+    class _JobStream(StreamingResponse):
+        def __init__(self, job: _Job, content, **kw) -> None:
+            super().__init__(content, **kw)
+            self.job = job
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self.job.cancel.set()
+
+    return _JobStream
+
+
+# ---------------------------------------------------------------------------------------------------- answers
+@dataclass
+class _Server:
+    """What the endpoints share: the model, the settings, the speculation settings, the worker and the metrics."""
+
+    tf: "TriForce"
+    defaults: ServerDefaults
+    spec: "SpeculationConfig"
+    worker: GenerationWorker
+    metrics: ServerMetrics
+
+    async def next_event(self, job: _Job, request) -> tuple | None:
+        """The job's next event; None once the client has disconnected (checked at every call, i.e. between
+        tokens, and every DISCONNECT_POLL_SECONDS while waiting)."""
+        while True:
+            if await request.is_disconnected():
+                return None
+            try:
+                return job.events.get_nowait()
+            except asyncio.QueueEmpty:
+                pass
+            try:
+                return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_SECONDS)
+            except asyncio.TimeoutError:
+                pass
+
+    async def read_body(self, request) -> dict:
+        """The request's JSON object (413 past :data:`MAX_BODY_BYTES`, 400 not a JSON object)."""
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body is {length} bytes; the limit is {MAX_BODY_BYTES}", code="body_too_large")
+        return parse_json_body(await request.body())
+
+    async def generate(self, request, kind: str):
+        """``POST /v1/completions`` (``kind`` ``completion``) and ``/v1/chat/completions`` (``chat``): validate,
+        queue, then answer in one JSON object or as server-sent events."""
+        from fastapi.responses import Response
+
+        received = time.monotonic()
+        req = parse_request(await self.read_body(request), kind, self.tf, self.defaults)
+        check_with_engine(self.tf, req, self.spec)  # refuse what cannot fit before queueing it
+        job = _Job(req, asyncio.get_running_loop(), received, received + self.defaults.request_timeout)
+        if not self.worker.submit(job):
+            raise APIError(503, f"the server is busy: {self.worker.waiting} requests are already waiting (--queue-size "
+                           f"{self.defaults.queue_size}); retry later", type="server_error", code="queue_full",
+                           headers={"Retry-After": str(self.worker.retry_after())})
+        try:
+            first = await self.next_event(job, request)
+        except BaseException:
+            job.cancel.set()
+            raise
+        if first is None or first[0] == "cancelled":
+            job.cancel.set()
+            return Response(status_code=499)  # client closed the request (nginx's code); nobody reads it
+        if first[0] == "error":
+            raise first[1]
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        if req.stream:
+            return _job_stream_class()(job, self.stream_body(job, request, req, rid, created),
+                                       media_type="text/event-stream",
+                                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            return await self.answer(job, request, req, rid, created)
+        finally:
+            job.cancel.set()
+
+    async def answer(self, job: _Job, request, req: GenerationRequest, rid: str, created: int):
+        """The non-streamed answer: collect the job's tokens, then one JSON object (499 if the client left)."""
+        from fastapi.responses import JSONResponse, Response
+
+        first_token = True
+        while True:
+            ev = await self.next_event(job, request)
+            if ev is None:
+                return Response(status_code=499)
+            if ev[0] == "token" and first_token:
+                self.metrics.ttft.observe(time.monotonic() - job.received)
+                first_token = False
+            elif ev[0] == "error":
+                raise ev[1]
+            elif ev[0] == "done":
+                info = ev[1]
+                break
+        usage = _usage(len(req.prompt_ids), info["completion_tokens"])
+        if req.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": info["text"]}, "logprobs": None,
+                      "finish_reason": info["finish_reason"]}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": info["text"], "logprobs": None, "finish_reason": info["finish_reason"]}
+            obj = "text_completion"
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice],
+                             "usage": usage, "triforce": info["stats"]})
+
+    async def stream_body(self, job: _Job, request, req: GenerationRequest, rid: str, created: int):
+        """The server-sent events of a streamed answer: chunks as tokens arrive, the final chunk with the stats,
+        the usage chunk (``stream_options.include_usage``), ``[DONE]``."""
+        chat = req.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        extra = {"usage": None} if req.include_usage else {}
+
+        def chunk(delta: str | None, finish: str | None = None, role: bool = False) -> dict:
+            if chat:
+                d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+                c = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            else:
+                c = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [c], **extra}
+
+        try:
+            if chat:
+                yield _sse(chunk(None, role=True))
+            first_token = True
+            while True:
+                ev = await self.next_event(job, request)
+                if ev is None:
+                    job.cancel.set()
+                    return
+                if ev[0] == "token":
+                    if first_token:
+                        self.metrics.ttft.observe(time.monotonic() - job.received)
+                        first_token = False
+                    if ev[1].text:
+                        yield _sse(chunk(ev[1].text))
+                elif ev[0] == "error":
+                    yield _sse(ev[1].body())
+                    yield b"data: [DONE]\n\n"
+                    return
+                elif ev[0] == "done":
+                    info = ev[1]
+                    final = chunk(None, finish=info["finish_reason"])
+                    final["triforce"] = info["stats"]
+                    yield _sse(final)
+                    if req.include_usage:
+                        yield _sse({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
+                                    "usage": _usage(len(req.prompt_ids), info["completion_tokens"])})
+                    yield b"data: [DONE]\n\n"
+                    return
+        finally:
+            job.cancel.set()
+
+    def model_card(self) -> dict:
+        """The one model served, as ``/v1/models`` lists it."""
+        return {"id": self.defaults.model_id, "object": "model", "created": 0, "owned_by": "triforce"}
+
+
+def _add_error_handlers(app) -> None:
+    """Every error answers in OpenAI's format: ours, FastAPI's validation errors, HTTP errors, and bugs (500)."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request, exc: APIError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x not in ("body", "query", "path", "header")]
+        param = ".".join(loc) or None
+        return _error_response(_invalid(f"{param or 'request'}: {first.get('msg', 'invalid value')}", param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_request, exc: Exception):
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+
+
+def create_app(tf: "TriForce", defaults: ServerDefaults | None = None) -> "FastAPI":
+    """The FastAPI application serving ``tf``.
+
+    Args:
+        tf: a loaded :class:`~triforce.api.TriForce`; the app's single worker thread is the only caller of its
+            engine once the app serves requests.
+        defaults: server settings and request defaults (None: :class:`ServerDefaults` with the model id taken
+            from ``tf.target.source``).
+
+    Returns:
+        the app; ``app.state.worker`` is the :class:`GenerationWorker`, ``app.state.metrics`` the
+        :class:`ServerMetrics`.
+
+    Raises:
+        ImportError: FastAPI or prometheus_client are not installed (``pip install 'triforce[serve]'``).
+    """
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response
+
+    from .. import __version__
+
+    if defaults is None:
+        source = getattr(getattr(tf, "target", None), "source", None)
+        defaults = ServerDefaults(model_id=model_id_for(source), model_aliases=(str(source),) if source else ())
+    spec = defaults.spec
+    if spec is None:
+        from ..hierarchy import SpeculationConfig
+
+        spec = SpeculationConfig(mode=tf.default_mode, drafter=tf.drafter)
+    metrics = ServerMetrics()
+    worker = GenerationWorker(tf, defaults.queue_size, metrics, spec)
+    server = _Server(tf, defaults, spec, worker, metrics)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        worker.stop()
+
+    app = FastAPI(title="triforce", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.worker, app.state.metrics, app.state.defaults, app.state.tf = worker, metrics, defaults, tf
+    _add_error_handlers(app)
+    if defaults.api_key is not None:
+        app.add_middleware(_RequireKey, key=defaults.api_key)  # inside _Metered, so 401s are counted like any answer
+    app.add_middleware(_Metered, metrics=metrics)
+
+    @app.get("/health")
+    async def health():
+        """Liveness: 200 with the model id and the queue state."""
+        return {"status": "ok", "model": defaults.model_id, "queue_depth": worker.waiting, "busy": worker.busy}
+
+    @app.get("/v1/models")
+    async def list_models():
+        """The one model served."""
+        return {"object": "list", "data": [server.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        """The model card, or 404."""
+        if model_id not in (defaults.model_id, *defaults.model_aliases):
+            raise APIError(404, f"The model {model_id!r} does not exist; this server serves {defaults.model_id!r}",
+                           param="model", code="model_not_found")
+        return server.model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        """OpenAI text completions (prompt string or token ids)."""
+        return await server.generate(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        """OpenAI chat completions (messages through the tokenizer's chat template)."""
+        return await server.generate(request, "chat")
+
+    @app.get("/metrics")
+    async def prometheus():
+        """Prometheus text exposition."""
+        body, ctype = metrics.render()
+        return Response(body, media_type=ctype)
+
+    return app
+
+
+def run_app(app, sock, log_level: str = "info") -> None:
+    """Serve ``app`` with uvicorn on the bound, listening socket ``sock`` until interrupted (Ctrl-C, SIGTERM).
+
+    Raises:
+        ImportError: uvicorn is not installed (``pip install 'triforce[serve]'``).
+    """
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3, lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])

@@ -1,0 +1,229 @@
+"""``triforce serve``: the one thread that runs the engine, queued requests in arrival order."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .metrics import ServerMetrics
+from .schema import GenerationRequest
+from .settings import APIError, _invalid
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..api import TriForce
+    from ..hierarchy import SpeculationConfig
+
+
+# ---------------------------------------------------------------------------------------------------- worker
+class _Abort(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class _Job:
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    received: float  # time.monotonic() at arrival
+    deadline: float
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    def post(self, *item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the event loop is closed (shutdown)
+            pass
+
+
+class GenerationWorker:
+    """Runs queued generations one at a time, in arrival order, on a single thread.
+
+    Each job receives, through its asyncio queue: ``("started", queue_seconds)`` when the engine takes it,
+    ``("token", TokenEvent)`` per accepted token, then ``("done", info)`` or ``("error", APIError)``; a job
+    cancelled before it started gets ``("cancelled",)``.
+
+    Args:
+        tf: the model; only this thread calls its engine.
+        queue_size: most jobs waiting (not counting the one running); :meth:`submit` refuses beyond.
+        metrics: counters and gauges to update.
+        spec: speculation settings for every request.
+    """
+
+    def __init__(self, tf: "TriForce", queue_size: int, metrics: ServerMetrics, spec: "SpeculationConfig") -> None:
+        self.tf, self.queue_size, self.metrics, self.spec = tf, queue_size, metrics, spec
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._waiting = 0
+        self._thread: threading.Thread | None = None
+        self._current: _Job | None = None
+        self._mean_seconds = 1.0  # running mean of a job's engine time, for Retry-After
+
+    @property
+    def waiting(self) -> int:
+        """Jobs queued and not yet started."""
+        return self._waiting
+
+    @property
+    def busy(self) -> bool:
+        """Whether a job is running."""
+        return self._current is not None
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: the expected time to drain the queue (1 to 3600)."""
+        return int(min(3600, max(1, math.ceil(self._mean_seconds * (self._waiting + 1)))))
+
+    def submit(self, job: _Job) -> bool:
+        """Queue a job; False when the queue is full."""
+        with self._lock:
+            if self._waiting >= self.queue_size:
+                return False
+            self._waiting += 1
+            self.metrics.queue_depth.set(self._waiting)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="triforce-engine", daemon=True)
+                self._thread.start()
+        self._jobs.put(job)
+        return True
+
+    def stop(self) -> None:
+        """Cancel the running job and end the thread after it (jobs still queued are cancelled)."""
+        cur = self._current
+        if cur is not None:
+            cur.cancel.set()
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                while True:  # cancel what is left
+                    try:
+                        rest = self._jobs.get_nowait()
+                    except queue.Empty:
+                        return
+                    if rest is not None:
+                        rest.post("cancelled")
+            with self._lock:
+                self._waiting -= 1
+                self.metrics.queue_depth.set(self._waiting)
+            self._current = job
+            self.metrics.running.set(1)
+            t0 = time.monotonic()
+            try:
+                self._serve(job)
+            except BaseException as e:  # noqa: BLE001 - a bug must not kill the only worker
+                job.post("error", APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+            finally:
+                self._current = None
+                self.metrics.running.set(0)
+                self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.monotonic() - t0)
+
+    def _serve(self, job: _Job) -> None:
+        from ..memory import InsufficientMemoryError
+        from ..sampling import SamplingParams
+
+        req, tf, spec = job.request, self.tf, self.spec
+        if job.cancel.is_set():
+            job.post("cancelled")
+            return
+        started = time.monotonic()
+        if started > job.deadline:
+            self.metrics.ended_early.labels("timeout").inc()
+            job.post("error", APIError(504, f"the request waited {started - job.received:.1f} s in the queue, past "
+                                       "the server's --request-timeout", type="server_error", code="timeout"))
+            return
+        try:
+            sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
+            check_with_engine(tf, req, spec)  # free memory may have changed while the request waited
+        except APIError as e:
+            job.post("error", e)
+            return
+        job.post("started", started - job.received)
+
+        def check(_n: int = 0) -> None:
+            if job.cancel.is_set():
+                raise _Abort("disconnect")
+            if time.monotonic() > job.deadline:
+                raise _Abort("timeout")
+
+        gen = tf.stream(req.prompt_ids, max_new_tokens=req.max_tokens, sampling=sampling, spec=spec, seed=req.seed,
+                        stop=req.stop, prefill_progress=check)
+        result, ended, tokens, texts = None, None, [], []
+        try:
+            while True:
+                try:
+                    event = next(gen)
+                except StopIteration as s:
+                    result = s.value
+                    break
+                if event.token_id is not None:
+                    tokens.append(event.token_id)
+                texts.append(event.text)
+                job.post("token", event)
+                try:
+                    check()
+                except _Abort as a:
+                    ended = a.reason
+                    break
+        except _Abort as a:  # raised by the prefill progress callback: no token yet
+            ended = a.reason
+        except (InsufficientMemoryError, ValueError) as e:
+            if tokens:
+                raise
+            job.post("error", APIError(400, str(e), code="insufficient_memory" if isinstance(
+                e, InsufficientMemoryError) else None))
+            return
+        finally:
+            gen.close()  # stops the engine; its cache keeps exactly the tokens it processed
+        if ended is not None:
+            self.metrics.ended_early.labels(ended).inc()
+        if result is not None:
+            stats, finish, text = result.stats, result.finish_reason, result.text
+        else:
+            stats, finish, text = tf.engine.last_stats, "length", "".join(texts)
+            if not tokens or stats is None:  # stopped during the prefill: the engine recorded nothing
+                stats = _empty_stats(tf, req, spec, time.monotonic() - started)
+            stats.finish_reason = "length"
+        self.metrics.generated.inc(len(tokens))
+        self.metrics.prompt.inc(len(req.prompt_ids))
+        self.metrics.reused.inc(stats.tiers.get("target", {}).get("reused_prefix_tokens", 0) or 0)
+        if ended == "disconnect":
+            return  # nobody is listening
+        d = stats.to_dict()
+        d["queue_seconds"] = round(started - job.received, 6)
+        d["timed_out"] = ended == "timeout"
+        job.post("done", {"finish_reason": "length" if finish == "length" else "stop", "text": text,
+                          "completion_tokens": len(tokens), "stats": d})
+
+
+def check_with_engine(tf: "TriForce", req: GenerationRequest, spec: "SpeculationConfig") -> None:
+    """The engine's own checks of a request (vocabulary, draft model, sliding window, free memory).
+
+    Raises:
+        APIError: 400, with the engine's message (``code`` ``insufficient_memory`` when the caches do not fit).
+    """
+    from ..memory import InsufficientMemoryError
+
+    try:
+        tf.engine.validate(req.prompt_ids, req.max_tokens, spec)
+    except InsufficientMemoryError as e:
+        raise APIError(400, str(e), param="max_tokens", code="insufficient_memory") from e
+    except ValueError as e:
+        raise _invalid(str(e)) from e
+
+
+def _empty_stats(tf: "TriForce", req: GenerationRequest, spec: "SpeculationConfig", seconds: float):
+    from ..engine import GenerationStats
+    from ..memory import peak_memory_bytes
+
+    return GenerationStats(mode=spec.name, prompt_tokens=len(req.prompt_ids), generated_tokens=0,
+                           finish_reason="length", prefill_seconds=round(seconds, 6), decode_seconds=0.0,
+                           decode_tokens_per_second=0.0, mean_time_between_tokens_ms=0.0,
+                           peak_memory_bytes=peak_memory_bytes(tf.target.model.device), seed=req.seed or 0, tiers={})

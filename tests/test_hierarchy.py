@@ -1,0 +1,90 @@
+"""The canonical hierarchy (tier specs, presets, unused options refused with the reason) and the request plan
+(issue 12, items 2 and 3). Tiny models, no generation: each test well under a second."""
+
+import pytest
+import torch
+
+from tiny import pair
+from triforce.cli import CLIError, build_parser, spec_from_args
+from triforce.engine import Engine
+from triforce.hierarchy import KIND_OPTIONS, PRESETS, SpeculationConfig, TierSpec
+from triforce.plan import DRAFT_PREFILL_CHUNK, plan_request, size_request
+
+
+def test_presets_expand_to_tier_specs_with_each_kinds_own_options():
+    spec = SpeculationConfig(mode="triforce", drafter="ngram", gamma1=3, gamma2=5, budget=64, ngram_n=5)
+    tiers = spec.tier_specs
+    assert [(t.kind, t.gamma) for t in tiers] == [("ngram", 3), ("retrieval", 5)] == spec.chain
+    assert tiers[0] == TierSpec("ngram", 3, {"ngram_n": 5, "ngram_min": 3})
+    assert set(tiers[1].options) == set(KIND_OPTIONS["retrieval"]) and tiers[1].options["budget"] == 64
+    assert SpeculationConfig(mode="autoregressive").tier_specs == ()
+    for mode in PRESETS:  # every preset is a list of tiers; explicit tiers give the same specs
+        s = SpeculationConfig(mode=mode, drafter="self")
+        assert SpeculationConfig(tiers=",".join(f"{k}:{g}" for k, g in s.chain) or None).tier_specs == s.tier_specs \
+            or not s.chain
+
+
+@pytest.mark.parametrize("argv, refused, reason", [
+    (["--mode", "autoregressive", "--budget", "64"], "--budget", "a retrieval tier"),
+    (["--mode", "retrieval", "--gamma1", "2"], "--gamma1", "--mode triforce"),
+    (["--mode", "retrieval", "--ngram-n", "2"], "--ngram-n", "a ngram tier"),
+    (["--tiers", "self:4", "--draft", "self", "--lower-weights", "int8"], "--lower-weights", "draft or retrieval"),
+    (["--tiers", "retrieval:4", "--gamma2", "3"], "--gamma2", "each entry gives its gamma"),
+])
+def test_unused_options_are_refused_at_parse_time_with_the_reason(argv, refused, reason):
+    args = build_parser().parse_args(["generate", *argv])
+    with pytest.raises(CLIError) as e:
+        spec_from_args(args, has_draft=args.draft is not None)
+    msg = str(e.value)
+    assert msg.startswith(refused) and "not used by" in msg and reason in msg and len(msg.splitlines()) == 1
+
+
+def test_auto_and_used_options_pass():
+    for argv in (["--budget", "64", "--ngram-n", "2", "--gamma1", "2"],  # auto keeps everything
+                 ["--tiers", "self:4", "--draft", "self", "--lower-kv-dtype", "bfloat16", "--draft-window", "32"],
+                 ["--mode", "retrieval", "--budget", "64", "--chunk-score", "max", "--adaptive-gamma"]):
+        args = build_parser().parse_args(["generate", *argv])
+        spec_from_args(args, has_draft=args.draft is not None)
+
+
+def test_the_request_plan_sizes_every_cache_once():
+    target, draft = pair(seed=0)
+    spec = SpeculationConfig(mode="triforce", budget=32, chunk_size=4, gamma1=2, gamma2=3, draft_window=16,
+                             lower_weights="int8")
+    plan = plan_request(target, draft, spec, 40, 10, torch.float32)
+    full, lookahead, draft_slots = size_request(40, 10, spec)
+    assert (plan.full_capacity, plan.lookahead, plan.draft_capacity) == (full, lookahead, draft_slots)
+    assert plan.full_capacity == 40 + 10 + 3 + 1 and plan.lookahead == 2 + 3 + 2 + 1
+    assert plan.draft_capacity == spec.draft_sink + 16 + plan.lookahead + DRAFT_PREFILL_CHUNK
+    assert plan.streaming_extra == plan.lookahead + DRAFT_PREFILL_CHUNK
+    assert set(plan.cache_bytes) == {"full KV cache", "retrieval cache", "draft cache",
+                                     "int8 copies of the lower tiers' weights"}
+    assert plan.placement is None
+    engine = Engine(target, draft)
+    assert engine.cache_bytes(40, 10, spec) == dict(plan.cache_bytes)
+    assert engine.plan(list(range(3, 43)), 10, spec) == plan  # the engine plans with the same function
+
+
+def test_planning_leaves_the_engine_alone():
+    target, _ = pair(seed=0)
+    engine = Engine(target, offload_kv=True, on_chip_layers=1)
+    spec = SpeculationConfig(mode="retrieval", budget=16, chunk_size=4, gamma2=3)
+    before = dict(vars(engine))
+    plan = engine.plan(list(range(3, 40)), 12, spec)
+    assert plan.placement.on_chip_layers == 1 and engine.validate(list(range(3, 40)), 12, spec) == plan.placement
+    assert {k: v for k, v in vars(engine).items()} == before and engine.full_cache is None
+
+
+def test_public_hooks_replace_private_fields():
+    from triforce.caches import FullKVCache
+
+    target, _ = pair(seed=0)
+    engine = Engine(target)
+    full = FullKVCache(target.cfg, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="tokens"):
+        engine.adopt_prefix(full, [1, 2])  # the cache holds no position yet
+    engine.adopt_prefix(full, [])
+    assert engine.full_cache is full and engine.prefix_tokens == []
+    engine.forget_prefix()
+    assert engine.full_cache is None
+    assert engine.lower_model(target, None) is target

@@ -1,0 +1,233 @@
+"""The package's layout (issue 12): no import cycles, the core never imports the entry points or the research tools,
+modules stay small, README's module map and options table match the code. Static checks: well under a second."""
+
+import argparse
+import ast
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+PKG = SRC / "triforce"
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+#: the largest module, in lines ("no module over about 500 lines")
+MAX_LINES = 510
+#: import edges allowed to close a cycle, each with its reason
+ALLOWED_EDGES: set[tuple[str, str]] = set()
+ENTRY_PACKAGES = ("triforce.cli", "triforce.serve", "triforce.lab")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PKG.rglob("*.py"):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_package(name: str) -> bool:
+    return MODULES.get(name, Path()).name == "__init__.py"
+
+
+def _type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(name: str) -> set[str]:
+    """Modules of this package that ``name`` imports anywhere (functions included; not under ``TYPE_CHECKING``,
+    which never runs), with the packages above an imported module that ``name`` is not inside."""
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    skip = {id(n) for t in ast.walk(tree) if _type_checking(t) for n in ast.walk(t)}
+    base = name.split(".") if _is_package(name) else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level:
+                mod = ".".join(base[:len(base) - node.level + 1] + ([mod] if mod else []))
+            targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+        else:
+            continue
+        for t in targets:
+            if t in MODULES and t != name and not name.startswith(t + "."):  # its own packages are already running
+                found.add(t)
+                parts = t.split(".")
+                for i in range(2, len(parts)):  # the packages above it run first (not the root, nor our own)
+                    parent = ".".join(parts[:i])
+                    if name != parent and not name.startswith(parent + "."):
+                        found.add(parent)
+    return found
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every elementary cycle found by depth-first search from each module (one per back edge)."""
+    out, state = [], {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph.get(m, ())):
+            if (m, n) in ALLOWED_EDGES:
+                continue
+            if state.get(n) == 1:
+                out.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n, stack)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    return out
+
+
+def test_no_import_cycles():
+    assert _cycles(GRAPH) == []
+
+
+def test_the_cycle_check_sees_a_cycle_and_lazy_imports():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
+    assert _cycles(graph) == [["a", "b", "c", "a"]]
+    assert "triforce.lab.bench" in GRAPH["triforce.cli.bench"]  # an import inside a function counts
+
+
+def test_the_core_never_imports_the_entry_points_or_the_lab():
+    core = [m for m in MODULES if not m.startswith(ENTRY_PACKAGES) and m != "triforce.__main__"]
+    bad = {m: sorted(n for n in GRAPH[m] if n.startswith(ENTRY_PACKAGES)) for m in core}
+    assert {m: v for m, v in bad.items() if v} == {}
+    # one way: cli -> serve, cli -> lab; the server and the lab never import the command line
+    for m in MODULES:
+        if m.startswith(("triforce.serve", "triforce.lab")) and m != "triforce.serve.__main__":
+            assert not [n for n in GRAPH[m] if n.startswith("triforce.cli")], m
+        if m.startswith("triforce.lab"):
+            assert not [n for n in GRAPH[m] if n.startswith("triforce.serve")], m
+
+
+def test_modules_stay_small():
+    sizes = {m: len(p.read_text(encoding="utf-8").splitlines()) for m, p in MODULES.items()}
+    assert {m: n for m, n in sizes.items() if n > MAX_LINES} == {}
+
+
+def test_nothing_outside_the_engine_touches_its_private_fields():
+    pattern = re.compile(r"\b(engine|eng)\._[a-z]|\._(lower_model|full|full_tokens|capacity|lookahead|fit)\b")
+    hits = []
+    for folder in ("src", "bench", "tests"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.name in ("engine.py", "test_layout.py"):
+                continue
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if pattern.search(line):
+                    hits.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert hits == []
+
+
+def test_readme_module_map_lists_every_module():
+    """Every module of src/ is named in README's "Where things are" table (a subpackage's ``__init__.py`` by its
+    folder; ``__main__.py`` files, the ``python -m`` entry points, need not be)."""
+    section = README.split("## Where things are", 1)[1].split("\n## ", 1)[0]
+    listed = set()
+    for row in re.findall(r"^\| (.+) \|$", section, re.MULTILINE):
+        folder = ""
+        for path in re.findall(r"`([^`]+)`", row):
+            if path.startswith("src/"):
+                folder = path.rstrip("/") if path.endswith("/") else path.rsplit("/", 1)[0]
+                listed.add(path.rstrip("/"))
+            elif path.endswith(".py") and folder:
+                listed.add(f"{folder}/{path}")
+    missing = []
+    for m, p in MODULES.items():
+        rel = p.relative_to(ROOT).as_posix()
+        if p.name == "__main__.py" or m == "triforce":
+            continue
+        if p.name == "__init__.py":  # a subpackage: its folder is listed
+            rel = rel.rsplit("/", 1)[0]
+        if rel not in listed:
+            missing.append(rel)
+    assert missing == []
+
+
+def _parser_options() -> dict[str, argparse.Action]:
+    from triforce.cli import build_parser
+
+    out = {}
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for command in ("generate", "serve"):
+        for action in sub.choices[command]._actions:
+            for flag in action.option_strings:
+                out.setdefault(flag, action)
+    return out
+
+
+def test_readme_options_table_matches_the_parser():
+    """Every option in README's table exists, and its default (when it has a value) is the one written there."""
+    options = _parser_options()
+    rows = re.findall(r"^\| (`--[^|]+) \| (.+) \|$", README, re.MULTILINE)
+    assert len(rows) > 20
+    seen = set()
+    for flags_cell, meaning in rows:
+        for flag in re.findall(r"`(--[a-z0-9-]+)", flags_cell):
+            assert flag in options, f"README lists {flag}, which `triforce generate/serve` does not take"
+            seen.add(flag)
+            value = options[flag].default
+            if value in (None, False, []) or isinstance(value, bool):
+                continue
+            shown = f"{value:g}" if isinstance(value, float) else str(value)
+            assert re.search(rf"(?<![\w.]){re.escape(shown)}(?![\w.])", meaning), \
+                f"README: {flag} should show its default {shown}: {meaning}"
+    generate = {f for f, a in options.items() if f.startswith("--") and f not in ("--help",)}
+    server_only = {"--host", "--port", "--queue-size", "--request-timeout", "--log-level", "--api-key"}
+    assert generate - server_only - seen == set(), "options missing from README's table"
+
+
+@pytest.mark.parametrize("command", ["bench", "analyze"])
+def test_lab_option_names_match_the_lab(command):
+    if command == "bench":
+        from triforce.cli.bench import METHOD_NAMES
+        from triforce.lab.bench import METHODS
+
+        assert tuple(METHODS) == METHOD_NAMES
+    else:
+        from triforce.cli.analyze import ANALYSES
+        from triforce.lab.analyze import ANALYSES as LAB
+
+        assert ANALYSES == LAB
+
+
+def test_shared_defaults_come_from_one_table():
+    from triforce.auto import plan_hierarchy
+    from triforce.defaults import DEFAULTS, LIBRARY_MODE, SERVE_DEFAULTS
+    from triforce.hierarchy import SpeculationConfig
+    from triforce.sampling import SamplingParams
+    from triforce.serve import ServerDefaults
+
+    spec, options = SpeculationConfig(), _parser_options()
+    assert spec.mode == LIBRARY_MODE and options["--mode"].default == DEFAULTS["mode"]
+    for name in SpeculationConfig.option_names():
+        if name in DEFAULTS and name != "mode":
+            assert getattr(spec, name) == DEFAULTS[name], name
+    sampling, server = SamplingParams(), ServerDefaults()
+    for name in ("temperature", "top_p", "top_k"):
+        assert getattr(sampling, name) == getattr(server, name) == DEFAULTS[name] == options["--" + name.replace("_", "-")].default
+    assert server.max_tokens == DEFAULTS["max_new_tokens"] and server.queue_size == SERVE_DEFAULTS["queue_size"]
+    kw = plan_hierarchy.__defaults__
+    assert (DEFAULTS["gamma1"], DEFAULTS["gamma2"], DEFAULTS["chunk_size"], DEFAULTS["budget"]) == kw[-4:]
+    for flag, action in options.items():
+        dest = action.dest
+        if dest in DEFAULTS and action.default is not None and not isinstance(action.default, list):
+            assert action.default == DEFAULTS[dest] or dest in SERVE_DEFAULTS, flag
