@@ -42,6 +42,11 @@ def test_kernel_declines_what_it_does_not_handle():
     assert kernels.gqa_attention_kernel(q, k, k, 10) is None
     q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 10, 16)
     assert kernels.gqa_attention_kernel(q, k, k, 11) is None  # more keys than the cache holds
+    k = torch.randn(1, 3, 10, 16)
+    assert kernels.gqa_attention_kernel(torch.randn(2, 9, 1, 16), k, k, 10) is None  # batch of q and k differ
+    assert kernels.gqa_attention_kernel(torch.randn(1, 10, 1, 16), k, k, 10) is None  # 10 heads over 3 KV heads
+    assert kernels.gqa_attention_kernel(torch.randn(1, 9, 1, 16), k, torch.randn(1, 3, 10, 8), 10) is None  # v shape
+    assert kernels.gqa_attention_kernel(torch.randn(1, 9, 0, 16), k, k, 10) is None  # an empty block
 
 
 def test_full_cache_decode_uses_kernel_and_equals_sdpa():
@@ -62,13 +67,15 @@ def test_full_cache_decode_uses_kernel_and_equals_sdpa():
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=2e-6)
 
 
-def test_row_does_not_depend_on_block():
-    """A query's output is bitwise the same whether it is attended alone (decode) or in a block (verification)."""
+@pytest.mark.parametrize("nh,nkv,hs,t", [(9, 3, 64, 7), (32, 2, 64, 9)])  # 21 rows per KV head; 144 (over 128)
+def test_row_does_not_depend_on_block(nh, nkv, hs, t):
+    """A query's output is bitwise the same whether it is attended alone (decode) or in a block (verification),
+    also when the block has more rows per KV head than a decode step has (the chunks do not depend on the rows)."""
     g = torch.Generator().manual_seed(3)
-    nh, nkv, hs, n = 9, 3, 64, 1500
+    n = 1500
     k, v = torch.randn(1, nkv, n, hs, generator=g), torch.randn(1, nkv, n, hs, generator=g)
-    q = torch.randn(1, nh, 7, hs, generator=g)
+    q = torch.randn(1, nh, t, hs, generator=g)
     block = kernels.gqa_attention_kernel(q, k, v, n)
-    for i in range(7):  # token i of the block sees keys [0, n - 7 + i]
-        alone = kernels.gqa_attention_kernel(q[:, :, i:i + 1], k, v, n - 6 + i)
+    for i in range(t):  # token i of the block sees keys [0, n - t + i]
+        alone = kernels.gqa_attention_kernel(q[:, :, i:i + 1], k, v, n - t + 1 + i)
         assert torch.equal(block[:, :, i:i + 1], alone)

@@ -20,6 +20,7 @@ import ctypes
 import hashlib
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -34,7 +35,8 @@ ENV_SWITCH = "TRIFORCE_ATTENTION_KERNEL"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 #: largest head_dim the kernel handles (checked in the C file)
 MAX_HEAD_DIM = 256
-#: keys per work item (a chunk's scores of every query row stay in the thread's stack, <= 128 KB)
+#: keys per work item, whatever the block: the same chunks for a decode step and a verification block, so a query
+#: row's result does not depend on the rows beside it (each thread's scores of a chunk: rows * CHUNK floats)
 CHUNK = 256
 _SOURCE = Path(__file__).with_name("csrc") / "attention.c"
 
@@ -54,11 +56,11 @@ def _cpu_has_avx2_fma() -> bool:
 
 def _build(out_dir: Path) -> Path:
     """Compile ``csrc/attention.c`` into ``out_dir`` (atomic rename, so concurrent builders never see half a file)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
+    cc = shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
+    if not cc:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((cc, *CFLAGS)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join((*cc, *CFLAGS)).encode()).hexdigest()[:16]
     lib = out_dir / f"attention-{key}.so"
     if lib.exists():
         return lib
@@ -66,9 +68,9 @@ def _build(out_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        run = subprocess.run([cc, *CFLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=120)
+        run = subprocess.run([*cc, *CFLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=120)
         if run.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {run.stderr.strip()[-500:]}")
+            raise RuntimeError(f"{' '.join(cc)} failed: {run.stderr.strip()[-500:]}")
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
@@ -124,24 +126,28 @@ def gqa_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_ke
 
     Returns:
         (B, nh, T, hs) fp32, or None when the kernel does not apply (not CPU/fp32, hs not a multiple of 8 or over
-        :data:`MAX_HEAD_DIM`, too many rows, or the kernel unavailable): the caller then uses SDPA.
+        :data:`MAX_HEAD_DIM`, shapes that do not match, nh not a multiple of nkv, or the kernel unavailable): the caller
+        then uses SDPA, which raises on bad shapes.
     """
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        return None
     b, nh, t, hs = q.shape
     nkv = k.shape[1]
     if (q.device.type != "cpu" or q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32
+            or k.shape[0] != b or k.shape[3] != hs or nkv < 1 or nh % nkv or t < 1
             or hs % 8 or hs > MAX_HEAD_DIM or k.stride(-1) != 1 or v.stride() != k.stride() or k.stride(2) != hs
             or n_keys < t or n_keys > k.shape[2]):
         return None
     rows = nh // nkv * t  # (g * T) query rows per KV head
-    chunk = min(CHUNK, 32768 // rows // 8 * 8)
-    if chunk < 8:
-        return None
+    chunk = CHUNK
     fn = _load()
     if fn is None:
         return None
     q = q.contiguous()  # (B, nh, T, hs) == (B, nkv, g*T, hs): head h = kv * g + j, rows ordered (j, token)
     out = torch.empty_like(q)
-    scratch = torch.empty(b * nkv * -(-n_keys // chunk) * rows * (hs + 2), dtype=torch.float32)
+    threads = torch.get_num_threads()
+    # the chunks' partial results, then each thread's scores (csrc/attention.c)
+    scratch = torch.empty(b * nkv * -(-n_keys // chunk) * rows * (hs + 2) + threads * rows * chunk, dtype=torch.float32)
     rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), scratch.data_ptr(), b, nkv, rows, t, hs,
-            k.stride(0), k.stride(1), n_keys, chunk, 1.0 / math.sqrt(hs), torch.get_num_threads())
+            k.stride(0), k.stride(1), n_keys, chunk, 1.0 / math.sqrt(hs), threads)
     return out if rc == 0 else None

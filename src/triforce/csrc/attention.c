@@ -17,6 +17,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -148,18 +149,20 @@ static void chunk_item(const float* Q, const float* K, const float* V, int R, in
 }
 
 /* q: (B, nkv, R, hs) contiguous; key/value (b, h, j, d) at b * bstride + h * hstride + j * hs + d, j < n_keys;
- * out: (B, nkv, R, hs) contiguous; scratch: B * nkv * ceil(n_keys / chunk) * R * (hs + 2) floats.
+ * out: (B, nkv, R, hs) contiguous; scratch: B * nkv * ceil(n_keys / chunk) * R * (hs + 2) floats for the chunks'
+ * partial results, then nthreads * R * chunk floats, each thread's scores.
  * Returns 0, or -1 for arguments outside what the kernel handles (nothing written). */
 int triforce_gqa_attention(const float* q, const float* k, const float* v, float* out, float* scratch, int B,
                            int nkv, int R, int T, int hs, int64_t bstride, int64_t hstride, int n_keys, int chunk,
                            float scale, int nthreads) {
-    if (hs % 8 || hs > 256 || T < 1 || R % T || n_keys < T || chunk < 8 || (int64_t)R * chunk > 65536)
+    if (hs % 8 || hs > 256 || T < 1 || R % T || n_keys < T || chunk < 8 || nthreads < 1)
         return -1;
     const int nchunks = (n_keys + chunk - 1) / chunk, items = B * nkv * nchunks, last0 = n_keys - T;
     const int64_t item_floats = (int64_t)R * (hs + 2);
+    float* const scores_base = scratch + (int64_t)items * item_floats;
     #pragma omp parallel num_threads(nthreads)
     {
-        float sbuf[R * chunk];  /* <= 256 KB, see the check above */
+        float* const sbuf = scores_base + (int64_t)omp_get_thread_num() * R * chunk;  /* this thread's scores */
         #pragma omp for schedule(static)
         for (int it = 0; it < items; ++it) {
             const int c = it % nchunks, bh = it / nchunks, h = bh % nkv, b = bh / nkv;
