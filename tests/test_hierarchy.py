@@ -88,3 +88,17 @@ def test_public_hooks_replace_private_fields():
     engine.forget_prefix()
     assert engine.full_cache is None
     assert engine.lower_model(target, None) is target
+
+
+def test_the_plan_counts_the_draft_cache_in_the_dtype_the_engine_allocates():
+    """bf16 target and draft with an fp32 KV cache: the draft's StreamingLLM cache is fp32, in the plan as in the engine."""
+    from triforce.caches import kv_bytes
+    from triforce.sampling import SamplingParams
+
+    target, draft = (m.to(torch.bfloat16) for m in pair(seed=0))
+    spec = SpeculationConfig(mode="draft", gamma2=3, draft_window=16)
+    engine = Engine(target, draft, kv_dtype="float32")
+    plan = engine.plan(list(range(3, 43)), 10, spec)
+    assert plan.cache_bytes["draft cache"] == kv_bytes(draft.cfg, plan.draft_capacity, torch.float32)
+    top = engine.build_hierarchy(40, 10, SamplingParams(temperature=0), spec, torch.Generator(), plan)
+    assert top.drafter.cache.k.dtype == torch.float32

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Generator, Sequence
 
+from .defaults import DEFAULTS
 from .detok import IncrementalDetokenizer
 from .engine import Engine, GenerationStats, SpeculationConfig
 from .loading import LoadedModel, ModelLoadError, load_model
@@ -161,8 +162,9 @@ class TriForce:
 
     @property
     def default_mode(self) -> str:
-        """``auto``: the hierarchy chosen per request and bypassed while it does not pay (``auto.py``)."""
-        return "auto"
+        """``DEFAULTS["mode"]``, ``auto``: the hierarchy chosen per request and bypassed while it does not pay
+        (``auto.py``)."""
+        return DEFAULTS["mode"]
 
     def encode(self, prompt: str, chat: bool = False, system: str | None = None,
                max_prompt_tokens: int | None = None, document: str | None = None) -> list[int]:
@@ -182,7 +184,7 @@ class TriForce:
         return encode_prompt(self.tokenizer, prompt, chat=chat, system=system, max_prompt_tokens=max_prompt_tokens,
                              context_length=self.target.model.cfg.max_position_embeddings, document=document)
 
-    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256,
+    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = DEFAULTS["max_new_tokens"],
                sampling: SamplingParams = SamplingParams(), spec: SpeculationConfig | None = None,
                seed: int | None = None, stop: Sequence[str] = (),
                prefill_progress: Callable[[int], None] | None = None) -> Generator[TokenEvent, None, GenerationResult]:

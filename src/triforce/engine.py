@@ -34,14 +34,14 @@ import torch
 
 from .auto import SpeedGovernor, plan_hierarchy
 from .caches import FullKVCache, StreamingCache
-from .defaults import SELF_WEIGHTS  # noqa: F401  (re-exported)
+from .defaults import DEFAULTS, SELF_WEIGHTS  # noqa: F401  (SELF_WEIGHTS re-exported)
 from .hierarchy import (DRAFTER_KINDS, MAX_SEED, MODES, TIER_KINDS,  # noqa: F401  (re-exported)
                         SpeculationConfig, _positive_int)
 from .memory import KVPlacement, peak_memory_bytes
 from .model import Transformer
 from .ngram import NGramDrafter
 from .parallel import agree_on_fit
-from .plan import DRAFT_PREFILL_CHUNK, RequestPlan, check_plan_fits, plan_request, size_request
+from .plan import DRAFT_PREFILL_CHUNK, RequestPlan, check_plan_fits, draft_kv_dtype, plan_request, size_request
 from .retrieval import RetrievalCache
 from .sampling import SamplingParams
 from .speculative import rejection_sample
@@ -303,7 +303,7 @@ class Engine:
                 if kind == "draft":
                     self.draft.set_request_length(total)
                     d = self.lower_model(self.draft, spec.lower_weights)
-                    kv = self.kv_dtype if self.draft.dtype == self.target.dtype else self.draft.dtype
+                    kv = draft_kv_dtype(self.target, self.draft, self.kv_dtype)
                 else:
                     d, kv = self.lower_model(self.target, spec.self_weights), self.kv_dtype
                 kv = KV_DTYPES[spec.lower_kv_dtype] if spec.lower_kv_dtype else kv
@@ -329,7 +329,7 @@ class Engine:
         return top
 
     # ------------------------------------------------------------------ generation
-    def stream(self, prompt_ids: list[int], max_new_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
+    def stream(self, prompt_ids: list[int], max_new_tokens: int = DEFAULTS["max_new_tokens"], sampling: SamplingParams = SamplingParams(),
                spec: SpeculationConfig = SpeculationConfig(), seed: int | None = None,
                prefill_progress: Callable[[int], None] | None = None) -> Generator[int, None, GenerationStats]:
         """Generate, yielding each token id as the verifier accepts it; returns the stats.

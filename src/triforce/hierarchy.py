@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Iterable, Mapping
 
-from .defaults import DEFAULTS, DTYPE_NAMES, LIBRARY_MODE, SELF_WEIGHTS
+from .defaults import DEFAULTS, LIBRARY_MODE, LOWER_KV_DTYPES, LOWER_WEIGHTS, SELF_WEIGHTS
 from .retrieval import CHUNK_SCORES
 
 MODES = ("auto", "autoregressive", "retrieval", "draft", "triforce")
@@ -165,10 +165,11 @@ class SpeculationConfig:
             raise ValueError(f"adaptive_gamma must be True or False, got {self.adaptive_gamma!r}")
         if self.stop_below is not None and not (isinstance(self.stop_below, (int, float)) and 0 < self.stop_below < 1):
             raise ValueError(f"stop_below must be in (0, 1), got {self.stop_below!r}")
-        if self.lower_weights not in (None, "int8", "int4", "bfloat16"):
-            raise ValueError(f"lower_weights must be None, 'int8', 'int4' or 'bfloat16', got {self.lower_weights!r}")
-        if self.lower_kv_dtype not in (None, *DTYPE_NAMES):
-            raise ValueError(f"lower_kv_dtype must be None or one of {', '.join(DTYPE_NAMES)}, got {self.lower_kv_dtype!r}")
+        if self.lower_weights not in (None, *LOWER_WEIGHTS):
+            raise ValueError(f"lower_weights must be None or one of {', '.join(LOWER_WEIGHTS)}, got {self.lower_weights!r}")
+        if self.lower_kv_dtype not in (None, *LOWER_KV_DTYPES):
+            raise ValueError(f"lower_kv_dtype must be None or one of {', '.join(LOWER_KV_DTYPES)}, "
+                             f"got {self.lower_kv_dtype!r}")
         _positive_int("draft_sink", self.draft_sink, 0)
         _positive_int("draft_window", self.draft_window)
         for i, (kind, _) in enumerate(self.chain):
@@ -194,7 +195,7 @@ class SpeculationConfig:
         chain = []
         for entry in str(self.tiers).split(","):
             kind, _, gamma = entry.strip().partition(":")
-            if kind not in TIER_KINDS or not gamma.strip().isdigit() or int(gamma) < 1:
+            if kind not in TIER_KINDS or not (gamma.strip().isascii() and gamma.strip().isdigit()) or int(gamma) < 1:
                 raise ValueError(f"tiers entries must be KIND:GAMMA with KIND in {', '.join(TIER_KINDS)} and GAMMA >= 1, "
                                  f"bottom first (e.g. self:4,retrieval:6); got {entry.strip()!r}")
             chain.append((kind, int(gamma)))

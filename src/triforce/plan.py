@@ -57,6 +57,12 @@ class RequestPlan:
         return self.lookahead + DRAFT_PREFILL_CHUNK
 
 
+def draft_kv_dtype(target: Transformer, draft: Transformer, kv_dtype: torch.dtype) -> torch.dtype:
+    """dtype of a draft model's StreamingLLM cache without ``lower_kv_dtype``: the full cache's ``kv_dtype`` when the
+    draft computes in the target's dtype, else the draft's own dtype."""
+    return kv_dtype if draft.dtype == target.dtype else draft.dtype
+
+
 def size_request(prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig) -> tuple[int, int, int]:
     """``(full_capacity, lookahead, draft_capacity)`` of a request (see :class:`RequestPlan`), in positions."""
     chain = spec.max_chain
@@ -93,7 +99,7 @@ def plan_request(target: Transformer, draft: Transformer | None, spec: Speculati
     if "retrieval" in kinds:
         out["retrieval cache"] = kv_bytes(target.cfg, spec.budget, lower or kv_dtype)
     if "draft" in kinds and draft is not None:
-        out["draft cache"] = kv_bytes(draft.cfg, draft_capacity, lower or draft.dtype)
+        out["draft cache"] = kv_bytes(draft.cfg, draft_capacity, lower or draft_kv_dtype(target, draft, kv_dtype))
     if "self" in kinds:
         out["self-draft cache"] = kv_bytes(target.cfg, draft_capacity, lower or kv_dtype)
     copies = [(m, spec.lower_weights) for m in ([target] if "retrieval" in kinds else [])

@@ -26,9 +26,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .defaults import LOWER_WEIGHTS
 from .model import Linear, Transformer
 
-LOWER_WEIGHTS = ("int8", "int4", "bfloat16")
 #: inputs per int4 quantization group (a projection whose input size it does not divide keeps int8)
 INT4_GROUP = 32
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..defaults import COMPILE_MODES, DTYPE_NAMES, LOWER_KV_DTYPES, LOWER_WEIGHTS, PACKED_WEIGHTS, SELF_WEIGHTS, default
+from ..defaults import (COMPILE_MODES, DEFAULTS, DTYPE_NAMES, LOWER_KV_DTYPES, LOWER_WEIGHTS, PACKED_WEIGHTS,
+                        SELF_WEIGHTS, default)
 from ..hierarchy import MODES, SpeculationConfig
 from ..retrieval import CHUNK_SCORES
 from .common import CLIError
@@ -162,7 +163,7 @@ def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpeculationConf
         ValueError: a value outside its range (from :class:`~triforce.hierarchy.SpeculationConfig`, naming the
             parameter; :func:`~triforce.cli.common.option_error` turns it into the option's name).
     """
-    mode = args.mode or "auto"
+    mode = args.mode or DEFAULTS["mode"]
     if mode in ("draft", "triforce") and not has_draft and not args.tiers:
         raise CLIError(f"--mode {mode} needs --draft MODEL, --draft ngram or --draft self (or use --mode auto, "
                        "autoregressive or retrieval)")
