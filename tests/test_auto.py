@@ -11,7 +11,7 @@ import torch
 from test_distribution import SETTINGS, chi2_pvalue, empirical, exact_distribution
 from test_distribution import models  # noqa: F401  (fixture)
 from tiny import hf_model, ours, pair
-from triforce.auto import RETRIEVAL_MIN_KV_SHARE, SpeedGovernor, plan_hierarchy
+from triforce.auto import RETRIEVAL_MIN_KV_SHARE, RETRIEVAL_MIN_KV_SHARE_SAMPLING, SpeedGovernor, plan_hierarchy
 from triforce.caches import kv_bytes
 from triforce.engine import Engine, SpeculationConfig
 from triforce.loading import load_model  # noqa: F401  (import check: no cycle through auto)
@@ -48,9 +48,16 @@ def test_plan_adds_retrieval_only_when_the_kv_cache_outweighs_a_share_of_the_wei
     short = plan_hierarchy(cfg, w, torch.float32, short_p, None, GREEDY)
     assert short.tiers == "ngram:6" and "no retrieval tier" in short.reason
     assert plan_hierarchy(cfg, w, torch.float32, long_p, None, GREEDY).tiers == "ngram:4,retrieval:6"
-    # under sampling without a named drafter: plain decoding when short, the retrieval tier alone when long
+    # under sampling without a named drafter: plain decoding when short, the retrieval tier alone when the KV cache
+    # reaches the (higher) sampling threshold
     assert plan_hierarchy(cfg, w, torch.float32, short_p, None, SamplingParams(0.6)).tiers == ""
-    assert plan_hierarchy(cfg, w, torch.float32, long_p, None, SamplingParams(0.6)).tiers == "retrieval:6"
+    kv_long = kv_bytes(cfg, long_p, torch.float32)
+    w_between = int(kv_long / (0.5 * (RETRIEVAL_MIN_KV_SHARE + RETRIEVAL_MIN_KV_SHARE_SAMPLING)))
+    between = plan_hierarchy(cfg, w_between, torch.float32, long_p, None, SamplingParams(0.6))
+    assert between.tiers == "" and "under sampling" in between.reason
+    assert plan_hierarchy(cfg, w_between, torch.float32, long_p, None, GREEDY).tiers == "ngram:4,retrieval:6"
+    w_small = int(kv_long / (1.5 * RETRIEVAL_MIN_KV_SHARE_SAMPLING))
+    assert plan_hierarchy(cfg, w_small, torch.float32, long_p, None, SamplingParams(0.6)).tiers == "retrieval:6"
     for p in (short_p, long_p):  # a named self tier drafts directly for the target
         assert plan_hierarchy(cfg, w, torch.float32, p, "self", SamplingParams(0.6)).tiers == "self:4"
     long = plan_hierarchy(cfg, w, torch.float32, long_p, "draft", GREEDY, gamma1=3, gamma2=5)
@@ -73,7 +80,7 @@ class FakeTop:
 
 def test_governor_bypasses_slow_speculation_and_retries_with_doubling_backoff():
     top = FakeTop()
-    g = SpeedGovernor(top, probe=3, min_steps=4, backoff_min=32, backoff_max=512)
+    g = SpeedGovernor(top, probe=3, warmup=0, min_steps=4, backoff_min=32, backoff_max=512)
     assert not top.drafting
     for _ in range(3):  # probe: decode steps of 10 ms
         g.before_step([])
@@ -102,6 +109,27 @@ def test_governor_bypasses_slow_speculation_and_retries_with_doubling_backoff():
         g.after_step(0.015, 3)
     assert top.drafting and g._backoff == 32
     assert g.to_dict()["speculative_ms_per_token"] == pytest.approx(5.0)
+
+
+def test_governor_does_not_time_the_first_step_after_a_start():
+    """The first speculative step after each (re)start carries the catch-up forward: a slow one is not held against
+    speculation that pays afterwards; the step after it is timed."""
+    top = FakeTop()
+    g = SpeedGovernor(top, probe=1, warmup=1, min_steps=3, backoff_min=32)
+    g.before_step([])
+    g.after_step(0.010, 1)  # probe: 10 ms per token
+    g.before_step([])
+    assert top.drafting
+    g.after_step(0.500, 3)  # catch-up: 167 ms per token, not timed
+    for _ in range(3):
+        g.after_step(0.015, 3)  # 5 ms per token: pays
+    assert top.drafting and g.counts["bypasses"] == 0 and g.counts["speculative_tokens"] == 12
+    assert g.to_dict()["speculative_ms_per_token"] == pytest.approx(5.0)
+    for _ in range(3):
+        g.after_step(0.045, 3)  # 15 ms per token: the window's mean reaches 10 ms (not above)
+    assert top.drafting
+    g.after_step(0.045, 3)  # (3 x 15 + 4 x 45) ms / 21 tokens = 10.7 ms per token > 10 ms
+    assert not top.drafting and g.counts["bypasses"] == 1
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "self"])
