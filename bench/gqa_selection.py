@@ -85,6 +85,8 @@ def table(path):
     """Markdown tables of a result file: recovery per rule and book, acceptance per rule and book, per layer."""
     r = json.loads(Path(path).read_text())
     books = list(r["books"])
+    if not books:  # --skip-recovery: acceptance only
+        return _acceptance_tables(r)
     rules = list(next(iter(r["books"].values()))["recovery"])
     lines = [f"{r['model']} ({r['heads']} query / {r['kv_heads']} KV heads, {r['layers']} layers), "
              f"{r['prompt_tokens']} prompt tokens, budget {r['budget']}, recovery = mean over steps 0..{r['steps']}",
@@ -92,15 +94,7 @@ def table(path):
     for rule in rules:
         v = [r["books"][b]["recovery"][rule]["mean"] for b in books]
         lines.append(f"| {rule} | " + " | ".join(f"{x:.3f}" for x in v) + f" | {sum(v) / len(v):.3f} |")
-    acc = r.get("acceptance", {}).get("runs", {})
-    if acc:
-        a_rules = list(next(iter(acc.values())))
-        lines += ["", f"Greedy acceptance (T = {r['acceptance']['temperature']}, {r['acceptance']['new_tokens']} new "
-                  f"tokens, gamma2 6, rebuild_every {r['acceptance']['rebuild_every']}):", "",
-                  "| rule | " + " | ".join(acc) + " | mean |", "|---|" + "---:|" * (len(acc) + 1)]
-        for rule in a_rules:
-            v = [acc[b][rule]["acceptance_rate"] for b in acc]
-            lines.append(f"| {rule} | " + " | ".join(f"{x:.3f}" for x in v) + f" | {sum(v) / len(v):.3f} |")
+    lines += ["", _acceptance_tables(r)]
     L = r["layers"]
     lines += ["", "Per layer (mean over books), recovery:", "", "| layer | eff. keys | " + " | ".join(rules) + " |",
               "|---:|---:|" + "---:|" * len(rules)]
@@ -108,6 +102,49 @@ def table(path):
         eff = sum(r["books"][b]["effective_keys_per_layer"][l] for b in books) / len(books)
         v = [sum(r["books"][b]["recovery"][rule]["per_layer"][l] for b in books) / len(books) for rule in rules]
         lines.append(f"| {l} | {eff:.0f} | " + " | ".join(f"{x:.2f}" for x in v) + " |")
+    return "\n".join(lines)
+
+
+def _acceptance(eng, ids, samp, budget, rule, args) -> dict:
+    """Target acceptance of the retrieval tier (mode ``retrieval``, gamma2 6) at ``budget`` slots, over seeds."""
+    from triforce.engine import SpeculationConfig
+
+    spec = SpeculationConfig(mode="retrieval", budget=budget, chunk_size=args.chunk_size, gamma2=6,
+                             chunk_score=RULES[rule][0], rebuild_every=args.rebuild_every)
+    t0 = time.time()
+    proposed = accepted = 0
+    per_seed, tokens = [], []
+    for seed in range(args.accept_seeds):
+        out, st = eng.generate(list(ids), max_new_tokens=args.accept_tokens, sampling=samp, spec=spec, seed=seed)
+        tg = st.tiers["target"]
+        proposed += tg.get("proposed") or 0
+        accepted += tg.get("accepted") or 0
+        per_seed.append(tg.get("acceptance_rate"))
+        tokens.append(out)
+    return {"acceptance_rate": accepted / proposed if proposed else None, "proposed": proposed, "accepted": accepted,
+            "per_seed": per_seed, "budget": budget, "tokens": tokens if len(tokens) > 1 else tokens[0],
+            "rebuilds": st.tiers.get("retrieval", {}).get("rebuilds"), "seconds": time.time() - t0}
+
+
+def _acceptance_tables(r) -> str:
+    """Markdown: acceptance per rule and book at the run's budget, then against budget (``--accept-budget-divs``)."""
+    a = r.get("acceptance", {})
+    acc, lines = a.get("runs", {}), []
+    if acc:
+        a_rules = list(next(iter(acc.values())))
+        lines += [f"Acceptance (T = {a['temperature']}, {a['new_tokens']} new tokens, gamma2 6, budget {r['budget']}, "
+                  f"rebuild_every {a['rebuild_every']}):", "",
+                  "| rule | " + " | ".join(acc) + " | mean |", "|---|" + "---:|" * (len(acc) + 1)]
+        for rule in a_rules:
+            v = [acc[b][rule]["acceptance_rate"] for b in acc]
+            lines.append(f"| {rule} | " + " | ".join(f"{x:.3f}" for x in v) + f" | {sum(v) / len(v):.3f} |")
+    for book, by_rule in a.get("budget_curve", {}).items():
+        budgets = sorted({int(b) for c in by_rule.values() for b in c} | {r["budget"]})
+        lines += ["", f"Acceptance against budget, {book} ({r['prompt_tokens']} prompt tokens):", "",
+                  "| rule | " + " | ".join(str(b) for b in budgets) + " |", "|---|" + "---:|" * len(budgets)]
+        for rule, curve in by_rule.items():
+            curve = dict(curve, **{str(r["budget"]): acc[book][rule]})
+            lines.append(f"| {rule} | " + " | ".join(f"{curve[str(b)]['acceptance_rate']:.3f}" for b in budgets) + " |")
     return "\n".join(lines)
 
 
@@ -129,6 +166,12 @@ def main(argv=None):
     p.add_argument("--accept-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--rebuild-every", type=int, default=None, help="acceptance runs: re-select every N tokens")
+    p.add_argument("--accept-budget-divs", type=int, nargs="*", default=None,
+                   help="acceptance against budget: also run each --accept-rules rule at budget = prompt // D for each "
+                        "D (one prefill serves all; results under acceptance.budget_curve)")
+    p.add_argument("--accept-seeds", type=int, default=1, help="acceptance runs per rule and budget (seeds 0..N-1; "
+                   "under sampling the rate is proposed-weighted over the seeds)")
+    p.add_argument("--skip-recovery", action="store_true", help="acceptance only (no recovery/oracle analysis)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     from triforce.engine import Engine, SpeculationConfig
@@ -159,13 +202,13 @@ def main(argv=None):
             logits = model(torch.tensor([[t]]), torch.tensor([P + i]), full)[0, -1]
             steps_q.append(full.query_at(P + i).clone())
         rec = {}
-        for rule in args.rules:
+        for rule in ([] if args.skip_recovery else args.rules):
             r = recovery(model, full, prompt_q, steps_q, n, budget, args.chunk_size, rule)  # (S+1, L, nh)
             rec[rule] = {"mean": float(r.mean()), "step0": float(r[0].mean()),
                          "per_layer": r.mean((0, 2)).tolist(), "per_head": r.mean(0).tolist()}
         # oracle (per query head, re-chosen each step, same slot count) and effective keys per layer at step 0
         orc, eff = [], None
-        for s, q in enumerate(steps_q):
+        for s, q in enumerate([] if args.skip_recovery else steps_q):
             pr = _probs(full, q, n + s)
             m = min(budget, n) - max(0, s - (budget - min(budget, n)))
             orc.append(pr[..., :n].sort(-1, descending=True).values[..., :m].sum(-1).reshape(pr.shape[0], -1)
@@ -173,11 +216,12 @@ def main(argv=None):
             if s == 0:
                 ent = -(pr * pr.clamp_min(1e-300).log()).sum(-1)
                 eff = ent.exp().reshape(pr.shape[0], -1)
-        orc = torch.stack(orc)
-        rec["oracle"] = {"mean": float(orc.mean()), "step0": float(orc[0].mean()), "per_layer": orc.mean((0, 2)).tolist(),
-                         "per_head": orc.mean(0).tolist()}
-        res["books"][book] = {"recovery": rec, "effective_keys_per_layer": eff.mean(1).tolist(),
-                              "effective_keys_per_head": eff.tolist(), "analysis_seconds": time.time() - t0}
+        if orc:
+            orc = torch.stack(orc)
+            rec["oracle"] = {"mean": float(orc.mean()), "step0": float(orc[0].mean()),
+                             "per_layer": orc.mean((0, 2)).tolist(), "per_head": orc.mean(0).tolist()}
+            res["books"][book] = {"recovery": rec, "effective_keys_per_layer": eff.mean(1).tolist(),
+                                  "effective_keys_per_head": eff.tolist(), "analysis_seconds": time.time() - t0}
         print(book, {k: round(v["mean"], 3) for k, v in rec.items()}, f"{time.time() - t0:.0f}s", flush=True)
         # acceptance: an engine with prefix reuse, handed this prefill (its KV of the prompt is the engine's own)
         if args.accept_rules:
@@ -187,17 +231,15 @@ def main(argv=None):
             res["acceptance"] = {"temperature": args.temperature, "new_tokens": args.accept_tokens, "gamma2": 6,
                                  "rebuild_every": args.rebuild_every, "runs": res.get("acceptance", {}).get("runs", {})}
             for rule in args.accept_rules:
-                score = RULES[rule][0]
-                spec = SpeculationConfig(mode="retrieval", budget=budget, chunk_size=args.chunk_size, gamma2=6,
-                                         chunk_score=score, rebuild_every=args.rebuild_every)
-                t0 = time.time()
-                out, st = eng.generate(list(ids), max_new_tokens=args.accept_tokens, sampling=samp, spec=spec, seed=0)
-                tg = st.tiers["target"]
-                res["acceptance"]["runs"].setdefault(book, {})[rule] = {
-                    "acceptance_rate": tg.get("acceptance_rate"), "proposed": tg.get("proposed"),
-                    "accepted": tg.get("accepted"), "rebuilds": st.tiers.get("retrieval", {}).get("rebuilds"),
-                    "tokens": out, "seconds": time.time() - t0}
-                print(book, rule, round(tg.get("acceptance_rate") or 0, 3), f"{time.time() - t0:.0f}s", flush=True)
+                runs = _acceptance(eng, ids, samp, budget, rule, args)
+                res["acceptance"]["runs"].setdefault(book, {})[rule] = runs
+                print(book, rule, budget, round(runs["acceptance_rate"] or 0, 3), f"{runs['seconds']:.0f}s", flush=True)
+                for d in args.accept_budget_divs or []:
+                    b = max(P // d, args.chunk_size + 8 + 3)
+                    runs = _acceptance(eng, ids, samp, b, rule, args)
+                    res["acceptance"].setdefault("budget_curve", {}).setdefault(book, {}).setdefault(rule, {})[
+                        str(b)] = runs
+                    print(book, rule, b, round(runs["acceptance_rate"] or 0, 3), f"{runs['seconds']:.0f}s", flush=True)
             del eng
         del full
         res["seconds_total"] = time.time() - t_all
