@@ -197,7 +197,7 @@ def main(argv=None):
         prompt_q = torch.stack([q[:, :, -W:] for q in full.queries]).clone()  # (L, 1, nh, W, hs) ending at n
         steps_q = [q_last]
         model.set_request_length(full.capacity)
-        for i in range(args.steps):
+        for i in range(0 if args.skip_recovery else args.steps):
             t = int(logits.argmax())
             logits = model(torch.tensor([[t]]), torch.tensor([P + i]), full)[0, -1]
             steps_q.append(full.query_at(P + i).clone())
@@ -226,6 +226,7 @@ def main(argv=None):
         # acceptance: an engine with prefix reuse, handed this prefill (its KV of the prompt is the engine's own)
         if args.accept_rules:
             eng = Engine(model, eos_ids=lm.eos_ids)
+            full.rollback(P)  # forget the recovery steps: the engine adopts the prompt's KV only
             eng.adopt_prefix(full, list(ids))
             samp = SamplingParams(temperature=args.temperature, top_p=0.9 if args.temperature > 0 else 1.0)
             res["acceptance"] = {"temperature": args.temperature, "new_tokens": args.accept_tokens, "gamma2": 6,
