@@ -230,7 +230,8 @@ def main(argv=None):
             eng.adopt_prefix(full, list(ids))
             samp = SamplingParams(temperature=args.temperature, top_p=0.9 if args.temperature > 0 else 1.0)
             res["acceptance"] = {"temperature": args.temperature, "new_tokens": args.accept_tokens, "gamma2": 6,
-                                 "rebuild_every": args.rebuild_every, "runs": res.get("acceptance", {}).get("runs", {})}
+                                 "rebuild_every": args.rebuild_every, "runs": res.get("acceptance", {}).get("runs", {}),
+                                 "budget_curve": res.get("acceptance", {}).get("budget_curve", {})}
             for rule in args.accept_rules:
                 runs = _acceptance(eng, ids, samp, budget, rule, args)
                 res["acceptance"]["runs"].setdefault(book, {})[rule] = runs
