@@ -11,9 +11,9 @@ hierarchy only changes how many tokens each verification emits, never their dist
     the prompt length is at least :data:`RETRIEVAL_MIN_KV_SHARE` of the target's weight bytes under greedy decoding,
     :data:`RETRIEVAL_MIN_KV_SHARE_SAMPLING` under sampling (below that its step reads nearly as many bytes as the
     target's own decode step, and under sampling its proposals are accepted less often: measured on this project's
-    CPU, SmolLM2 at T = 0.6, the retrieval tier alone ran at 0.87-0.92x plain decoding at 8K tokens, where the KV
-    cache is 0.69x the weights, and ``auto`` with it at 0.89-0.95x at 4K and 8K, the governor's probes included;
-    docs/benchmarks.md);
+    CPU, SmolLM2 at T = 0.6, the retrieval tier alone ran at 0.87-1.00x plain decoding at 8K tokens, where the KV
+    cache is 0.69x the weights, and ``auto`` with it at 0.83-0.91x at 4K and 0.91-1.02x at 8K, the governor's probes
+    included; docs/benchmarks.md);
   - the bottom tier is the one the user named (a draft model, ``ngram``, or ``self``: the target's int4 copy over
     a StreamingLLM cache; ``self`` drafts directly for the target). Without one: the model-free n-gram drafter under
     greedy decoding (it costs no forward, and greedy text repeats itself); under sampling nothing below the
