@@ -1,4 +1,5 @@
-"""csrc/attention.c (``kernels.gqa_attention_kernel``) against PyTorch's SDPA with the full KV cache's causal mask."""
+"""csrc/attention.c (``kernels.gqa_attention_kernel``) against PyTorch's SDPA with the full KV cache's causal mask;
+csrc/qlinear.c (``kernels.int8_linear``) against the fp64 product of the dequantized weights."""
 
 import pytest
 import torch
@@ -79,3 +80,37 @@ def test_row_does_not_depend_on_block(nh, nkv, hs, t):
     for i in range(t):  # token i of the block sees keys [0, n - t + i]
         alone = kernels.gqa_attention_kernel(q[:, :, i:i + 1], k, v, n - t + 1 + i)
         assert torch.equal(block[:, :, i:i + 1], alone)
+
+
+linear_kernels = pytest.mark.skipif(kernels.linear_status().startswith("unavailable"),
+                                 reason=f"linear kernels {kernels.linear_status()}")
+
+
+@linear_kernels
+@pytest.mark.parametrize("out,n_in", [(960, 576), (3072, 576), (576, 1536), (37, 23), (5, 16), (130, 48)])
+def test_int8_kernel_matches_fp64_and_rows_are_independent(out, n_in):
+    """Every row count up to LINEAR_MAX_ROWS: within fp32 rounding of the exact product, and each row bit-identical to
+    the same row computed alone (a decode step equals its row in a verification block)."""
+    g = torch.Generator().manual_seed(out)
+    q = torch.randint(-127, 128, (out, n_in), dtype=torch.int8, generator=g)
+    scale = torch.rand(out, generator=g) * 0.02
+    x = torch.randn(kernels.LINEAR_MAX_ROWS, n_in, generator=g)
+    exact = x.double() @ (q.double() * scale.double()[:, None]).T  # (M, out)
+    alone = torch.cat([kernels.int8_linear(x[i:i + 1], q, scale) for i in range(len(x))])
+    for m in (1, 2, 3, 4, 5, 7, 8, kernels.LINEAR_MAX_ROWS):
+        y = kernels.int8_linear(x[:m], q, scale)
+        assert y is not None and y.shape == (m, out) and y.dtype == torch.float32
+        bound = (x[:m].double().abs() @ (q.double().abs() * scale.double()[:, None]).T) * n_in * 2 ** -24 + 1e-30
+        assert torch.all((y.double() - exact[:m]).abs() <= bound)
+        assert torch.equal(y, alone[:m])
+
+
+@linear_kernels
+def test_int8_kernel_declines_what_it_does_not_handle():
+    q, s = torch.zeros(8, 32, dtype=torch.int8), torch.ones(8)
+    assert kernels.int8_linear(torch.randn(kernels.LINEAR_MAX_ROWS + 1, 32), q, s) is None  # too many rows: PyTorch's op
+    assert kernels.int8_linear(torch.randn(1, 32, dtype=torch.bfloat16), q, s) is None  # bf16 activations
+    assert kernels.int8_linear(torch.randn(1, 31), q, s) is None  # in differs
+    assert kernels.int8_linear(torch.randn(1, 32), q, torch.ones(7)) is None  # one scale per output
+    assert kernels.int8_linear(torch.randn(1, 32), q.T.contiguous().T, s) is None  # not contiguous
+    assert kernels.int8_linear(torch.randn(0, 32), q, s) is None  # no rows

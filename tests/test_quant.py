@@ -21,7 +21,7 @@ def _linear(k=64, n=48, seed=0):
     return lin
 
 
-def test_int8_linear_error_within_quantization_bound():
+def test_int8_linear_error_within_quantization_bound(monkeypatch):
     lin = _linear()
     q = Int8Linear(lin)
     x = torch.randn(5, 64)
@@ -32,6 +32,10 @@ def test_int8_linear_error_within_quantization_bound():
     bound = x.abs().sum(1, keepdim=True) * scale[None] / 2 + (x.abs() @ w.abs().T) * 2 ** -7 + ref.abs() * 2 ** -7
     assert torch.all((q(x) - ref).abs() <= bound + 1e-6)
     assert (q(x) - ref).abs().max() > 0  # it really is quantized
+    ours = q(x)  # our kernel where the CPU has AVX-512, else PyTorch's op
+    monkeypatch.setattr("triforce.quant.int8_linear", lambda *a: None)  # PyTorch's op (bf16 activations)
+    assert torch.all((q(x) - ref).abs() <= bound + 1e-6)
+    assert torch.allclose(q(x), ours, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
     slow = Int8Linear(lin)
     slow.fast = False  # the dequantizing fallback computes the same product
     assert torch.allclose(slow(x), q(x), rtol=2e-2, atol=2e-2 * ref.abs().max().item())

@@ -24,6 +24,24 @@ def test_logits_to_probs_matches_transformers_warpers(temperature, top_p, top_k)
     assert ours.dtype == torch.float32
 
 
+@pytest.mark.parametrize("scale", [8.0, 0.05])  # peaked rows (nucleus among the top-k candidates), flat (sort path)
+def test_top_p_on_a_large_vocabulary_matches_transformers(scale):
+    """Rows of a 49,152-token vocabulary: the candidates path and the sort fallback give transformers' nucleus."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from triforce.sampling import NUCLEUS_CANDIDATES
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 49152, generator=gen) * scale
+    logits[0] = torch.randn(49152, generator=gen) * 0.05  # one flat row among peaked ones: both paths in one call
+    ref = torch.softmax(TopPLogitsWarper(0.9)(None, (logits / 0.6).clone()), -1)
+    ours = logits_to_probs(logits, SamplingParams(0.6, 0.9, 0))
+    assert torch.equal(ours > 0, ref > 0)
+    assert torch.allclose(ours, ref, atol=1e-6)
+    kept = (ours > 0).sum(-1)
+    assert (kept[1:] < NUCLEUS_CANDIDATES).all() if scale > 1 else (kept > NUCLEUS_CANDIDATES).all()
+
+
 def test_greedy_is_one_hot_on_first_argmax():
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0]], dtype=torch.bfloat16)
     probs = logits_to_probs(logits, SamplingParams(temperature=0))

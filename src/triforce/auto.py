@@ -44,10 +44,12 @@ from .sampling import SamplingParams
 
 #: a retrieval tier goes into the hierarchy when the full KV cache is at least this share of the weights' bytes
 RETRIEVAL_MIN_KV_SHARE = 0.25
-#: the same under sampling, where fewer proposals are accepted (module docstring: measured not to pay at 0.69)
-RETRIEVAL_MIN_KV_SHARE_SAMPLING = 1.0
+#: the same under sampling, where fewer proposals are accepted (module docstring: measured at 0.69 and 0.34)
+RETRIEVAL_MIN_KV_SHARE_SAMPLING = 0.5
 #: retrieval budget of the auto plan: this share of the prompt, between the bounds below (paper: 4096 of 120K)
 RETRIEVAL_BUDGET_SHARE = 1 / 4
+#: the same under sampling: a smaller cache, since each proposal's step reads it (module docstring)
+RETRIEVAL_BUDGET_SHARE_SAMPLING = 1 / 8
 RETRIEVAL_BUDGET_BOUNDS = (256, 4096)
 
 
@@ -86,7 +88,8 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
         gamma1, gamma2: proposals per verification of the bottom and the middle tier.
         chunk_size: retrieval chunk size.
         max_budget: the most retrieval slots (``SpeculationConfig.budget``; the budget is
-            :data:`RETRIEVAL_BUDGET_SHARE` of the prompt within :data:`RETRIEVAL_BUDGET_BOUNDS` and this).
+            :data:`RETRIEVAL_BUDGET_SHARE` of the prompt, :data:`RETRIEVAL_BUDGET_SHARE_SAMPLING` under sampling,
+            within :data:`RETRIEVAL_BUDGET_BOUNDS` and this).
 
     Returns:
         :class:`AutoPlan`.
@@ -94,7 +97,8 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
     kv = kv_bytes(cfg, prompt_tokens, kv_dtype)
     share = kv / max(1, weight_bytes)
     lo, hi = RETRIEVAL_BUDGET_BOUNDS
-    budget = int(min(hi, max_budget, max(lo, prompt_tokens * RETRIEVAL_BUDGET_SHARE)))
+    budget_share = RETRIEVAL_BUDGET_SHARE if sampling.greedy else RETRIEVAL_BUDGET_SHARE_SAMPLING
+    budget = int(min(hi, max_budget, max(lo, prompt_tokens * budget_share)))
     budget = max(budget, chunk_size + gamma2 + 3)
     sizes = f"KV cache {kv / 2**20:.0f} MiB = {share:.2f} x the weights' {weight_bytes / 2**20:.0f} MiB"
     if bottom is None:

@@ -1,4 +1,7 @@
-"""Our CPU attention kernel for the verifier's full KV cache, built on first use, with PyTorch's SDPA as fallback.
+"""Our CPU kernels, built on first use, each with PyTorch's op as fallback: attention over the verifier's full KV
+cache (``csrc/attention.c``, SDPA otherwise) and products of a few activation rows with a weight matrix stored
+(out, in) (``csrc/qlinear.c``): the lower tiers' int8 weight-only projections (``aten._weight_int8pack_mm``
+otherwise).
 
 A decode step of the verifier attends g query rows per KV head (grouped-query attention, g = nh / nkv) over the
 whole cache: at 8K tokens the keys and values of SmolLM2 are 369 MB a step, read by PyTorch's CPU SDPA at about
@@ -12,6 +15,11 @@ The kernel is C with AVX2/FMA intrinsics and OpenMP, compiled once per machine w
 loaded, so both share one OpenMP thread pool. Feature detection with a fallback: where there is no compiler, no
 AVX2/FMA, the build fails, or ``TRIFORCE_ATTENTION_KERNEL=0`` is set, :func:`gqa_attention_kernel` returns None and
 the caller uses SDPA (``status()`` says which and why).
+
+The linear kernel (:func:`int8_linear`) streams each int8 weight row once for up to :data:`LINEAR_MAX_ROWS`
+activation rows and dequantises 16 weights per AVX-512 vector, 1.4-1.7x faster than ``aten._weight_int8pack_mm``
+over SmolLM2's weights on this project's CPU (``bench/qlinear.py``, docs/benchmarks.md). They need AVX-512 (F, BW, VL); where the CPU lacks it, or ``TRIFORCE_LINEAR_KERNEL=0`` is set,
+they return None (``linear_status()`` says why).
 """
 
 from __future__ import annotations
@@ -29,46 +37,60 @@ from pathlib import Path
 
 import torch
 
-#: environment variable: "0" turns the kernel off (SDPA everywhere)
+#: environment variable: "0" turns the attention kernel off (SDPA everywhere)
 ENV_SWITCH = "TRIFORCE_ATTENTION_KERNEL"
+#: environment variable: "0" turns the linear kernels off (PyTorch's products everywhere)
+LINEAR_ENV_SWITCH = "TRIFORCE_LINEAR_KERNEL"
 #: compiler flags; the build is cached per (source, flags, compiler) hash
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+#: the linear kernels' flags (AVX-512 foundation, byte/word and 128/256-bit forms for the masked tail)
+LINEAR_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp", "-shared", "-fPIC")
+#: most activation rows of one linear kernel call (a decode step or a lower tier's block; prefill takes PyTorch's op)
+LINEAR_MAX_ROWS = 16
 #: largest head_dim the kernel handles (checked in the C file)
 MAX_HEAD_DIM = 256
 #: keys per work item, whatever the block: the same chunks for a decode step and a verification block, so a query
 #: row's result does not depend on the rows beside it (each thread's scores of a chunk: rows * CHUNK floats)
 CHUNK = 256
-_SOURCE = Path(__file__).with_name("csrc") / "attention.c"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCE = _CSRC / "attention.c"
 
 _lock = threading.Lock()
 _fn = None  # the ctypes function once loaded
 _status = "not loaded"
+_linear_fns: dict = {}  # "int8": the ctypes function once loaded
+_linear_status = "not loaded"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
 
 
 def _cpu_has_avx2_fma() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags
+    return {"avx2", "fma"} <= _cpu_flags()
 
 
-def _build(out_dir: Path) -> Path:
-    """Compile ``csrc/attention.c`` into ``out_dir`` (atomic rename, so concurrent builders never see half a file)."""
+def _build(out_dir: Path, source_path: Path = _SOURCE, cflags: tuple[str, ...] = CFLAGS) -> Path:
+    """Compile ``source_path`` with ``cflags`` into ``out_dir`` (atomic rename, so concurrent builders never see half a
+    file); a build is kept per (source, flags, compiler) hash."""
     cc = shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
     if not cc:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((*cc, *CFLAGS)).encode()).hexdigest()[:16]
-    lib = out_dir / f"attention-{key}.so"
+    source = source_path.read_bytes()
+    key = hashlib.sha256(source + " ".join((*cc, *cflags)).encode()).hexdigest()[:16]
+    lib = out_dir / f"{source_path.stem}-{key}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        run = subprocess.run([*cc, *CFLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=120)
+        run = subprocess.run([*cc, *cflags, "-o", tmp, str(source_path), "-lm"], capture_output=True, text=True,
+                             timeout=120)
         if run.returncode != 0:
             raise RuntimeError(f"{' '.join(cc)} failed: {run.stderr.strip()[-500:]}")
         os.replace(tmp, lib)
@@ -151,3 +173,79 @@ def gqa_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_ke
     rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), scratch.data_ptr(), b, nkv, rows, t, hs,
             k.stride(0), k.stride(1), n_keys, chunk, 1.0 / math.sqrt(hs), threads)
     return out if rc == 0 else None
+
+
+def _load_linear(kind: str):
+    """Build (once per machine) and load ``csrc/qlinear.c``; its ``kind`` function (``int8``), or None with
+    ``_linear_status`` saying why the kernels are unavailable."""
+    global _linear_status
+    with _lock:
+        if _linear_fns or _linear_status != "not loaded":
+            return _linear_fns.get(kind)
+        if os.environ.get(LINEAR_ENV_SWITCH, "1") == "0":
+            _linear_status = f"off ({LINEAR_ENV_SWITCH}=0)"
+            return None
+        if not {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags():
+            _linear_status = "unavailable: the CPU has no AVX-512 (F, BW, VL)"
+            return None
+        try:
+            from .download import cache_dir
+
+            lib = ctypes.CDLL(str(_build(cache_dir() / "kernels", _CSRC / "qlinear.c", LINEAR_CFLAGS)))
+            fns = {"int8": lib.triforce_int8_linear}
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+            _linear_status = f"unavailable: {e}"
+            return None
+        for fn in fns.values():
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+        _linear_fns.update(fns)
+        _linear_status = "on (csrc/qlinear.c, AVX-512)"
+        return _linear_fns[kind]
+
+
+def linear_status() -> str:
+    """'on (...)', 'off (...)' or 'unavailable: <reason>' for the linear kernels (loads them if nobody has yet)."""
+    _load_linear("int8")
+    return _linear_status
+
+
+def _few_rows(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``x`` (M, in) fp32 times ``w`` (out, in) of ``dtype`` is a product the linear kernels take."""
+    return (x.dim() == 2 and w.dim() == 2 and x.device.type == "cpu" and w.device.type == "cpu"
+            and x.dtype == torch.float32 and w.dtype == dtype and x.shape[1] == w.shape[1] and w.shape[0] >= 1
+            and 1 <= x.shape[0] <= LINEAR_MAX_ROWS and w.is_contiguous())
+
+
+def _call(kind: str, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor | None:
+    fn = _load_linear(kind)
+    if fn is None:
+        return None
+    x = x.contiguous()
+    m, n_in = x.shape
+    y = torch.empty(m, w.shape[0], dtype=torch.float32)
+    rc = fn(x.data_ptr(), w.data_ptr(), scale.data_ptr() if scale is not None else None, y.data_ptr(), m, n_in,
+            w.shape[0], torch.get_num_threads())
+    return y if rc == 0 else None
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """Weight-only int8 product ``y = x (scale * q)^T`` for a few rows, or None where the kernel does not apply.
+
+    The scheme of :class:`~triforce.quant.Int8Linear` (one scale per output channel, gpt-fast's and torchao's int8
+    weight-only scheme), computed by ``csrc/qlinear.c`` in fp32: each output's sum in the same order whatever the
+    other rows, so a row's result does not depend on the rows beside it.
+
+    Args:
+        x: (M, in) fp32 activations, 1 <= M <= :data:`LINEAR_MAX_ROWS`.
+        q: (out, in) int8 weights, contiguous.
+        scale: (out,) fp32 scales, contiguous.
+
+    Returns:
+        (M, out) fp32, or None when the kernel does not apply (not CPU, other dtypes or shapes, more rows, the kernel
+        unavailable): the caller then uses PyTorch's op.
+    """
+    if not _few_rows(x, q, torch.int8) or scale.dim() != 1 or scale.dtype != torch.float32 \
+            or scale.shape[0] != q.shape[0] or not scale.is_contiguous():
+        return None
+    return _call("int8", x, q, scale)

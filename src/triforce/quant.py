@@ -6,9 +6,11 @@ arXiv 2404.11912, Sec. 4: tier 1 only has to be close to the target). The verifi
 output distribution.
 
 * ``int8``: weight-only, symmetric, per output channel (``w ~= scale[o] * q[o, i]`` with ``q`` in [-127, 127],
-  ``scale = max_i |w[o, i]| / 127``), as in gpt-fast's and torchao's int8 weight-only schemes. The matmul is
-  PyTorch's own ``aten._weight_int8pack_mm`` (bf16 activations, int8 weights, fp32 accumulation) where the device
-  has it; elsewhere ``x @ (q * scale)^T`` dequantized on the fly (feature detection with a fallback).
+  ``scale = max_i |w[o, i]| / 127``), as in gpt-fast's and torchao's int8 weight-only schemes. With fp32
+  activations and at most ``kernels.LINEAR_MAX_ROWS`` rows (decode steps and proposal blocks) the matmul is our
+  AVX-512 kernel (``kernels.int8_linear``, fp32 activations and scales); otherwise PyTorch's own
+  ``aten._weight_int8pack_mm`` (bf16 activations, int8 weights, fp32 accumulation) where the device has it, and
+  elsewhere ``x @ (q * scale)^T`` dequantized on the fly (feature detection with a fallback at every step).
 * ``int4``: weight-only, asymmetric, group-wise along the input dimension (groups of :data:`INT4_GROUP` inputs:
   ``w ~= (q - 8) * scale[g, o] + zero[g, o]`` with ``q`` in [0, 15]), the scheme of gpt-fast's and torchao's
   int4 weight-only quantization and of QuantSpec's self-speculative draft (Tiwari et al., arXiv 2502.10424). The
@@ -27,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .defaults import LOWER_WEIGHTS
+from .kernels import int8_linear
 from .model import Linear, Transformer
 
 #: inputs per int4 quantization group (a projection whose input size it does not divide keeps int8)
@@ -51,7 +54,8 @@ class Int8Linear(nn.Module):
         linear: the :class:`~triforce.model.Linear` to quantize (its ``weight_t`` is (in, out)).
 
     Attributes:
-        q: (out, in) int8. scale: (out,) bf16. bias: (out,) in the source dtype, or None.
+        q: (out, in) int8. scale: (out,) bf16 (PyTorch's op). scale_f32: (out,) fp32 (our kernel). bias: (out,) in the
+        source dtype, or None.
     """
 
     def __init__(self, linear: Linear) -> None:
@@ -61,12 +65,17 @@ class Int8Linear(nn.Module):
         self.q = nn.Parameter(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous(),
                               requires_grad=False)
         self.scale = nn.Parameter(scale.to(torch.bfloat16), requires_grad=False)
+        self.scale_f32 = nn.Parameter(scale.contiguous(), requires_grad=False)
         self.bias = linear.bias
         self.fast = _int8pack_supported(self.q.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, in)
+        y = int8_linear(x2, self.q, self.scale_f32)  # None where our kernel does not apply
+        if y is not None:
+            y = y.reshape(*shape[:-1], -1)
+            return y + self.bias if self.bias is not None else y
         if self.fast:
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.q, self.scale)
         else:

@@ -66,13 +66,51 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        remove_sorted = cumulative <= 1 - params.top_p
-        remove_sorted[..., -1] = False  # always keep the most likely token
-        remove = remove_sorted.scatter(-1, order, remove_sorted)
-        logits = logits.masked_fill(remove, float("-inf"))
+        return _nucleus(logits, params.top_p)
     return torch.softmax(logits, dim=-1)
+
+
+#: candidates the nucleus is looked for among first (``torch.topk``); rows whose nucleus is larger sort everything
+NUCLEUS_CANDIDATES = 128
+
+
+def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p (nucleus) sampling's distribution: softmax over the smallest set of most likely tokens with mass >= top_p.
+
+    The rule of transformers' ``TopPLogitsWarper`` (Holtzman et al., arXiv 1904.09751): sorted ascending, a token is
+    removed when the cumulative mass up to and including it is <= 1 - top_p, the most likely token always kept;
+    equivalently, a token stays iff the mass of the tokens ranked above it is < top_p. A full sort of SmolLM2's
+    49,152 logits took 16 ms for a 7-row verification block on this project's CPU (6 ms per generated token at
+    T = 0.6 in the retrieval mode). The nucleus is almost always among the :data:`NUCLEUS_CANDIDATES` most likely
+    tokens, so those are found with ``torch.topk`` and renormalised; only rows where they hold less than ``top_p``
+    sort their whole vocabulary. Rounding at the boundary may differ from transformers' in the last bit of the
+    cumulative mass; every tier applies this same function, so the verified distribution is the one it defines.
+
+    Args:
+        logits: (..., V) fp32, already divided by the temperature (and top-k masked with -inf).
+        top_p: nucleus mass in (0, 1).
+
+    Returns:
+        (..., V) fp32 probabilities summing to 1, zero outside the nucleus.
+    """
+    shape = logits.shape
+    logits = logits.reshape(-1, shape[-1])  # (N, V)
+    probs = torch.softmax(logits, dim=-1)
+    top, order = torch.topk(probs, min(NUCLEUS_CANDIDATES, shape[-1]), dim=-1)  # (N, k) descending
+    keep = (top.cumsum(-1) - top) < top_p  # the mass ranked above each candidate is below top_p
+    keep[:, 0] = True  # the most likely token always stays
+    kept = top * keep
+    out = torch.zeros_like(probs).scatter_(-1, order, kept / kept.sum(-1, keepdim=True))
+    found = top.sum(-1) >= top_p  # (N,): every token outside the candidates has mass >= top_p above it
+    if not bool(found.all()):
+        rows = (~found).nonzero().squeeze(-1)
+        sub = logits[rows]
+        sorted_logits, order_all = torch.sort(sub, dim=-1, descending=False)
+        remove_sorted = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+        remove_sorted[:, -1] = False  # always keep the most likely token
+        remove = remove_sorted.scatter(-1, order_all, remove_sorted)
+        out[rows] = torch.softmax(sub.masked_fill(remove, float("-inf")), dim=-1)
+    return out.reshape(shape)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

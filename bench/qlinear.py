@@ -1,0 +1,79 @@
+"""The lower tiers' int8 weight-only products: our AVX-512 kernel against PyTorch's op, over a whole model's weights.
+
+    python bench/qlinear.py --threads 2 --reps 9 --out bench/results/qlinear.json
+
+For SmolLM2-135M's projection shapes (30 layers of qkv 576->960, o 576->576, gate/up 576->3072, down 1536->576,
+and the 576->49,152 LM head: 135 MB of int8 weights), every matrix distinct, so a sweep reads them from memory as a
+decode step does (not from cache): ``kernels.int8_linear`` (``csrc/qlinear.c``), ``aten._weight_int8pack_mm``
+(bf16 activations; what ``quant.Int8Linear`` ran before the kernel), and the fp32 products of the same shapes: MKL's
+(``x @ W``, W (in, out): the verifier's decode step) and oneDNN's with packed weights (the verifier's multi-token
+passes), for 1, 5 and 7 activation rows (a decode step, a
+retrieval tier's 5-token block, a 7-token verification). Interleaved repetitions, medians; GB/s is weight bytes read per second. Random weights: timing
+only (``tests/test_kernels.py`` checks the values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+import torch
+from common import add_run_options, emit_json  # noqa: E402  (bench/common.py, beside this script)
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]  # (out, in), SmolLM2-135M
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_options(p, None, reps=9, sampling=False, out_help="write the JSON there")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from triforce import kernels
+
+    gen = torch.Generator().manual_seed(0)
+    qs = [torch.randint(-127, 128, s, dtype=torch.int8, generator=gen) for s in SHAPES]
+    scales = [torch.rand(s[0], generator=gen) * 0.01 for s in SHAPES]
+    scales_bf16 = [s.to(torch.bfloat16) for s in scales]
+    weights = [torch.randn(s[1], s[0], generator=gen) for s in SHAPES]  # fp32, (in, out)
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w.T.contiguous(), None) for w in weights]  # oneDNN's
+    int8_bytes = sum(q.numel() for q in qs)
+    rows_out = []
+    for rows in (1, 5, 7):
+        x = {n: torch.randn(rows, n, generator=gen) for n in (576, 1536)}
+        xb = {n: v.to(torch.bfloat16) for n, v in x.items()}
+        kinds = {
+            "ours_int8": (lambda: [kernels.int8_linear(x[q.shape[1]], q, s) for q, s in zip(qs, scales)], int8_bytes),
+            "aten_int8": (lambda: [torch.ops.aten._weight_int8pack_mm(xb[q.shape[1]], q, s)
+                                   for q, s in zip(qs, scales_bf16)], int8_bytes),
+            "fp32_mkl": (lambda: [x[w.shape[0]] @ w for w in weights], 4 * int8_bytes),
+            "fp32_onednn": (lambda: [torch.ops.mkldnn._linear_pointwise(x[w.shape[0]], p, None, "none", [], "")
+                                     for w, p in zip(weights, packed)], 4 * int8_bytes),
+        }
+        times = {k: [] for k in kinds}
+        for k, (fn, _) in kinds.items():  # warm-up
+            fn()
+        for rep in range(args.reps):
+            names = list(kinds)
+            names = names[rep % len(names):] + names[:rep % len(names)]
+            for k in names:
+                t0 = time.perf_counter()
+                kinds[k][0]()
+                times[k].append(time.perf_counter() - t0)
+        row = {"rows": rows}
+        for k, (_, nbytes) in kinds.items():
+            med = statistics.median(times[k])
+            row[k] = {"ms": round(1e3 * med, 3), "GB_per_s": round(nbytes / med / 1e9, 2),
+                      "min_ms": round(1e3 * min(times[k]), 3), "max_ms": round(1e3 * max(times[k]), 3)}
+        row["int8_ours_speedup_over_aten"] = round(row["aten_int8"]["ms"] / row["ours_int8"]["ms"], 3)
+        rows_out.append(row)
+    out = {"threads": args.threads, "reps": args.reps, "int8_kernel": kernels.linear_status(),
+           "weights_MB_int8": round(int8_bytes / 1e6, 1), "shapes": "SmolLM2-135M (30 layers + LM head)",
+           "results": rows_out}
+    emit_json(out, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
