@@ -10,7 +10,9 @@ once for all rows of its head, split into key chunks that every thread shares (f
 chunks with the log-sum-exp rule (see the C file's header for the equations and sources). Measured by
 ``bench/attention_kernel.py`` (docs/benchmarks.md, "Attention kernel").
 
-The kernel is C with AVX2/FMA intrinsics and OpenMP, compiled once per machine with the system C compiler
+The kernel is C with AVX2/FMA intrinsics (and an AVX-512 path for head sizes that are multiples of 16, built where
+the CPU has AVX-512: 16 lanes, the values' weighted sum for 6 query rows at once) and OpenMP, compiled once per
+machine with the system C compiler
 (``cc``, ``$CC`` overrides) into ``<triforce cache>/kernels/``; the library links the ``libgomp`` torch already
 loaded, so both share one OpenMP thread pool. Feature detection with a fallback: where there is no compiler, no
 AVX2/FMA, the build fails, or ``TRIFORCE_ATTENTION_KERNEL=0`` is set, :func:`gqa_attention_kernel` returns None and
@@ -115,7 +117,8 @@ def _load():
         try:
             from .download import cache_dir
 
-            lib = ctypes.CDLL(str(_build(cache_dir() / "kernels")))
+            wide = {"avx512f"} <= _cpu_flags()  # the AVX-512 path of csrc/attention.c (head sizes multiple of 16)
+            lib = ctypes.CDLL(str(_build(cache_dir() / "kernels", _SOURCE, CFLAGS + (("-mavx512f",) if wide else ()))))
             fn = lib.triforce_gqa_attention
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
             _status = f"unavailable: {e}"
@@ -123,7 +126,7 @@ def _load():
         fn.restype = ctypes.c_int
         fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
                        + [ctypes.c_float, ctypes.c_int])
-        _fn, _status = fn, "on (csrc/attention.c, AVX2)"
+        _fn, _status = fn, f"on (csrc/attention.c, {'AVX-512' if wide else 'AVX2'})"
         return _fn
 
 

@@ -95,6 +95,161 @@ static inline __attribute__((always_inline)) void pv(const float* p, const float
     for (int e = 0; e < NV; ++e) _mm256_storeu_ps(a + 8 * e, o[e]);
 }
 
+#ifdef __AVX512F__
+/* The AVX-512 path (built where the CPU has AVX-512, used for head sizes that are multiples of 16): 16 lanes, 4 query
+ * rows per score step, and the weighted sum of values for up to 6 rows at once, so each value row is loaded once for
+ * all of them. A row's operations are still the same whatever the rows beside it (each score in one fixed order; the
+ * weighted sum over keys j in order, rows past their last visible key adding exact zeros). */
+
+/* exp8's polynomial on 16 lanes: the same value in every lane as exp8 gives */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+static inline __m256 half_sum(__m512 a) {  /* lanes i and i + 8 added: 16 partial sums to 8 */
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+/* scores() on 16 lanes, up to 4 rows (NR a constant after inlining) */
+static inline __attribute__((always_inline)) void scores16(const float* Q, const int NR, const float* K, int n,
+                                                           int hs, float scale, float* s, int ld) {
+    const __m128 sc = _mm_set1_ps(scale);
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        __m512 a[4][4];
+        for (int i = 0; i < NR; ++i)
+            for (int u = 0; u < 4; ++u) a[i][u] = _mm512_setzero_ps();
+        const float* kj = K + (int64_t)j * hs;
+        for (int d = 0; d < hs; d += 16) {
+            __m512 qq[4];
+            for (int i = 0; i < NR; ++i) qq[i] = _mm512_loadu_ps(Q + i * hs + d);
+            for (int u = 0; u < 4; ++u) {
+                __m512 kk = _mm512_loadu_ps(kj + u * hs + d);
+                for (int i = 0; i < NR; ++i) a[i][u] = _mm512_fmadd_ps(qq[i], kk, a[i][u]);
+            }
+        }
+        for (int i = 0; i < NR; ++i)
+            _mm_storeu_ps(s + i * ld + j, _mm_mul_ps(hsum4(half_sum(a[i][0]), half_sum(a[i][1]), half_sum(a[i][2]),
+                                                           half_sum(a[i][3])), sc));
+    }
+    for (; j < n; ++j) {
+        const float* kj = K + (int64_t)j * hs;
+        for (int i = 0; i < NR; ++i) {
+            __m512 a0 = _mm512_setzero_ps();
+            for (int d = 0; d < hs; d += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(Q + i * hs + d), _mm512_loadu_ps(kj + d), a0);
+            const __m256 h = half_sum(a0);
+            s[i * ld + j] = _mm_cvtss_f32(hsum4(h, h, h, h)) * scale;  /* the 4-key path's order of additions */
+        }
+    }
+}
+
+/* A[b][0 : 16 NE) = sum_j P[b][j] V_j[0 : 16 NE) for NB (<= 6) rows over keys [0, n): each value vector loaded once */
+static inline __attribute__((always_inline)) void pv16(const float* P, int ldp, const int NB, const float* V, int n,
+                                                       int hs, const int NE, float* A, int lda) {
+    __m512 o[6][4];
+    for (int b = 0; b < NB; ++b)
+        for (int e = 0; e < NE; ++e) o[b][e] = _mm512_setzero_ps();
+    for (int j = 0; j < n; ++j) {
+        __m512 v[4];
+        for (int e = 0; e < NE; ++e) v[e] = _mm512_loadu_ps(V + (int64_t)j * hs + 16 * e);
+        for (int b = 0; b < NB; ++b) {
+            const __m512 pj = _mm512_set1_ps(P[(int64_t)b * ldp + j]);
+            for (int e = 0; e < NE; ++e) o[b][e] = _mm512_fmadd_ps(pj, v[e], o[b][e]);
+        }
+    }
+    for (int b = 0; b < NB; ++b)
+        for (int e = 0; e < NE; ++e) _mm512_storeu_ps(A + (int64_t)b * lda + 16 * e, o[b][e]);
+}
+
+#define PV16_ROWS(NB)                                                                                              \
+    for (int e0 = 0; e0 < nv; e0 += 4) {                                                                           \
+        const int ne = nv - e0 < 4 ? nv - e0 : 4;                                                                  \
+        const float* P = sbuf + (int64_t)r0 * n;                                                                   \
+        float* A = acc + (int64_t)r0 * hs + 16 * e0;                                                               \
+        if (ne == 4) pv16(P, n, NB, V + 16 * e0, kmax, hs, 4, A, hs);                                              \
+        else if (ne == 3) pv16(P, n, NB, V + 16 * e0, kmax, hs, 3, A, hs);                                         \
+        else if (ne == 2) pv16(P, n, NB, V + 16 * e0, kmax, hs, 2, A, hs);                                         \
+        else pv16(P, n, NB, V + 16 * e0, kmax, hs, 1, A, hs);                                                      \
+    }
+
+/* chunk_item() on the AVX-512 path (hs a multiple of 16) */
+static void chunk_item16(const float* Q, const float* K, const float* V, int R, int T, int hs, int j0, int n,
+                         int last0, float scale, float* acc, float* mrow, float* lrow, float* sbuf) {
+    const int nmax = last0 + T - j0 < n ? last0 + T - j0 : n;  /* keys the last token's rows see */
+    for (int r0 = 0; nmax > 0 && r0 < R; r0 += 4) {
+        const int nr = R - r0 < 4 ? R - r0 : 4;
+        if (nr == 4) scores16(Q + (int64_t)r0 * hs, 4, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n);
+        else if (nr == 3) scores16(Q + (int64_t)r0 * hs, 3, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n);
+        else if (nr == 2) scores16(Q + (int64_t)r0 * hs, 2, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n);
+        else scores16(Q + (int64_t)r0 * hs, 1, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n);
+    }
+    for (int r = 0; r < R; ++r) {  /* softmax numerators in place; zeros past the row's last visible key */
+        const int nvis = last0 + r % T - j0 + 1 < n ? last0 + r % T - j0 + 1 : n;  /* causal: keys <= last0 + i */
+        float* s = sbuf + (int64_t)r * n;
+        if (nvis <= 0) {
+            mrow[r] = -INFINITY;
+            lrow[r] = 0.f;
+            for (int j = 0; j < nmax; ++j) s[j] = 0.f;
+            continue;
+        }
+        __m512 m16 = _mm512_set1_ps(-INFINITY);  /* the maximum: the same whatever the order */
+        int j = 0;
+        for (; j + 16 <= nvis; j += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(s + j));
+        float m = _mm512_reduce_max_ps(m16);
+        for (; j < nvis; ++j) m = s[j] > m ? s[j] : m;
+        const __m512 mm = _mm512_set1_ps(m);
+        __m512 l16 = _mm512_setzero_ps();
+        for (j = 0; j + 16 <= nvis; j += 16) {
+            __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mm));
+            _mm512_storeu_ps(s + j, p);
+            l16 = _mm512_add_ps(l16, p);
+        }
+        float l = _mm512_reduce_add_ps(l16);
+        for (; j < nvis; ++j) {
+            s[j] = expf(s[j] - m);
+            l += s[j];
+        }
+        for (j = nvis; j < nmax; ++j) s[j] = 0.f;
+        mrow[r] = m;
+        lrow[r] = l;
+    }
+    const int nv = hs / 16;
+    for (int r0 = 0; r0 < R; r0 += 6) {  /* 6 rows at a time, over the keys the block's last row sees */
+        const int nb = R - r0 < 6 ? R - r0 : 6;
+        int kmax = 0;
+        for (int r = r0; r < r0 + nb; ++r) {
+            const int nvis = last0 + r % T - j0 + 1 < n ? last0 + r % T - j0 + 1 : n;
+            kmax = nvis > kmax ? nvis : kmax;
+        }
+        if (kmax <= 0) {
+            memset(acc + (int64_t)r0 * hs, 0, (size_t)nb * hs * sizeof(float));
+            continue;
+        }
+        switch (nb) {
+            case 6: PV16_ROWS(6) break;
+            case 5: PV16_ROWS(5) break;
+            case 4: PV16_ROWS(4) break;
+            case 3: PV16_ROWS(3) break;
+            case 2: PV16_ROWS(2) break;
+            default: PV16_ROWS(1) break;
+        }
+    }
+}
+#endif
+
 /* One (batch, head, chunk) work item: for every row, its chunk maximum m, sum l and unnormalised output a. */
 static void chunk_item(const float* Q, const float* K, const float* V, int R, int T, int hs, int j0, int n,
                        int last0, float scale, float* acc, float* mrow, float* lrow, float* sbuf) {
@@ -169,6 +324,12 @@ int triforce_gqa_attention(const float* q, const float* k, const float* v, float
             const int j0 = c * chunk, n = n_keys - j0 < chunk ? n_keys - j0 : chunk;
             const int64_t kv_off = b * bstride + h * hstride + (int64_t)j0 * hs;
             float* acc = scratch + it * item_floats;
+#ifdef __AVX512F__
+            if (hs % 16 == 0)
+                chunk_item16(q + (int64_t)bh * R * hs, k + kv_off, v + kv_off, R, T, hs, j0, n, last0, scale,
+                             acc, acc + (int64_t)R * hs, acc + (int64_t)R * hs + R, sbuf);
+            else
+#endif
             chunk_item(q + (int64_t)bh * R * hs, k + kv_off, v + kv_off, R, T, hs, j0, n, last0, scale,
                        acc, acc + (int64_t)R * hs, acc + (int64_t)R * hs + R, sbuf);
         }
