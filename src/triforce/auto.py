@@ -9,11 +9,13 @@ hierarchy only changes how many tokens each verification emits, never their dist
 
   - a retrieval tier (target weights as int8, ``budget`` slots) goes under the target when the full KV cache at
     the prompt length is at least :data:`RETRIEVAL_MIN_KV_SHARE` of the target's weight bytes under greedy decoding,
-    :data:`RETRIEVAL_MIN_KV_SHARE_SAMPLING` under sampling (below that its step reads nearly as many bytes as the
-    target's own decode step, and under sampling its proposals are accepted less often: measured on this project's
-    CPU, SmolLM2 at T = 0.6, the retrieval tier alone ran at 0.87-1.00x plain decoding at 8K tokens, where the KV
-    cache is 0.69x the weights, and ``auto`` with it at 0.83-0.91x at 4K and 0.91-1.02x at 8K, the governor's probes
-    included; docs/benchmarks.md);
+    :data:`RETRIEVAL_MIN_KV_SHARE_SAMPLING` under sampling, with a budget of :data:`RETRIEVAL_BUDGET_SHARE` of the
+    prompt (:data:`RETRIEVAL_BUDGET_SHARE_SAMPLING` under sampling). Below the threshold its step reads nearly as many
+    bytes as the target's own decode step, and under sampling its proposals are accepted less often. Measured on this
+    project's CPU (SmolLM2, T = 0.6, docs/benchmarks.md): at 8K tokens, where the KV cache is 0.69x the weights,
+    ``auto`` with a 1,000-slot retrieval tier ran at 1.18-1.43x plain decoding on three books, and the retrieval tier
+    alone at 1.39x with 1,000 slots and 1.34x with 4,096 (``bench/results/budget_sweep``, ``speed_default``); at 4K (0.34x) it
+    ran at 0.83-0.91x before this session's kernels, so 4K decodes plainly;
   - the bottom tier is the one the user named (a draft model, ``ngram``, or ``self``: the target's int4 copy over
     a StreamingLLM cache; ``self`` drafts directly for the target). Without one: the model-free n-gram drafter under
     greedy decoding (it costs no forward, and greedy text repeats itself); under sampling nothing below the

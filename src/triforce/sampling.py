@@ -80,8 +80,8 @@ def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     The rule of transformers' ``TopPLogitsWarper`` (Holtzman et al., arXiv 1904.09751): sorted ascending, a token is
     removed when the cumulative mass up to and including it is <= 1 - top_p, the most likely token always kept;
     equivalently, a token stays iff the mass of the tokens ranked above it is < top_p. A full sort of SmolLM2's
-    49,152 logits took 16 ms for a 7-row verification block on this project's CPU (6 ms per generated token at
-    T = 0.6 in the retrieval mode). The nucleus is almost always among the :data:`NUCLEUS_CANDIDATES` most likely
+    49,152 logits took 21 ms for a 7-row verification block on this project's CPU, this function 1.8 ms
+    (``bench/nucleus.py``). The nucleus is almost always among the :data:`NUCLEUS_CANDIDATES` most likely
     tokens, so those are found with ``torch.topk`` and renormalised; only rows where they hold less than ``top_p``
     sort their whole vocabulary. Rounding at the boundary may differ from transformers' in the last bit of the
     cumulative mass; every tier applies this same function, so the verified distribution is the one it defines.
