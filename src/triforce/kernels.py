@@ -60,7 +60,7 @@ _SOURCE = _CSRC / "attention.c"
 _lock = threading.Lock()
 _fn = None  # the ctypes function once loaded
 _status = "not loaded"
-_linear_fns: dict = {}  # "int8": the ctypes function once loaded
+_linear_fn = None  # csrc/qlinear.c's ctypes function once loaded
 _linear_status = "not loaded"
 
 
@@ -178,13 +178,13 @@ def gqa_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_ke
     return out if rc == 0 else None
 
 
-def _load_linear(kind: str):
-    """Build (once per machine) and load ``csrc/qlinear.c``; its ``kind`` function (``int8``), or None with
-    ``_linear_status`` saying why the kernels are unavailable."""
-    global _linear_status
+def _load_linear():
+    """Build (once per machine) and load ``csrc/qlinear.c``; its function, or None with ``_linear_status`` saying why
+    the kernel is unavailable."""
+    global _linear_fn, _linear_status
     with _lock:
-        if _linear_fns or _linear_status != "not loaded":
-            return _linear_fns.get(kind)
+        if _linear_fn is not None or _linear_status != "not loaded":
+            return _linear_fn
         if os.environ.get(LINEAR_ENV_SWITCH, "1") == "0":
             _linear_status = f"off ({LINEAR_ENV_SWITCH}=0)"
             return None
@@ -195,41 +195,20 @@ def _load_linear(kind: str):
             from .download import cache_dir
 
             lib = ctypes.CDLL(str(_build(cache_dir() / "kernels", _CSRC / "qlinear.c", LINEAR_CFLAGS)))
-            fns = {"int8": lib.triforce_int8_linear}
+            fn = lib.triforce_int8_linear
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
             _linear_status = f"unavailable: {e}"
             return None
-        for fn in fns.values():
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-        _linear_fns.update(fns)
-        _linear_status = "on (csrc/qlinear.c, AVX-512)"
-        return _linear_fns[kind]
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+        _linear_fn, _linear_status = fn, "on (csrc/qlinear.c, AVX-512)"
+        return _linear_fn
 
 
 def linear_status() -> str:
-    """'on (...)', 'off (...)' or 'unavailable: <reason>' for the linear kernels (loads them if nobody has yet)."""
-    _load_linear("int8")
+    """'on (...)', 'off (...)' or 'unavailable: <reason>' for the int8 kernel (loads it if nobody has yet)."""
+    _load_linear()
     return _linear_status
-
-
-def _few_rows(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether ``x`` (M, in) fp32 times ``w`` (out, in) of ``dtype`` is a product the linear kernels take."""
-    return (x.dim() == 2 and w.dim() == 2 and x.device.type == "cpu" and w.device.type == "cpu"
-            and x.dtype == torch.float32 and w.dtype == dtype and x.shape[1] == w.shape[1] and w.shape[0] >= 1
-            and 1 <= x.shape[0] <= LINEAR_MAX_ROWS and w.is_contiguous())
-
-
-def _call(kind: str, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor | None:
-    fn = _load_linear(kind)
-    if fn is None:
-        return None
-    x = x.contiguous()
-    m, n_in = x.shape
-    y = torch.empty(m, w.shape[0], dtype=torch.float32)
-    rc = fn(x.data_ptr(), w.data_ptr(), scale.data_ptr() if scale is not None else None, y.data_ptr(), m, n_in,
-            w.shape[0], torch.get_num_threads())
-    return y if rc == 0 else None
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
@@ -248,7 +227,16 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
         (M, out) fp32, or None when the kernel does not apply (not CPU, other dtypes or shapes, more rows, the kernel
         unavailable): the caller then uses PyTorch's op.
     """
-    if not _few_rows(x, q, torch.int8) or scale.dim() != 1 or scale.dtype != torch.float32 \
-            or scale.shape[0] != q.shape[0] or not scale.is_contiguous():
+    if (x.dim() != 2 or q.dim() != 2 or scale.dim() != 1 or x.device.type != "cpu" or q.device.type != "cpu"
+            or x.dtype != torch.float32 or q.dtype != torch.int8 or scale.dtype != torch.float32
+            or x.shape[1] != q.shape[1] or scale.shape[0] != q.shape[0] or not 1 <= x.shape[0] <= LINEAR_MAX_ROWS
+            or not q.is_contiguous() or not scale.is_contiguous()):
         return None
-    return _call("int8", x, q, scale)
+    fn = _load_linear()
+    if fn is None:
+        return None
+    x = x.contiguous()
+    m, n_in = x.shape
+    y = torch.empty(m, q.shape[0], dtype=torch.float32)
+    rc = fn(x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n_in, q.shape[0], torch.get_num_threads())
+    return y if rc == 0 else None

@@ -28,7 +28,7 @@
 #define LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p))))
 #define LOAD_I8_TAIL(k, p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8((k), (p))))
 
-/* y[m, o0 : o0 + no) for M rows (M <= ROW_BLOCK, a constant after inlining; no <= OUT_BLOCK); scale NULL: none.
+/* y[m, o0 : o0 + no) for M rows (M <= ROW_BLOCK, a constant after inlining; no <= OUT_BLOCK).
  * WT: the weight element type, LOAD / LOAD_TAIL: its loaders, LINE: weights per 64-byte cache line. */
 #define OUT_BLOCK_FN(NAME, WT, LOAD, LOAD_TAIL, LINE)                                                               \
 static inline __attribute__((always_inline)) void NAME(const float* x, const int M, int in, const WT* w,           \
@@ -61,7 +61,7 @@ static inline __attribute__((always_inline)) void NAME(const float* x, const int
     for (int u = 0; u < no; ++u)                                                                                  \
         for (int m = 0; m < M; ++m) {                                                                             \
             const float sum = _mm512_reduce_add_ps(acc[u][m]);                                                    \
-            y[(int64_t)m * out + o0 + u] = scale ? scale[o0 + u] * sum : sum;                                     \
+            y[(int64_t)m * out + o0 + u] = scale[o0 + u] * sum;                                                   \
         }                                                                                                         \
 }
 
