@@ -282,3 +282,27 @@ def test_engine_records_accepted_lengths_consistent_with_its_counters():
     hist = t["accepted_lengths"]
     assert sum(hist) == t["verifications"]
     assert sum(j * n for j, n in enumerate(hist)) == t["accepted"]
+
+
+def test_batched_cost_model_follows_the_roofline_and_magicdecs_trend():
+    """predict_batch (MagicDec, arXiv 2408.11049): at batch 1 with memory-bound steps it is Leviathan et al.'s
+    improvement factor E / (gamma c + 1); at long context the speedup grows with the batch; fully compute-bound,
+    speculation cannot pay (E / (2 gamma + 1))."""
+    from triforce.lab.costmodel import batch_step_seconds, predict_batch
+
+    # Llama-2-7B in bf16 on an A100: 13.5 GB of weights, 0.5 MB of KV per position, 13.4 GFLOP per token
+    hw = dict(weight_bytes=13.5e9, kv_bytes_per_slot=2 * 32 * 32 * 128 * 2, flops_per_row=2 * 6.7e9,
+              bandwidth=2.0e12, flops=312e12)
+    one = predict_batch(1, 32768, 3, 0.8, 512, **hw)
+    c = one["draft_step_seconds"] / one["autoregressive_step_seconds"]
+    verify_ratio = one["verify_seconds"] / one["autoregressive_step_seconds"]
+    assert abs(verify_ratio - 1) < 1e-3  # memory-bound: a 4-row pass costs a decode step
+    assert abs(one["speedup"] - expected_tokens(0.8, 3) / (3 * c + verify_ratio)) < 1e-9
+    speedups = [predict_batch(b, 32768, 3, 0.8, 512, **hw)["speedup"] for b in (1, 8, 32, 128)]
+    assert speedups == sorted(speedups) and speedups[-1] > 1.5 * speedups[0]
+    bound = predict_batch(16, 4096, 3, 0.8, 512, **dict(hw, flops=1e9))
+    assert abs(bound["speedup"] - expected_tokens(0.8, 3) / 7) < 1e-6
+    assert batch_step_seconds(2, 1, 100.0, 10, kv_bytes_per_slot=1.0, flops_per_row=1.0, bandwidth=10.0,
+                              flops=1e9) == (100 + 2 * 10) / 10
+    with pytest.raises(ValueError, match="batch"):
+        predict_batch(0, 100, 3, 0.8, 16, **hw)

@@ -413,9 +413,36 @@ def test_prompt_file_with_crlf_and_old_markers(tiny_folder, tmp_path):
 
 
 def test_a_list_of_prompts_says_how_to_pass_several(tf):
-    with pytest.raises(ValueError, match="batched generation is not supported yet; call generate / stream once per "
-                                         "prompt"):
+    with pytest.raises(ValueError, match=r"for several prompts use generate\(prompts=\[\.\.\.\]\)"):
         tf.generate(["a", "b"], max_new_tokens=2)
+
+
+def test_generate_prompts_returns_each_prompts_result_alone(tf):
+    """generate(prompts=[...]): one result per prompt, in order, each equal to the prompt generated alone (greedy;
+    texts and token ids, per-prompt max_new_tokens and specs, more prompts than max_batch)."""
+    prompts = ["Once upon a time", [5, 9, 14, 3, 22], "abc", "the quick brown fox jumps"]
+    news = [12, 7, 15, 9]
+    specs = [SpeculationConfig(), SpeculationConfig(mode="retrieval", budget=24, chunk_size=4, gamma2=3),
+             SpeculationConfig(mode="draft", drafter="ngram", gamma2=3), SpeculationConfig()]
+    greedy = SamplingParams(temperature=0)
+    alone = [tf.generate(p, max_new_tokens=n, sampling=greedy, spec=s) for p, n, s in zip(prompts, news, specs)]
+    batch = tf.generate(prompts=prompts, max_new_tokens=news, sampling=greedy, spec=specs, max_batch=3)
+    assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
+    assert [r.text for r in batch] == [r.text for r in alone]
+    assert [r.finish_reason for r in batch] == [r.finish_reason for r in alone]
+
+
+def test_generate_prompts_refuses_bad_input_naming_it(tf):
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt token ids must be in"):
+        tf.generate(prompts=["ok", [5, 10**9]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_new_tokens: a list must give one value per prompt"):
+        tf.generate(prompts=["a", "b"], max_new_tokens=[2])
+    with pytest.raises(ValueError, match="prompts must be a non-empty list"):
+        tf.generate(prompts=[])
+    with pytest.raises(ValueError, match="max_batch must be an integer >= 1"):
+        tf.generate(prompts=["a", "b"], max_batch=0)
+    with pytest.raises(ValueError, match="either prompt or prompts"):
+        tf.generate("a", prompts=["b"])
 
 
 def test_summary_says_1_token():

@@ -63,14 +63,14 @@ def _wait_healthy(url: str, proc=None, log=None, timeout: float = 90.0) -> None:
     raise RuntimeError(f"server not healthy after {timeout} s")
 
 
-@pytest.fixture(scope="module")
-def server(tiny_folder, tmp_path_factory):
-    """Base URL of a server subprocess on the tiny model (default sampling: the CLI's, temperature 0.6)."""
-    log = str(tmp_path_factory.mktemp("server") / "server.log")
+@contextlib.contextmanager
+def server_process(folder: str, log: str, *options: str):
+    """A ``triforce serve`` subprocess on ``folder`` with ``options``, its output in ``log``; yields
+    ``(base URL, process)`` once healthy and stops it after."""
     env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "triforce.serve", "--model", tiny_folder, "--host", "127.0.0.1",
-                                 "--port", "0", "--threads", "1", "--log-level", "warning"],
+        proc = subprocess.Popen([sys.executable, "-m", "triforce.serve", "--model", folder, "--host", "127.0.0.1",
+                                 "--port", "0", "--threads", "1", "--log-level", "warning", *options],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         url = None
@@ -85,9 +85,16 @@ def server(tiny_folder, tmp_path_factory):
                 time.sleep(0.1)
         assert url, open(log).read()
         _wait_healthy(url, proc, log)
-        yield url
+        yield url, proc
     finally:
         stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_folder, tmp_path_factory):
+    """Base URL of a server subprocess on the tiny model (default sampling: the CLI's, temperature 0.6)."""
+    with server_process(tiny_folder, str(tmp_path_factory.mktemp("server") / "server.log")) as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +134,9 @@ class SlowTF:
     def __getattr__(self, name):
         return getattr(self._tf, name)
 
+    def fork(self):
+        return SlowTF(self._tf.fork(), self._delay)
+
     def stream(self, *args, **kwargs):
         gen = self._tf.stream(*args, **kwargs)
         try:
@@ -162,9 +172,11 @@ def serve_in_thread(app):
 
 @pytest.fixture(scope="module")
 def slow_server(tiny_folder):
-    """(base URL, app) of an in-process server over a slowed model: queue_size=1, request_timeout=2 s."""
+    """(base URL, app) of an in-process server over a slowed model: one request at a time (max_batch=1),
+    queue_size=1, request_timeout=2 s."""
     tf = SlowTF(TriForce.load(tiny_folder), 0.01)
-    app = create_app(tf, ServerDefaults(model_id="slow", temperature=0, queue_size=1, request_timeout=2.0))
+    app = create_app(tf, ServerDefaults(model_id="slow", temperature=0, queue_size=1, max_batch=1,
+                                        request_timeout=2.0))
     with serve_in_thread(app) as url:
         yield url, app
 
@@ -301,10 +313,16 @@ def test_eight_concurrent_clients_get_their_own_answers(server, ref):
         return c.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0
                                          ).choices[0].message.content
 
+    forwards = metric(server, "triforce_forwards_total")
+    rows = metric(server, "triforce_forward_sequences_total")
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(ask, range(8)))
     assert answers == [e.text for e in expected]
-    assert httpx.get(server + "/health").json()["queue_depth"] == 0
+    health = httpx.get(server + "/health").json()
+    assert health["queue_depth"] == 0 and health["max_batch"] == 8
+    # continuous batching: the eight requests shared forwards (more sequences' forwards than forwards)
+    forwards, rows = metric(server, "triforce_forwards_total") - forwards, metric(server, "triforce_forward_sequences_total") - rows
+    assert rows > 1.5 * forwards > 0
 
 
 def test_disconnect_mid_stream_then_next_request_is_prompt(server, client, ref):

@@ -13,6 +13,8 @@ Example::
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass
 from typing import Callable, Generator, Sequence
 
@@ -212,7 +214,7 @@ class TriForce:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not isinstance(prompt, str) and any(isinstance(p, str) for p in prompt):
             raise ValueError(f"prompt must be one string or a list of token ids, got a list of {len(prompt)} "
-                             "strings: batched generation is not supported yet; call generate / stream once per prompt")
+                             "strings: for several prompts use generate(prompts=[...])")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         gen = self.engine.stream(ids, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=seed,
                                  prefill_progress=prefill_progress)
@@ -266,11 +268,107 @@ class TriForce:
         text = "".join(pieces)
         return GenerationResult(text, out, finish, stats)
 
-    def generate(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
-        """Non-streaming :meth:`stream`."""
+    def generate(self, prompt: str | Sequence[int] | None = None, *, prompts: Sequence[str | Sequence[int]] | None = None,
+                 max_batch: int = DEFAULTS["max_batch"], **kwargs) -> GenerationResult | list[GenerationResult]:
+        """Non-streaming :meth:`stream`; with ``prompts``, every prompt generated concurrently in batches.
+
+        Args:
+            prompt: one prompt (text or token ids), as :meth:`stream` takes it.
+            prompts: several prompts instead: they run together, up to ``max_batch`` at a time, with their model
+                forwards batched (continuous batching, ``scheduling.py``); each has its own caches and random
+                generator, so its result is the one it gets alone (token for token under greedy decoding, in
+                distribution under sampling). ``max_new_tokens``, ``sampling``, ``seed`` and ``spec`` may each be one
+                value for every prompt or a list with one per prompt.
+            max_batch: with ``prompts``, most sequences decoding at once (>= 1).
+            kwargs: :meth:`stream`'s arguments.
+
+        Returns:
+            a :class:`GenerationResult`, or with ``prompts`` a list of them, one per prompt, in order.
+
+        Raises:
+            ValueError: bad arguments (named; with ``prompts``, ``prompts[i]`` names the prompt), before any model work.
+            InsufficientMemoryError: with ``prompts``, the caches of the ``max_batch`` largest requests do not fit
+                together (lower ``max_batch``).
+        """
+        if prompts is not None:
+            if prompt is not None:
+                raise ValueError("give either prompt or prompts=[...], not both")
+            return self._generate_batch(prompts, max_batch, kwargs)
+        if prompt is None:
+            raise ValueError("prompt: give a prompt (text or token ids), or prompts=[...] for several")
         gen = self.stream(prompt, **kwargs)
         while True:
             try:
                 next(gen)
             except StopIteration as stop:
                 return stop.value
+
+    def fork(self) -> "TriForce":
+        """This model for one more concurrent sequence: the same models and tokenizer, its own engine state
+        (:meth:`~triforce.engine.Engine.fork`, which says what cannot be batched).
+
+        Raises:
+            ValueError: see :meth:`~triforce.engine.Engine.fork`.
+        """
+        other = copy.copy(self)
+        other.engine = self.engine.fork()
+        return other
+
+    PER_PROMPT = ("max_new_tokens", "sampling", "seed", "spec")  # generate(prompts=...) arguments given per prompt
+
+    def _generate_batch(self, prompts, max_batch: int, kwargs: dict) -> list[GenerationResult]:
+        from .memory import check_fits
+        from .scheduling import BatchScheduler, Cancelled
+
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"prompts must be a non-empty list of prompts (texts or token-id lists), got {prompts!r:.80}")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        n = len(prompts)
+        per = []
+        for name in self.PER_PROMPT:
+            value = kwargs.get(name)
+            if isinstance(value, (list, tuple)):
+                if len(value) != n:
+                    raise ValueError(f"{name}: a list must give one value per prompt ({n}), got {len(value)}")
+                per.append((name, list(value)))
+        args = []
+        needed: list[int] = []
+        for i, p in enumerate(prompts):
+            kw = dict(kwargs, **{name: values[i] for name, values in per})
+            try:
+                if isinstance(p, str):
+                    ids = self.encode(p)
+                elif isinstance(p, (list, tuple)):
+                    ids = list(p)
+                else:
+                    raise ValueError(f"must be a string or a list of token ids, got {type(p).__name__}")
+                spec = kw.get("spec") or SpeculationConfig(mode=self.default_mode, drafter=self.drafter)
+                _, _, plan = self.engine.prepare(ids, kw.get("max_new_tokens", DEFAULTS["max_new_tokens"]),
+                                                 kw.get("sampling", SamplingParams()), spec, kw.get("seed"))
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from e
+            args.append((ids, kw))
+            needed.append(sum(v for k, v in plan.cache_bytes.items() if "copies" not in k))
+        if n == 1:
+            return [self.generate(args[0][0], **args[0][1])]
+        views = [self.fork() for _ in range(min(n, max_batch))]  # refuses what cannot be batched
+        largest = sorted(needed, reverse=True)[:max_batch]
+        check_fits({f"the caches of {len(largest)} concurrent requests": sum(largest)}, self.target.model.device,
+                   f"max_batch={max_batch}", already={"weights": self.target.model.weight_bytes()})
+        free = list(views)
+
+        def job(ids, kw):
+            view = free.pop()  # a finished sequence's view is reused: its caches are freed at the next request
+            try:
+                return view.generate(ids, **kw)
+            finally:
+                view.engine.forget_prefix()
+                free.append(view)
+
+        scheduler = BatchScheduler(max_batch)
+        seqs = scheduler.run([lambda a=a: job(*a) for a in args])
+        for i, seq in enumerate(seqs):
+            if seq.error is not None and not isinstance(seq.error, Cancelled):
+                raise seq.error
+        return [seq.result for seq in seqs]

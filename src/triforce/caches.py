@@ -112,6 +112,52 @@ class KVCache(ABC):
         return start, t
 
 
+class RaggedCache(KVCache):
+    """Several sequences' caches behind one forward whose T axis holds their blocks one after another (ragged).
+
+    :meth:`~triforce.model.Transformer.forward_ragged` concatenates the blocks of several sequences, (1, sum T_i);
+    this cache hands each sequence's slice of the positions, queries, keys and values to that sequence's own cache
+    and concatenates the attention outputs, so every sequence attends only over its own KV (the continuous-batching
+    layout of vLLM's varlen attention, Kwon et al., arXiv 2309.06180, without the paging).
+
+    Args:
+        caches: one cache per sequence, in the order of the blocks.
+        lengths: T_i, the tokens of each block (>= 1).
+
+    Raises:
+        ValueError: ``caches`` and ``lengths`` of different sizes, or a length below 1.
+    """
+
+    def __init__(self, caches: list[KVCache], lengths: list[int]) -> None:
+        if len(caches) != len(lengths) or any(t < 1 for t in lengths):
+            raise ValueError(f"lengths must be one positive block length per cache, got {lengths} for {len(caches)}")
+        self.caches, self.lengths = caches, lengths
+        self.bounds = [0]
+        for t in lengths:
+            self.bounds.append(self.bounds[-1] + t)
+        self.length = 0  # not one sequence's: each cache keeps its own
+
+    def _slices(self):
+        return zip(self.caches, self.bounds[:-1], self.bounds[1:])
+
+    def begin_forward(self, positions: torch.Tensor) -> None:  # positions: (sum T_i,)
+        if positions.numel() != self.bounds[-1]:
+            raise CacheError(f"ragged block: {positions.numel()} positions for blocks of {self.lengths} tokens")
+        for cache, a, b in self._slices():
+            cache.begin_forward(positions[a:b])
+
+    def attend(self, layer, q, k, v, q_pre):  # q, q_pre (1, nh, sum T_i, hs); k, v (1, nkv, sum T_i, hs)
+        return torch.cat([cache.attend(layer, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], q_pre[:, :, a:b])
+                          for cache, a, b in self._slices()], dim=2)  # (1, nh, sum T_i, hs)
+
+    def end_forward(self) -> None:
+        for cache in self.caches:
+            cache.end_forward()
+
+    def rollback(self, length: int) -> None:
+        raise CacheError("a ragged cache is rolled back through each sequence's own cache")
+
+
 #: longest block (tokens per forward) the full KV cache attends with ``kernels.gqa_attention_kernel`` instead of SDPA
 #: (where the kernel is available): decode steps and verification blocks; longer blocks (prefill) use SDPA, whose
 #: matrix-product tiling wins there. A row's result does not depend on the block it is in (same chunks, same order of

@@ -65,6 +65,8 @@ DEFAULTS: dict[str, object] = {
     "lower_weights": None,
     "lower_kv_dtype": None,
     "tiers": None,
+    # batching (continuous batching of concurrent generations, scheduling.py)
+    "max_batch": 8,
 }
 
 #: ``SpeculationConfig()``'s mode: plain decoding unless the caller asks for a hierarchy (the command line and

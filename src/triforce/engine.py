@@ -25,6 +25,7 @@ arXiv 2502.10424), so every model gets all three tiers without a second model.
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -328,6 +329,55 @@ class Engine:
         top.refeed = refeed
         return top
 
+    def prepare(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams, spec: SpeculationConfig,
+                seed: int | None = None):
+        """Check a request's arguments and plan it, before any heavy work: what :meth:`stream` does first.
+
+        Returns:
+            ``(spec, auto, plan)``: the hierarchy it will run (``auto`` resolved), the
+            :class:`~triforce.auto.AutoPlan` (None unless ``mode='auto'``), the :class:`~triforce.plan.RequestPlan`.
+
+        Raises:
+            ValueError, InsufficientMemoryError: arguments of the wrong type or range (named), and :meth:`plan`'s.
+        """
+        if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (list, tuple)):
+            raise ValueError(f"prompt_ids must be a list of token ids (int), got {type(prompt_ids).__name__}")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt_ids):
+            bad = next(t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int))
+            raise ValueError(f"prompt_ids must be token ids (int), got {bad!r}")
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if not isinstance(spec, SpeculationConfig):
+            raise ValueError(f"spec must be a SpeculationConfig, got {type(spec).__name__}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
+        auto = None
+        if spec.chooses_per_request:
+            auto = self.plan_auto(len(prompt_ids), sampling, spec)
+            spec = spec.resolve_auto(auto)
+        return spec, auto, self.plan(list(prompt_ids), max_new_tokens, spec)  # sized and placed once
+
+    def fork(self) -> "Engine":
+        """An engine for one more concurrent sequence (continuous batching, ``scheduling.py``).
+
+        It shares the models, their lower-precision copies (made once, for every fork), the settings and the test
+        hooks, and has its own full KV cache, prefix tokens, placement and stats. Refused where sequences cannot
+        share a forward: under tensor parallelism, and for models whose RoPE depends on the request's length
+        (dynamic NTK), since a batched forward rotates every sequence with the same frequencies.
+
+        Raises:
+            ValueError: tensor parallelism, or a dynamic-NTK target or draft model.
+        """
+        if self.target.tp is not None:
+            raise ValueError("batched generation does not run under tensor parallelism (--tp): serve with --max-batch 1")
+        for name, m in (("model", self.target), ("draft", self.draft)):
+            if m is not None and m.cfg.rope_type == "dynamic":
+                raise ValueError(f"batched generation: the {name}'s RoPE is dynamic NTK, whose frequencies depend on "
+                                 "each request's length; generate one prompt at a time (--max-batch 1)")
+        other = copy.copy(self)
+        other._full, other._full_tokens, other.placement, other.last_stats = None, [], None, None
+        return other
+
     # ------------------------------------------------------------------ generation
     def stream(self, prompt_ids: list[int], max_new_tokens: int = DEFAULTS["max_new_tokens"], sampling: SamplingParams = SamplingParams(),
                spec: SpeculationConfig = SpeculationConfig(), seed: int | None = None,
@@ -352,21 +402,8 @@ class Engine:
         if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
             raise ValueError(f"prompt_ids must be a list of token ids (int), got {type(prompt_ids).__name__}")
         prompt_ids = list(prompt_ids)
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt_ids):
-            bad = next(t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int))
-            raise ValueError(f"prompt_ids must be token ids (int), got {bad!r}")
-        if not isinstance(sampling, SamplingParams):
-            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        if not isinstance(spec, SpeculationConfig):
-            raise ValueError(f"spec must be a SpeculationConfig, got {type(spec).__name__}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
-            raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
+        spec, auto, plan = self.prepare(prompt_ids, max_new_tokens, sampling, spec, seed)
         self.last_stats = None
-        auto = None
-        if spec.chooses_per_request:
-            auto = self.plan_auto(len(prompt_ids), sampling, spec)
-            spec = spec.resolve_auto(auto)
-        plan = self.plan(prompt_ids, max_new_tokens, spec)  # sized and placed once, before anything is allocated
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")
             if self.target.tp is not None:  # every rank draws from rank 0's seed

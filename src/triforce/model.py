@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .caches import KVCache
+from .caches import KVCache, RaggedCache
 from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rope
 
@@ -161,7 +161,7 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                num_logits: int | None = None) -> torch.Tensor:
+                num_logits: int | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run the model on a block of tokens, reading and extending ``cache``.
 
         Args:
@@ -169,9 +169,10 @@ class Transformer(nn.Module):
             positions: (T,) int64 absolute positions, ``cache.length .. cache.length + T - 1``.
             cache: the KV cache the block attends over and is written into.
             num_logits: compute logits for the last ``num_logits`` positions only (None: all T).
+            rows: (R,) int64 indices into T: compute logits for these positions only (overrides ``num_logits``).
 
         Returns:
-            logits, fp32, shape (B, num_logits or T, V).
+            logits, fp32, shape (B, num_logits or R or T, V).
 
         Raises:
             CacheError: positions that do not continue the cache, or a block that does not fit.
@@ -184,9 +185,49 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i)
         cache.end_forward()
-        if num_logits is not None:
+        if rows is not None:
+            x = x.index_select(1, rows)
+        elif num_logits is not None:
             x = x[:, -num_logits:]
         return self.lm_head(self.norm(x)).float()
+
+    def forward_ragged(self, blocks: list[tuple[torch.Tensor, torch.Tensor, KVCache, int | None]]) -> list[torch.Tensor]:
+        """One forward over the blocks of several sequences, each with its own cache (continuous batching).
+
+        The blocks are laid one after another on the time axis, (1, sum T_i): the projections, MLPs and LM head
+        read the weights once for every row, and each sequence attends over its own cache
+        (:class:`~triforce.caches.RaggedCache`). Each block's logits are those :meth:`forward` gives it alone, up to
+        the rounding of the matrix products over more rows (the same bound as a verification block against a
+        decode step).
+
+        Args:
+            blocks: ``(input_ids (1, T_i) int64, positions (T_i,) int64, cache, num_logits or None)`` per sequence,
+                as :meth:`forward` takes them.
+
+        Returns:
+            per block, its logits (1, num_logits or T_i, V) fp32.
+
+        Raises:
+            CacheError: a block's positions do not continue its cache, or it does not fit.
+            ValueError: a block whose ``input_ids`` are not (1, T_i) with T_i = len(positions).
+        """
+        for ids, pos, _, _ in blocks:
+            if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] != pos.numel():
+                raise ValueError(f"blocks: input_ids must be (1, T) with T = len(positions), got "
+                                 f"{tuple(ids.shape)} for {pos.numel()} positions")
+        if len(blocks) == 1:
+            ids, pos, cache, n = blocks[0]
+            return [self(ids, pos, cache, num_logits=n)]
+        lengths = [pos.numel() for _, pos, _, _ in blocks]
+        rows, start, outs = [], 0, []
+        for (_, _, _, n), t in zip(blocks, lengths):
+            k = t if n is None else min(n, t)
+            rows.append(torch.arange(start + t - k, start + t))
+            outs.append(k)
+            start += t
+        logits = self(torch.cat([ids for ids, _, _, _ in blocks], dim=1), torch.cat([pos for _, pos, _, _ in blocks]),
+                      RaggedCache([c for _, _, c, _ in blocks], lengths), rows=torch.cat(rows).to(self.device))
+        return list(logits.split(outs, dim=1))  # each (1, k_i, V)
 
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,

@@ -42,6 +42,7 @@ from .caches import CacheError, FullKVCache, KVCache, StreamingCache
 from .retrieval import RetrievalCache
 from .model import Transformer
 from .sampling import SamplingParams, logits_to_probs
+from .scheduling import run_forward
 from .speculative import rejection_sample
 
 
@@ -211,7 +212,7 @@ class ModelTier:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
         pos = torch.arange(start, start + len(tokens), device=self.model.device)
         t0 = time.perf_counter()
-        logits = self.model(ids, pos, self.cache, num_logits=num_logits)[0]  # (n, V) fp32
+        logits = run_forward(self.model, ids, pos, self.cache, num_logits)[0]  # (n, V) fp32; batched under a scheduler
         self.stats.forward_seconds += time.perf_counter() - t0
         self.stats.forward_passes += 1
         self.cached.extend(tokens)

@@ -11,7 +11,7 @@ import math
 import os
 import sys
 
-from ..defaults import SERVE_DEFAULTS
+from ..defaults import DEFAULTS, SERVE_DEFAULTS
 from ..serve.settings import API_KEY_ENV, ServerDefaults, check_api_key, model_id_for
 from .common import CLIError, Parser, check_seed, check_threads, option_error
 from .generate import check_offload, load_from_args
@@ -24,7 +24,7 @@ def add_serve_parser(subparsers: "argparse._SubParsersAction") -> argparse.Argum
     :func:`cmd_serve`."""
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, "
-                                          "/health, /metrics); requests run one at a time in arrival order. The "
+                                          "/health, /metrics); concurrent requests are decoded together (continuous batching, --max-batch). The "
                                           "sampling options are the defaults of requests that omit them.")
     add_generation_args(p)
     d = SERVE_DEFAULTS
@@ -34,6 +34,9 @@ def add_serve_parser(subparsers: "argparse._SubParsersAction") -> argparse.Argum
     s.add_argument("--queue-size", type=int, default=d["queue_size"],
                    help=f"requests that may wait for the engine besides the running one; more get 503 (default "
                         f"{d['queue_size']})")
+    s.add_argument("--max-batch", type=int, default=DEFAULTS["max_batch"],
+                   help="requests decoded at once, their forwards batched (continuous batching; 1 = one at a time "
+                        f"in arrival order) (default {DEFAULTS['max_batch']})")
     s.add_argument("--request-timeout", type=float, default=d["request_timeout"],
                    help="seconds from a request's arrival after which its generation ends with finish_reason "
                         f"'length' (default {d['request_timeout']:g})")
@@ -62,6 +65,8 @@ def defaults_from_args(args: argparse.Namespace) -> ServerDefaults:
         raise CLIError(f"--port must be in [0, 65535], got {args.port}")
     if args.queue_size < 1:
         raise CLIError(f"--queue-size must be >= 1, got {args.queue_size}")
+    if args.max_batch < 1:
+        raise CLIError(f"--max-batch must be >= 1, got {args.max_batch}")
     if not (args.request_timeout > 0 and math.isfinite(args.request_timeout)):
         raise CLIError(f"--request-timeout must be a number of seconds > 0, got {args.request_timeout}")
     if args.max_new_tokens < 1:
@@ -85,7 +90,8 @@ def defaults_from_args(args: argparse.Namespace) -> ServerDefaults:
     return ServerDefaults(model_id=model_id_for(args.model), model_aliases=(args.model,) if args.model else (),
                           max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), spec=spec,
-                          queue_size=args.queue_size, request_timeout=args.request_timeout, api_key=api_key)
+                          queue_size=args.queue_size, max_batch=args.max_batch, request_timeout=args.request_timeout,
+                          api_key=api_key)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -314,7 +314,7 @@ def create_app(tf: "TriForce", defaults: ServerDefaults | None = None) -> "FastA
 
         spec = SpeculationConfig(mode=tf.default_mode, drafter=tf.drafter)
     metrics = ServerMetrics()
-    worker = GenerationWorker(tf, defaults.queue_size, metrics, spec)
+    worker = GenerationWorker(tf, defaults.queue_size, metrics, spec, max_batch=defaults.max_batch)
     server = _Server(tf, defaults, spec, worker, metrics)
 
     @asynccontextmanager
@@ -333,7 +333,8 @@ def create_app(tf: "TriForce", defaults: ServerDefaults | None = None) -> "FastA
     @app.get("/health")
     async def health():
         """Liveness: 200 with the model id and the queue state."""
-        return {"status": "ok", "model": defaults.model_id, "queue_depth": worker.waiting, "busy": worker.busy}
+        return {"status": "ok", "model": defaults.model_id, "queue_depth": worker.waiting, "busy": worker.busy,
+                "running": worker.running, "max_batch": worker.max_batch}
 
     @app.get("/v1/models")
     async def list_models():

@@ -62,7 +62,9 @@ class ServerDefaults:
         seed: default seed (None: random per request, reported in the ``triforce`` field).
         stop: default stop strings (a request's ``stop`` replaces them).
         spec: speculation settings (None: the model's default mode).
-        queue_size: most requests waiting for the engine (not counting the one running); more get 503.
+        queue_size: most requests waiting for the engine (not counting the running ones); more get 503.
+        max_batch: most requests the engine runs at once, their forwards batched (continuous batching; 1: one at a
+            time in arrival order).
         request_timeout: seconds from a request's arrival after which its generation ends.
         api_key: when set, every request except ``GET /health`` must carry ``Authorization: Bearer <api_key>``
             (what OpenAI clients send), else 401 in OpenAI's error format. Never printed (not in ``repr``).
@@ -78,6 +80,7 @@ class ServerDefaults:
     stop: tuple[str, ...] = ()
     spec: "SpeculationConfig | None" = None
     queue_size: int = SERVE_DEFAULTS["queue_size"]
+    max_batch: int = DEFAULTS["max_batch"]
     request_timeout: float = SERVE_DEFAULTS["request_timeout"]
     api_key: str | None = field(default=None, repr=False)
 
@@ -86,6 +89,8 @@ class ServerDefaults:
             check_api_key(self.api_key, "api_key")
         if not isinstance(self.queue_size, int) or self.queue_size < 1:
             raise ValueError(f"queue_size must be an integer >= 1, got {self.queue_size!r}")
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
         if not isinstance(self.request_timeout, (int, float)) or not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be a number of seconds > 0, got {self.request_timeout!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

@@ -1,4 +1,4 @@
-"""``triforce serve``: the one thread that runs the engine, queued requests in arrival order."""
+"""``triforce serve``: the one thread that runs the engine: queued requests in arrival order, batched."""
 
 from __future__ import annotations
 
@@ -43,7 +43,14 @@ class _Job:
 
 
 class GenerationWorker:
-    """Runs queued generations one at a time, in arrival order, on a single thread.
+    """Runs queued generations on a single thread, up to ``max_batch`` at once with their forwards batched.
+
+    Concurrent requests decode together (continuous batching, :class:`~triforce.scheduling.BatchScheduler`): a
+    request joins the running batch between forwards, a long prompt's prefill runs chunk by chunk between the
+    running requests' decode steps, and a finished or disconnected request leaves at once. Each running request
+    has its own engine state (:meth:`~triforce.api.TriForce.fork`); the idle ones keep their last request's KV
+    cache, so a new request reuses the cache of whichever earlier request shares its longest prefix (at most
+    ``max_batch`` kept; the least recently used is reused first; their caches are dropped when memory runs short).
 
     Each job receives, through its asyncio queue: ``("started", queue_seconds)`` when the engine takes it,
     ``("token", TokenEvent)`` per accepted token, then ``("done", info)`` or ``("error", APIError)``; a job
@@ -51,18 +58,27 @@ class GenerationWorker:
 
     Args:
         tf: the model; only this thread calls its engine.
-        queue_size: most jobs waiting (not counting the one running); :meth:`submit` refuses beyond.
+        queue_size: most jobs waiting (not counting the running ones); :meth:`submit` refuses beyond.
         metrics: counters and gauges to update.
         spec: speculation settings for every request.
+        max_batch: most requests running at once (1: one at a time in arrival order; models whose requests cannot
+            share a forward, :meth:`~triforce.engine.Engine.fork`, run one at a time whatever the setting).
     """
 
-    def __init__(self, tf: "TriForce", queue_size: int, metrics: ServerMetrics, spec: "SpeculationConfig") -> None:
+    def __init__(self, tf: "TriForce", queue_size: int, metrics: ServerMetrics, spec: "SpeculationConfig",
+                 max_batch: int = 1) -> None:
         self.tf, self.queue_size, self.metrics, self.spec = tf, queue_size, metrics, spec
+        try:
+            tf.fork()
+        except ValueError:
+            max_batch = 1  # tensor parallelism or dynamic NTK: one request at a time
+        self.max_batch = max_batch
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._waiting = 0
         self._thread: threading.Thread | None = None
-        self._current: _Job | None = None
+        self._active: dict[int, _Job] = {}  # id(job) -> job, the running ones
+        self._idle_views: list = [tf] if max_batch == 1 else []  # engines kept with their last cache, LRU first
         self._mean_seconds = 1.0  # running mean of a job's engine time, for Retry-After
 
     @property
@@ -71,13 +87,19 @@ class GenerationWorker:
         return self._waiting
 
     @property
+    def running(self) -> int:
+        """Jobs running."""
+        return len(self._active)
+
+    @property
     def busy(self) -> bool:
         """Whether a job is running."""
-        return self._current is not None
+        return bool(self._active)
 
     def retry_after(self) -> int:
         """Seconds a refused client should wait: the expected time to drain the queue (1 to 3600)."""
-        return int(min(3600, max(1, math.ceil(self._mean_seconds * (self._waiting + 1)))))
+        rounds = (self._waiting + self.max_batch) / self.max_batch
+        return int(min(3600, max(1, math.ceil(self._mean_seconds * rounds))))
 
     def submit(self, job: _Job) -> bool:
         """Queue a job; False when the queue is full."""
@@ -93,43 +115,98 @@ class GenerationWorker:
         return True
 
     def stop(self) -> None:
-        """Cancel the running job and end the thread after it (jobs still queued are cancelled)."""
-        cur = self._current
-        if cur is not None:
-            cur.cancel.set()
+        """Cancel the running jobs and end the thread after them (jobs still queued are cancelled)."""
+        for job in list(self._active.values()):
+            job.cancel.set()
         self._jobs.put(None)
 
     def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                while True:  # cancel what is left
-                    try:
-                        rest = self._jobs.get_nowait()
-                    except queue.Empty:
-                        return
-                    if rest is not None:
-                        rest.post("cancelled")
-            with self._lock:
-                self._waiting -= 1
-                self.metrics.queue_depth.set(self._waiting)
-            self._current = job
-            self.metrics.running.set(1)
-            t0 = time.monotonic()
-            try:
-                self._serve(job)
-            except BaseException as e:  # noqa: BLE001 - a bug must not kill the only worker
-                job.post("error", APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
-            finally:
-                self._current = None
-                self.metrics.running.set(0)
-                self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.monotonic() - t0)
+        from ..scheduling import BatchScheduler
 
-    def _serve(self, job: _Job) -> None:
+        scheduler = BatchScheduler(self.max_batch)
+        stopping = False
+        while True:
+            try:  # wait for work only when nothing runs
+                job = self._jobs.get(block=scheduler.idle() and not stopping)
+            except queue.Empty:
+                job = False
+            while job is not False:
+                if job is None:
+                    stopping = True
+                elif stopping:
+                    self._dequeued()
+                    job.post("cancelled")
+                else:
+                    scheduler.submit(lambda job=job: self._run_job(job))
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    job = False
+            if stopping:
+                for active in list(self._active.values()):
+                    active.cancel.set()
+            forwards, rows = scheduler.forwards, scheduler.batched_rows
+            more = scheduler.step()
+            self.metrics.forwards.inc(scheduler.forwards - forwards)
+            self.metrics.forward_sequences.inc(scheduler.batched_rows - rows)
+            if not more and stopping:
+                return
+
+    def _dequeued(self) -> None:
+        with self._lock:
+            self._waiting -= 1
+            self.metrics.queue_depth.set(self._waiting)
+
+    def _take_view(self, prompt: list[int]):
+        """The engine state a job runs on: the idle one whose kept tokens share the longest prefix with ``prompt``,
+        else the least recently used idle one, else a new fork."""
+        def common(view) -> int:
+            n = 0
+            for a, b in zip(view.engine.prefix_tokens, prompt):
+                if a != b:
+                    break
+                n += 1
+            return n
+
+        if not self._idle_views:
+            return self.tf.fork()
+        best = max(range(len(self._idle_views)), key=lambda i: (common(self._idle_views[i]), -i))
+        if common(self._idle_views[best]) == 0:
+            best = 0
+        return self._idle_views.pop(best)
+
+    def free_kept_caches(self) -> None:
+        """Drop the KV caches the idle engines keep for prefix reuse (memory is short)."""
+        for view in self._idle_views:
+            view.engine.forget_prefix()
+        import gc
+
+        gc.collect()
+
+    def _run_job(self, job: _Job) -> None:
+        """One job, run by the scheduler in its own greenlet."""
+        self._dequeued()
+        self._active[id(job)] = job
+        self.metrics.running.set(len(self._active))
+        t0, view = time.monotonic(), None
+        try:
+            view = self._take_view(job.request.prompt_ids)
+            self._serve(job, view)
+        except BaseException as e:  # noqa: BLE001 - a bug must not kill the only worker
+            job.post("error", APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+        finally:
+            del self._active[id(job)]
+            self.metrics.running.set(len(self._active))
+            if view is not None:
+                self._idle_views.append(view)
+                del self._idle_views[:-self.max_batch]
+            self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.monotonic() - t0)
+
+    def _serve(self, job: _Job, tf: "TriForce") -> None:
         from ..memory import InsufficientMemoryError
         from ..sampling import SamplingParams
 
-        req, tf, spec = job.request, self.tf, self.spec
+        req, spec = job.request, self.spec
         if job.cancel.is_set():
             job.post("cancelled")
             return
@@ -141,7 +218,20 @@ class GenerationWorker:
             return
         try:
             sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
-            check_with_engine(tf, req, spec)  # free memory may have changed while the request waited
+            try:
+                check_with_engine(tf, req, spec)  # free memory may have changed while the request waited
+            except APIError as e:
+                if e.code != "insufficient_memory":
+                    raise
+                self.free_kept_caches()  # the idle engines' kept caches go first
+                try:
+                    check_with_engine(tf, req, spec)
+                except APIError as again:
+                    if again.code != "insufficient_memory" or len(self._active) <= 1:
+                        raise
+                    raise APIError(503, f"the server is busy: {again.message} while {len(self._active) - 1} other "
+                                   "requests run; retry later", type="server_error", code="insufficient_memory",
+                                   headers={"Retry-After": str(self.retry_after())}) from again
         except APIError as e:
             job.post("error", e)
             return
@@ -155,7 +245,7 @@ class GenerationWorker:
 
         gen = tf.stream(req.prompt_ids, max_new_tokens=req.max_tokens, sampling=sampling, spec=spec, seed=req.seed,
                         stop=req.stop, prefill_progress=check)
-        result, ended, tokens, texts = None, None, [], []
+        result, ended, tokens, texts, last = None, None, [], [], 0.0
         try:
             while True:
                 try:
@@ -165,6 +255,10 @@ class GenerationWorker:
                     break
                 if event.token_id is not None:
                     tokens.append(event.token_id)
+                    now = time.monotonic()
+                    if len(tokens) > 1:
+                        self.metrics.tbt.observe(now - last)
+                    last = now
                 texts.append(event.text)
                 job.post("token", event)
                 try:
@@ -194,6 +288,10 @@ class GenerationWorker:
         self.metrics.generated.inc(len(tokens))
         self.metrics.prompt.inc(len(req.prompt_ids))
         self.metrics.reused.inc(stats.tiers.get("target", {}).get("reused_prefix_tokens", 0) or 0)
+        for name, tier in stats.tiers.items():
+            if tier.get("verifications"):
+                self.metrics.tier_proposed.labels(name).inc(tier["proposed"])
+                self.metrics.tier_accepted.labels(name).inc(tier["accepted"])
         if ended == "disconnect":
             return  # nobody is listening
         d = stats.to_dict()

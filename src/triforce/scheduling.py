@@ -1,0 +1,236 @@
+"""Continuous batching: the model forwards of concurrent generations, run together as one ragged forward.
+
+Each generation runs its ordinary synchronous code (the tier chain of ``tiers.py``, the API's detokenizer and stop
+strings) in its own greenlet. Where that code runs a model forward (:func:`run_forward`, called by
+``ModelTier._forward``), the greenlet hands the forward to the :class:`BatchScheduler` and sleeps. When every
+generation waits on a forward, the scheduler runs the waiting forwards of one model as a single ragged forward
+(:meth:`~triforce.model.Transformer.forward_ragged`: the projections and MLPs once over every sequence's rows, the
+attention of each sequence over its own caches) and wakes each generation with its own logits. This is
+iteration-level scheduling (Orca, Yu et al., OSDI 2022) applied to every forward of a speculation hierarchy, so a
+sequence in the middle of a draft block, one verifying and one prefilling a chunk of its prompt share forwards of
+the same model: a long prefill runs chunk by chunk between the decode steps of running sequences (chunked
+prefill, Sarathi, Agrawal et al., arXiv 2308.16369). Sequences join and leave between forwards.
+
+Lossless per sequence: a sequence's caches, sampling parameters and random generator are its own, and its tier
+code runs unchanged; a batched forward gives each row the logits it would get alone up to the rounding of the
+matrix products (the same bound as a verification block against a decode step).
+
+Which model runs next: the one with the most waiting forwards, unless a forward has waited :attr:`MAX_WAIT`
+rounds, whose model then runs (no sequence starves behind a busier model).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import greenlet
+import torch
+
+from .caches import KVCache
+
+MAX_WAIT = 2  # rounds a forward may wait while other models' forwards run
+
+
+@dataclass
+class ForwardRequest:
+    """One sequence's forward, waiting to be batched.
+
+    Attributes:
+        model: the :class:`~triforce.model.Transformer` to run.
+        input_ids: (1, T) int64.
+        positions: (T,) int64 absolute positions continuing ``cache``.
+        cache: the sequence's cache for this model.
+        num_logits: logits for the last ``num_logits`` positions (None: all T).
+        waited: rounds this request has waited so far.
+    """
+
+    model: Any
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    cache: KVCache
+    num_logits: int | None
+    waited: int = 0
+
+
+def run_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                num_logits: int | None = None) -> torch.Tensor:
+    """``model(input_ids, positions, cache, num_logits)``, batched with other sequences' forwards when called from a
+    generation run by a :class:`BatchScheduler`; a direct call otherwise.
+
+    Args, returns and raises: as :meth:`~triforce.model.Transformer.forward` ((1, T) ids, (T,) positions; logits
+    (1, num_logits or T, V) fp32).
+    """
+    current = greenlet.getcurrent()
+    if not isinstance(current, _SequenceGreenlet):
+        return model(input_ids, positions, cache, num_logits=num_logits)
+    return current.parent.switch(ForwardRequest(model, input_ids, positions, cache, num_logits))
+
+
+class _SequenceGreenlet(greenlet.greenlet):
+    """A greenlet that runs one generation (marks the forwards :func:`run_forward` should batch)."""
+
+
+class Cancelled(Exception):
+    """Raised inside a generation cancelled while it waited on a forward (:meth:`BatchedSequence.cancel`)."""
+
+
+@dataclass
+class BatchedSequence:
+    """A generation run by a :class:`BatchScheduler`.
+
+    Attributes:
+        fn: the generation, a callable without arguments run in the scheduler's thread.
+        result: what ``fn`` returned, once :attr:`done`.
+        error: the exception ``fn`` raised (:class:`Cancelled` after :meth:`cancel`), once :attr:`done`.
+        done: ``fn`` has returned or raised.
+    """
+
+    fn: Callable[[], Any]
+    result: Any = None
+    error: BaseException | None = None
+    done: bool = False
+    cancelled: bool = False
+    _glet: _SequenceGreenlet | None = field(default=None, repr=False)
+    _request: ForwardRequest | None = field(default=None, repr=False)
+
+    def cancel(self) -> None:
+        """Stop this generation at its next forward: :class:`Cancelled` is raised inside it there (its ``finally``
+        blocks run), and its caches are freed with its frames. Thread-safe; no effect once done."""
+        self.cancelled = True
+
+
+class BatchScheduler:
+    """Runs generations concurrently in one thread, batching their model forwards (module docstring).
+
+    Args:
+        max_batch: most generations running at once (>= 1); the rest wait in arrival order.
+
+    Use: :meth:`submit` generations (from any thread), then call :meth:`step` (in one thread) until :meth:`idle`;
+    or :meth:`run` to do both for a list of callables.
+
+    Raises:
+        ValueError: ``max_batch`` below 1.
+    """
+
+    def __init__(self, max_batch: int = 8) -> None:
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        self.max_batch = max_batch
+        self._lock = threading.Lock()
+        self._waiting: list[BatchedSequence] = []  # submitted, not started
+        self._running: list[BatchedSequence] = []
+        self.forwards = 0  # batched forwards run
+        self.batched_rows = 0  # sequences' forwards they held (batched_rows / forwards = mean batch)
+
+    # ---------------------------------------------------------------- queue
+    def submit(self, fn: Callable[[], Any]) -> BatchedSequence:
+        """Queue a generation; it starts at a later :meth:`step` when fewer than ``max_batch`` run."""
+        seq = BatchedSequence(fn)
+        with self._lock:
+            self._waiting.append(seq)
+        return seq
+
+    @property
+    def running(self) -> int:
+        """Generations started and not done."""
+        return len(self._running)
+
+    @property
+    def queued(self) -> int:
+        """Generations submitted and not started."""
+        return len(self._waiting)
+
+    def idle(self) -> bool:
+        """Nothing running or queued."""
+        return not self._running and not self._waiting
+
+    # ---------------------------------------------------------------- running
+    def _resume(self, seq: BatchedSequence, value: Any = None, error: BaseException | None = None) -> None:
+        """Run ``seq`` until its next forward (kept as its request) or its end."""
+        try:
+            if error is not None:
+                out = seq._glet.throw(error)
+            else:  # the first switch starts fn, without arguments
+                out = seq._glet.switch() if value is None else seq._glet.switch(value)
+        except BaseException as e:  # noqa: BLE001 - the generation's own error, reported on its sequence
+            # a cancelled generation keeps no traceback: its frames (and caches) are freed now
+            seq.error, seq.done = (Cancelled(str(e)) if isinstance(e, Cancelled) else e), True
+        else:
+            if seq._glet.dead:
+                seq.result, seq.done = out, True
+            else:
+                seq._request = out
+                return
+        seq._request, seq._glet = None, None
+        self._running.remove(seq)
+
+    def _admit(self) -> None:
+        while len(self._running) < self.max_batch:
+            with self._lock:
+                if not self._waiting:
+                    return
+                seq = self._waiting.pop(0)
+            if seq.cancelled:
+                seq.error, seq.done = Cancelled("cancelled before it started"), True
+                continue
+            seq._glet = _SequenceGreenlet(seq.fn)  # parent: the greenlet calling step()
+            self._running.append(seq)
+            self._resume(seq)
+
+    def step(self) -> bool:
+        """Start queued generations, cancel the cancelled, run one batched forward and wake its sequences.
+
+        Returns:
+            False when nothing is running or queued any more.
+        """
+        self._admit()
+        for seq in [s for s in self._running if s.cancelled]:
+            self._resume(seq, error=Cancelled("cancelled"))
+        pending = [s for s in self._running if s._request is not None]
+        if not pending:
+            return not self.idle()
+        group = self._choose(pending)
+        for s in pending:
+            s._request.waited += 1
+        requests = [s._request for s in group]
+        for s in group:
+            s._request = None
+        model = requests[0].model
+        try:
+            outputs = model.forward_ragged([(r.input_ids, r.positions, r.cache, r.num_logits) for r in requests])
+        except Exception:  # noqa: BLE001 - find whose forward fails: each runs alone, its error goes to it
+            outputs = None
+        self.forwards += 1
+        self.batched_rows += len(group)
+        for i, (seq, req) in enumerate(zip(group, requests)):
+            if outputs is not None:
+                self._resume(seq, outputs[i])
+                continue
+            try:
+                out = model(req.input_ids, req.positions, req.cache, num_logits=req.num_logits)
+            except Exception as e:  # noqa: BLE001
+                self._resume(seq, error=e)
+            else:
+                self._resume(seq, out)
+        return not self.idle()
+
+    @staticmethod
+    def _choose(pending: list[BatchedSequence]) -> list[BatchedSequence]:
+        """The sequences whose model runs next (module docstring: most waiting, unless one waited MAX_WAIT)."""
+        groups: dict[int, list[BatchedSequence]] = {}
+        for s in pending:
+            groups.setdefault(id(s._request.model), []).append(s)
+        starved = [s for s in pending if s._request.waited >= MAX_WAIT]
+        if starved:
+            return groups[id(starved[0]._request.model)]
+        return max(groups.values(), key=len)  # ties: the first model to ask
+
+    def run(self, fns: list[Callable[[], Any]]) -> list[BatchedSequence]:
+        """Run every callable to its end, ``max_batch`` at a time; returns their sequences, in order (check
+        :attr:`BatchedSequence.error`)."""
+        seqs = [self.submit(fn) for fn in fns]
+        while self.step():
+            pass
+        return seqs
