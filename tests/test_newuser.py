@@ -452,3 +452,33 @@ def test_summary_says_1_token():
                         prefill_seconds=0.5, decode_seconds=0.25, decode_tokens_per_second=4.0,
                         mean_time_between_tokens_ms=250.0, peak_memory_bytes=1, seed=0)
     assert s.summary() == "autoregressive: 1 token, 4.00 tok/s, TBT 250.0 ms, prefill 0.50 s (1 token)"
+
+
+def test_generate_prompts_ctrl_c_keeps_what_was_generated(tf, monkeypatch):
+    """Ctrl-C during a batch (here: raised by the batched forward): the running prompts end as "interrupted" with
+    their tokens so far, the prompts not started yet are None; one failing prompt raises its own error."""
+    model = tf.target.model
+    real, calls = model.forward_ragged, [0]
+
+    def interrupted(blocks):
+        calls[0] += 1
+        if calls[0] == 12:
+            raise KeyboardInterrupt
+        return real(blocks)
+
+    monkeypatch.setattr(model, "forward_ragged", interrupted)
+    out = tf.generate(prompts=["abc", "hello there", "zzz"], max_new_tokens=40, max_batch=2,
+                      sampling=SamplingParams(temperature=0))
+    assert [r.finish_reason for r in out[:2]] == ["interrupted", "interrupted"] and out[2] is None
+    assert all(0 < len(r.token_ids) < 40 for r in out[:2])
+    monkeypatch.setattr(model, "forward_ragged", real)
+
+    def fail(_n):
+        raise RuntimeError("callback failed")
+
+    with pytest.raises(RuntimeError, match="callback failed"):
+        tf.generate(prompts=["abc", "hello"], max_new_tokens=5, prefill_progress=fail)
+    with pytest.raises(ValueError, match="stop must be a string or a list"):
+        tf.generate("abc", max_new_tokens=2, stop=5)
+    with pytest.raises(ValueError, match="prefill_progress must be a callable"):
+        tf.generate("abc", max_new_tokens=2, prefill_progress=5)

@@ -207,8 +207,10 @@ class TriForce:
         """
         if isinstance(stop, str):
             stop = [stop]
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
+        if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {stop!r:.80}")
+        if prefill_progress is not None and not callable(prefill_progress):
+            raise ValueError(f"prefill_progress must be a callable or None, got {type(prefill_progress).__name__}")
         spec = spec or SpeculationConfig(mode=self.default_mode, drafter=self.drafter)
         if not isinstance(prompt, str) and not isinstance(prompt, (list, tuple)):
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -283,7 +285,9 @@ class TriForce:
             kwargs: :meth:`stream`'s arguments.
 
         Returns:
-            a :class:`GenerationResult`, or with ``prompts`` a list of them, one per prompt, in order.
+            a :class:`GenerationResult`, or with ``prompts`` a list of them, one per prompt, in order. After Ctrl-C
+            during a batch, the prompts that were running end with ``finish_reason`` ``interrupted`` and the
+            prompts not started yet are None.
 
         Raises:
             ValueError: bad arguments (named; with ``prompts``, ``prompts[i]`` names the prompt), before any model work.
@@ -367,8 +371,19 @@ class TriForce:
                 free.append(view)
 
         scheduler = BatchScheduler(max_batch)
-        seqs = scheduler.run([lambda a=a: job(*a) for a in args])
-        for i, seq in enumerate(seqs):
-            if seq.error is not None and not isinstance(seq.error, Cancelled):
+        seqs = [scheduler.submit(lambda a=a: job(*a)) for a in args]
+        try:
+            while scheduler.step():
+                failed = next((s for s in seqs if s.error is not None and not isinstance(s.error, Cancelled)), None)
+                if failed is not None:  # one prompt failed: stop the others at once, raise its error
+                    for s in seqs:
+                        s.cancel()
+                    while scheduler.step():
+                        pass
+                    raise failed.error
+        except KeyboardInterrupt:  # Ctrl-C: the running prompts end as "interrupted", the queued ones get None
+            scheduler.interrupt()
+        for seq in seqs:
+            if seq.error is not None and not isinstance(seq.error, (Cancelled, KeyboardInterrupt)):
                 raise seq.error
         return [seq.result for seq in seqs]

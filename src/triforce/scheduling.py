@@ -160,9 +160,13 @@ class BatchScheduler:
         else:
             if seq._glet.dead:
                 seq.result, seq.done = out, True
-            else:
+            elif isinstance(out, ForwardRequest):
                 seq._request = out
                 return
+            else:  # switched to the scheduler with something else: that sequence's bug, not the batch's
+                seq._glet.throw(greenlet.GreenletExit)
+                seq.error, seq.done = TypeError(f"a batched generation switched to the scheduler with {out!r:.60}, "
+                                                "not a forward (only run_forward may switch)"), True
         seq._request, seq._glet = None, None
         self._running.remove(seq)
 
@@ -226,6 +230,17 @@ class BatchScheduler:
         if starved:
             return groups[id(starved[0]._request.model)]
         return max(groups.values(), key=len)  # ties: the first model to ask
+
+    def interrupt(self) -> None:
+        """Ctrl-C: raise KeyboardInterrupt inside every running generation (each ends as its code handles it, e.g.
+        ``TriForce.stream`` with ``finish_reason`` ``interrupted``) and drop the queued ones (:class:`Cancelled`)."""
+        for seq in list(self._running):
+            seq._request = None
+            self._resume(seq, error=KeyboardInterrupt())
+        with self._lock:
+            queued, self._waiting = self._waiting, []
+        for seq in queued:
+            seq.error, seq.done = Cancelled("interrupted before it started"), True
 
     def run(self, fns: list[Callable[[], Any]]) -> list[BatchedSequence]:
         """Run every callable to its end, ``max_batch`` at a time; returns their sequences, in order (check

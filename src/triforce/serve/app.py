@@ -148,7 +148,12 @@ class _Server:
 
         received = time.monotonic()
         req = parse_request(await self.read_body(request), kind, self.tf, self.defaults)
-        check_with_engine(self.tf, req, self.spec)  # refuse what cannot fit before queueing it
+        try:
+            check_with_engine(self.tf, req, self.spec)  # refuse what cannot fit before queueing it
+        except APIError as e:
+            # memory held by running requests or kept caches frees up: the worker checks again when it starts
+            if e.code != "insufficient_memory" or not (self.worker.busy or self.worker.keeps_caches):
+                raise
         job = _Job(req, asyncio.get_running_loop(), received, received + self.defaults.request_timeout)
         if not self.worker.submit(job):
             raise APIError(503, f"the server is busy: {self.worker.waiting} requests are already waiting (--queue-size "

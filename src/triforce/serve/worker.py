@@ -116,7 +116,9 @@ class GenerationWorker:
 
     def stop(self) -> None:
         """Cancel the running jobs and end the thread after them (jobs still queued are cancelled)."""
-        for job in list(self._active.values()):
+        with self._lock:
+            active = list(self._active.values())
+        for job in active:
             job.cancel.set()
         self._jobs.put(None)
 
@@ -143,8 +145,10 @@ class GenerationWorker:
                 except queue.Empty:
                     job = False
             if stopping:
-                for active in list(self._active.values()):
-                    active.cancel.set()
+                with self._lock:
+                    active = list(self._active.values())
+                for job in active:
+                    job.cancel.set()
             forwards, rows = scheduler.forwards, scheduler.batched_rows
             more = scheduler.step()
             self.metrics.forwards.inc(scheduler.forwards - forwards)
@@ -175,6 +179,11 @@ class GenerationWorker:
             best = 0
         return self._idle_views.pop(best)
 
+    @property
+    def keeps_caches(self) -> bool:
+        """Whether idle engines keep KV caches for prefix reuse (memory :meth:`free_kept_caches` would free)."""
+        return any(view.engine.full_cache is not None for view in self._idle_views)
+
     def free_kept_caches(self) -> None:
         """Drop the KV caches the idle engines keep for prefix reuse (memory is short)."""
         for view in self._idle_views:
@@ -186,7 +195,8 @@ class GenerationWorker:
     def _run_job(self, job: _Job) -> None:
         """One job, run by the scheduler in its own greenlet."""
         self._dequeued()
-        self._active[id(job)] = job
+        with self._lock:
+            self._active[id(job)] = job
         self.metrics.running.set(len(self._active))
         t0, view = time.monotonic(), None
         try:
@@ -195,7 +205,8 @@ class GenerationWorker:
         except BaseException as e:  # noqa: BLE001 - a bug must not kill the only worker
             job.post("error", APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
         finally:
-            del self._active[id(job)]
+            with self._lock:
+                del self._active[id(job)]
             self.metrics.running.set(len(self._active))
             if view is not None:
                 self._idle_views.append(view)
