@@ -71,7 +71,7 @@ def test_batched_greedy_equals_alone(engine, max_batch):
     reference = [_alone(engine, p, new, _spec("autoregressive")) for p, new, _ in requests]
     outs, scheduler = _batched(engine, requests, max_batch)
     assert outs == reference
-    assert scheduler.batched_rows > 1.5 * scheduler.forwards
+    assert scheduler.sequence_forwards > 1.5 * scheduler.forwards
 
 
 def test_sequence_submitted_mid_run_and_eos_in_one_sequence():
@@ -207,5 +207,5 @@ def test_batched_sequence_matches_exact_distribution(models, mode):  # noqa: F81
     for seq in seqs:
         out = seq.result
         counts[out[0] * V * V + out[1] * V + out[2]] += 1
-    assert scheduler.batched_rows > 1.5 * scheduler.forwards
+    assert scheduler.sequence_forwards > 1.5 * scheduler.forwards
     assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3

@@ -333,6 +333,10 @@ class Engine:
                 seed: int | None = None):
         """Check a request's arguments and plan it, before any heavy work: what :meth:`stream` does first.
 
+        Args:
+            prompt_ids: the prompt, a list of int token ids; max_new_tokens: tokens to generate (>= 1);
+            sampling, spec, seed: as :meth:`stream` takes them.
+
         Returns:
             ``(spec, auto, plan)``: the hierarchy it will run (``auto`` resolved), the
             :class:`~triforce.auto.AutoPlan` (None unless ``mode='auto'``), the :class:`~triforce.plan.RequestPlan`.

@@ -122,7 +122,7 @@ class BatchScheduler:
         self._waiting: list[BatchedSequence] = []  # submitted, not started
         self._running: list[BatchedSequence] = []
         self.forwards = 0  # batched forwards run
-        self.batched_rows = 0  # sequences' forwards they held (batched_rows / forwards = mean batch)
+        self.sequence_forwards = 0  # sequences' forwards they held (sequence_forwards / forwards = mean batch)
 
     # ---------------------------------------------------------------- queue
     def submit(self, fn: Callable[[], Any]) -> BatchedSequence:
@@ -207,7 +207,7 @@ class BatchScheduler:
         except Exception:  # noqa: BLE001 - find whose forward fails: each runs alone, its error goes to it
             outputs = None
         self.forwards += 1
-        self.batched_rows += len(group)
+        self.sequence_forwards += len(group)
         for i, (seq, req) in enumerate(zip(group, requests)):
             if outputs is not None:
                 self._resume(seq, outputs[i])

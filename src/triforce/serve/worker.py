@@ -149,10 +149,10 @@ class GenerationWorker:
                     active = list(self._active.values())
                 for job in active:
                     job.cancel.set()
-            forwards, rows = scheduler.forwards, scheduler.batched_rows
+            forwards, held = scheduler.forwards, scheduler.sequence_forwards
             more = scheduler.step()
             self.metrics.forwards.inc(scheduler.forwards - forwards)
-            self.metrics.forward_sequences.inc(scheduler.batched_rows - rows)
+            self.metrics.forward_sequences.inc(scheduler.sequence_forwards - held)
             if not more and stopping:
                 return
 
@@ -174,10 +174,8 @@ class GenerationWorker:
 
         if not self._idle_views:
             return self.tf.fork()
-        best = max(range(len(self._idle_views)), key=lambda i: (common(self._idle_views[i]), -i))
-        if common(self._idle_views[best]) == 0:
-            best = 0
-        return self._idle_views.pop(best)
+        shared = [common(view) for view in self._idle_views]  # LRU first: ties and no match take the oldest
+        return self._idle_views.pop(max(range(len(shared)), key=lambda i: (shared[i], -i)))
 
     @property
     def keeps_caches(self) -> bool:
@@ -191,6 +189,29 @@ class GenerationWorker:
         import gc
 
         gc.collect()
+
+    def _check_fits(self, tf: "TriForce", req: GenerationRequest) -> None:
+        """:func:`check_with_engine` when a job starts; short of memory, the kept caches are dropped and it checks
+        again, and a request that still does not fit while others run gets 503 (their memory will free up).
+
+        Raises:
+            APIError: 400 as :func:`check_with_engine`, or 503 ``insufficient_memory`` with ``Retry-After``.
+        """
+        try:
+            check_with_engine(tf, req, self.spec)
+            return
+        except APIError as e:
+            if e.code != "insufficient_memory":
+                raise
+        self.free_kept_caches()
+        try:
+            check_with_engine(tf, req, self.spec)
+        except APIError as e:
+            if e.code != "insufficient_memory" or len(self._active) <= 1:
+                raise
+            raise APIError(503, f"the server is busy: {e.message} while {len(self._active) - 1} other requests run; "
+                           "retry later", type="server_error", code="insufficient_memory",
+                           headers={"Retry-After": str(self.retry_after())}) from e
 
     def _run_job(self, job: _Job) -> None:
         """One job, run by the scheduler in its own greenlet."""
@@ -229,20 +250,7 @@ class GenerationWorker:
             return
         try:
             sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
-            try:
-                check_with_engine(tf, req, spec)  # free memory may have changed while the request waited
-            except APIError as e:
-                if e.code != "insufficient_memory":
-                    raise
-                self.free_kept_caches()  # the idle engines' kept caches go first
-                try:
-                    check_with_engine(tf, req, spec)
-                except APIError as again:
-                    if again.code != "insufficient_memory" or len(self._active) <= 1:
-                        raise
-                    raise APIError(503, f"the server is busy: {again.message} while {len(self._active) - 1} other "
-                                   "requests run; retry later", type="server_error", code="insufficient_memory",
-                                   headers={"Retry-After": str(self.retry_after())}) from again
+            self._check_fits(tf, req)  # free memory may have changed while the request waited
         except APIError as e:
             job.post("error", e)
             return
