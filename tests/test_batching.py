@@ -74,6 +74,34 @@ def test_batched_greedy_equals_alone(engine, max_batch):
     assert scheduler.sequence_forwards > 1.5 * scheduler.forwards
 
 
+def test_prefill_chunks_share_forwards_first_come_first_served(engine, monkeypatch):
+    """With a prefill budget of 60 rows per forward (short forwards, at most 8 rows, always join), the target's
+    prefills run in admission order, each forward holding at most 60 prefill rows (or one longer prefill), and every
+    sequence still gives its tokens alone."""
+    import triforce.scheduling as scheduling
+
+    monkeypatch.setattr(scheduling, "SHORT_FORWARD_ROWS", 8)
+    monkeypatch.setattr(scheduling, "PREFILL_ROWS_PER_FORWARD", 60)
+    requests = [(_prompt(n, i), new, spec) for i, (n, new, spec) in enumerate(REQUESTS)]
+    reference = [_alone(engine, p, new, _spec("autoregressive")) for p, new, _ in requests]
+    calls, target = [], engine.target
+    original = type(target).forward_ragged
+
+    def recording(model, blocks):
+        if model is target:
+            calls.append([ids.shape[-1] for ids, *_ in blocks])
+        return original(model, blocks)
+
+    monkeypatch.setattr(type(target), "forward_ragged", recording)
+    outs, _ = _batched(engine, requests, 8)
+    assert outs == reference
+    long_rows = [[t for t in call if t > 8] for call in calls]
+    assert all(sum(rows) <= 60 or len(rows) == 1 for rows in long_rows), long_rows
+    prefills = [t for rows in long_rows for t in rows]
+    assert prefills == [n for n, _, _ in REQUESTS if n > 8], prefills  # admission order: 40, 66, 23, 51, 90
+    assert any(len(call) > 1 and any(t > 8 for t in call) for call in calls)  # prefills did share forwards
+
+
 def test_sequence_submitted_mid_run_and_eos_in_one_sequence():
     """A sequence that joins after others have decoded for a while, and an EOS (the 6th token of one sequence)
     that ends that sequence while the others continue: all equal their outputs alone."""

@@ -191,7 +191,7 @@ def test_readme_options_table_matches_the_parser():
             assert re.search(rf"(?<![\w.]){re.escape(shown)}(?![\w.])", meaning), \
                 f"README: {flag} should show its default {shown}: {meaning}"
     generate = {f for f, a in options.items() if f.startswith("--") and f not in ("--help",)}
-    server_only = {"--host", "--port", "--queue-size", "--max-batch", "--request-timeout", "--log-level", "--api-key"}
+    server_only = {"--host", "--port", "--queue-size", "--max-batch", "--prefix-cache-gib", "--request-timeout", "--log-level", "--api-key"}
     assert generate - server_only - seen == set(), "options missing from README's table"
 
 

@@ -502,6 +502,39 @@ def test_second_chat_turn_reuses_the_prefix_and_matches_a_cold_run(client, ref):
     assert r2.usage.completion_tokens == len(cold.token_ids)
 
 
+def test_prefix_cache_is_bounded_by_bytes_and_evicts_the_least_recently_used(tiny_folder):
+    from triforce.caches import FullKVCache
+    from triforce.serve.metrics import ServerMetrics
+    from triforce.serve.worker import GenerationWorker
+
+    tf = TriForce.load(tiny_folder)
+    one = FullKVCache(tf.target.model.cfg, 64).nbytes
+    assert one == 2 * tf.target.model.cfg.num_hidden_layers * tf.target.model.cfg.num_key_value_heads * 64 \
+        * tf.target.model.cfg.head_dim * 4  # K and V, fp32
+    worker = GenerationWorker(tf, 4, ServerMetrics(), SpeculationConfig(), max_batch=4,
+                              prefix_cache_bytes=int(2.5 * one))
+    for first in range(4):  # four finished requests, prompts [first, 100, 101, ...], oldest first
+        view = tf.fork()  # (a running request would take an idle view: there are none yet)
+        tokens = [first] + list(range(100, 110))
+        cache = FullKVCache(tf.target.model.cfg, 64)
+        cache.length = len(tokens)  # as if the request had processed them
+        view.engine.adopt_prefix(cache, tokens)
+        worker._keep(view)
+    kept = [v.engine.prefix_tokens[:1] for v in worker._idle_views]
+    assert kept == [[], [], [2], [3]], kept  # 2 caches fit in 2.5: the two least recently used were dropped
+    assert worker.kept_cache_bytes == 2 * one == worker.metrics.prefix_cache_bytes._value.get()
+    assert worker._take_view([2, 100, 101]).engine.prefix_tokens[:1] == [2]  # the longest shared prefix
+    assert worker._take_view([9]).engine.full_cache is None  # no match: the least recently used
+    # a bound of 0 keeps only the last request's cache, even when larger than the bound
+    worker.prefix_cache_bytes = 0
+    big = tf.fork()
+    big.engine.adopt_prefix(FullKVCache(tf.target.model.cfg, 640), [])
+    worker._keep(big)
+    assert [v.engine.full_cache is big.engine.full_cache for v in worker._idle_views if v.engine.full_cache] == [True]
+    with pytest.raises(ValueError, match="prefix_cache_gib"):
+        ServerDefaults(prefix_cache_gib=-1)
+
+
 # ------------------------------------------------------------------------------------------------ metrics
 def test_metrics_in_prometheus_format(server, client):
     client.completions.create(model=client.models.list().data[0].id, prompt="abc", max_tokens=5, temperature=0)

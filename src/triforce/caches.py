@@ -300,6 +300,14 @@ class FullKVCache(KVCache):
             raise CacheError(f"full KV cache: cannot roll back to {length} (length {self.length})")
         self.length = length
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes this cache holds allocated: K and V, plus the device copies and buffers when offloaded."""
+        tensors = [self.k, self.v]
+        if self.offload:
+            tensors += [self._chip_k, self._chip_v, *self._buf_k, *self._buf_v]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def copy_prefix_from(self, other: "FullKVCache", n: int) -> None:
         """Take positions [0, n) of ``other`` (same model, smaller or equal capacity); ``length`` becomes n."""
         self.k[:, :, :, :n] = other.k[:, :, :, :n].to(self.k.device)

@@ -78,6 +78,7 @@ SERVE_DEFAULTS: dict[str, object] = {
     "host": "127.0.0.1",
     "port": 8000,
     "queue_size": 16,
+    "prefix_cache_gib": 4.0,  # idle requests' KV caches kept for prefix reuse (the last one is kept even if larger)
     "request_timeout": 600.0,
     "log_level": "info",
 }

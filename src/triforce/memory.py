@@ -22,6 +22,35 @@ def available_bytes(device: torch.device | str) -> int:
     return int(psutil.virtual_memory().available)
 
 
+_LIBC: list = []  # [the C library, or None where it has no malloc_trim], loaded on first use
+
+
+def release_free_memory() -> bool:
+    """Return the C heap's free pages to the operating system (glibc's ``malloc_trim(0)``); False where the C
+    library has none (macOS, musl).
+
+    Why: a KV cache of a few hundred tokens is a few MB per tensor, under glibc's mmap threshold (dynamic, up to
+    32 MiB), so it lives in the heap, and after requests of mixed lengths come and go the heap keeps their freed
+    pages: measured (``bench/kv_layout.py``, 200 caches of 512-8,192 tokens, up to 8 live), resident memory ran
+    up to 267 MiB over the live caches (1.11x at the peak) and kept 267 MiB after all were freed, against exactly
+    the live bytes at the peak and 0 MiB kept when this runs after each departure (about 0.2 ms a call). The
+    server calls it when a request ends.
+    """
+    if not _LIBC:
+        import ctypes
+        import ctypes.util
+
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.append(libc if hasattr(libc, "malloc_trim") else None)
+        except OSError:
+            _LIBC.append(None)
+    if _LIBC[0] is None:
+        return False
+    _LIBC[0].malloc_trim(0)
+    return True
+
+
 def fmt_bytes(n: float) -> str:
     """``1.5 GiB`` style rendering of a byte count."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -16,7 +16,11 @@ code runs unchanged; a batched forward gives each row the logits it would get al
 matrix products (the same bound as a verification block against a decode step).
 
 Which model runs next: the one with the most waiting forwards, unless a forward has waited :attr:`MAX_WAIT`
-rounds, whose model then runs (no sequence starves behind a busier model).
+rounds, whose model then runs (no sequence starves behind a busier model). Which of its forwards: every short one
+(decode steps, draft blocks, verifications: at most :data:`SHORT_FORWARD_ROWS` rows), and of the long ones
+(prefill chunks) the earliest admitted, in order, up to :data:`PREFILL_ROWS_PER_FORWARD` rows (at least one), as
+Sarathi's token budget: prompts are prefilled first come, first served, so the first to arrive starts streaming
+while later prompts are still prefilled, instead of every prompt's first token waiting for all of them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ import torch
 from .caches import KVCache
 
 MAX_WAIT = 2  # rounds a forward may wait while other models' forwards run
+#: rows of a forward that always joins its model's batch (decode steps, draft blocks, verifications)
+SHORT_FORWARD_ROWS = 32
+#: rows of longer forwards (prefill chunks) one batched forward takes, earliest admitted first (one at least):
+#: one prefill chunk of the target (``ModelTier``'s ``prefill_chunk``, 512)
+PREFILL_ROWS_PER_FORWARD = 512
 
 
 @dataclass
@@ -196,8 +205,10 @@ class BatchScheduler:
         if not pending:
             return not self.idle()
         group = self._choose(pending)
-        for s in pending:
-            s._request.waited += 1
+        for s in pending:  # rounds waited behind another model (not behind earlier prompts' prefill chunks)
+            if s._request.model is not group[0]._request.model:
+                s._request.waited += 1
+        group = self._budget(group)
         requests = [s._request for s in group]
         for s in group:
             s._request = None
@@ -230,6 +241,20 @@ class BatchScheduler:
         if starved:
             return groups[id(starved[0]._request.model)]
         return max(groups.values(), key=len)  # ties: the first model to ask
+
+    @staticmethod
+    def _budget(group: list[BatchedSequence]) -> list[BatchedSequence]:
+        """Of one model's waiting forwards (in admission order), the short ones and the earliest long ones up to
+        :data:`PREFILL_ROWS_PER_FORWARD` rows (module docstring)."""
+        chosen, rows = [], 0
+        for s in group:
+            t = s._request.input_ids.shape[-1]
+            if t <= SHORT_FORWARD_ROWS:
+                chosen.append(s)
+            elif rows == 0 or rows + t <= PREFILL_ROWS_PER_FORWARD:
+                chosen.append(s)
+                rows += t
+        return chosen
 
     def interrupt(self) -> None:
         """Ctrl-C: raise KeyboardInterrupt inside every running generation (each ends as its code handles it, e.g.

@@ -20,7 +20,7 @@ from .options import add_generation_args, spec_from_args
 
 def add_serve_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand (the generation options plus ``--host``, ``--port``, ``--queue-size``,
-    ``--request-timeout``, ``--log-level``, ``--api-key``) to ``subparsers``; returns its parser. Dispatch to
+    ``--max-batch``, ``--prefix-cache-gib``, ``--request-timeout``, ``--log-level``, ``--api-key``) to ``subparsers``; returns its parser. Dispatch to
     :func:`cmd_serve`."""
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, "
@@ -37,6 +37,10 @@ def add_serve_parser(subparsers: "argparse._SubParsersAction") -> argparse.Argum
     s.add_argument("--max-batch", type=int, default=DEFAULTS["max_batch"],
                    help="requests decoded at once, their forwards batched (continuous batching; 1 = one at a time "
                         f"in arrival order) (default {DEFAULTS['max_batch']})")
+    s.add_argument("--prefix-cache-gib", type=float, default=d["prefix_cache_gib"],
+                   help="GiB of KV cache that finished requests keep for prefix reuse, in all; the least recently "
+                        "used are dropped first, and the last request's cache is kept even when larger (0 = only "
+                        f"it) (default {d['prefix_cache_gib']:g})")
     s.add_argument("--request-timeout", type=float, default=d["request_timeout"],
                    help="seconds from a request's arrival after which its generation ends with finish_reason "
                         f"'length' (default {d['request_timeout']:g})")
@@ -67,6 +71,8 @@ def defaults_from_args(args: argparse.Namespace) -> ServerDefaults:
         raise CLIError(f"--queue-size must be >= 1, got {args.queue_size}")
     if args.max_batch < 1:
         raise CLIError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if not (args.prefix_cache_gib >= 0 and math.isfinite(args.prefix_cache_gib)):
+        raise CLIError(f"--prefix-cache-gib must be a number of GiB >= 0, got {args.prefix_cache_gib}")
     if not (args.request_timeout > 0 and math.isfinite(args.request_timeout)):
         raise CLIError(f"--request-timeout must be a number of seconds > 0, got {args.request_timeout}")
     if args.max_new_tokens < 1:
@@ -90,7 +96,8 @@ def defaults_from_args(args: argparse.Namespace) -> ServerDefaults:
     return ServerDefaults(model_id=model_id_for(args.model), model_aliases=(args.model,) if args.model else (),
                           max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), spec=spec,
-                          queue_size=args.queue_size, max_batch=args.max_batch, request_timeout=args.request_timeout,
+                          queue_size=args.queue_size, max_batch=args.max_batch,
+                          prefix_cache_gib=args.prefix_cache_gib, request_timeout=args.request_timeout,
                           api_key=api_key)
 
 

@@ -319,7 +319,8 @@ def create_app(tf: "TriForce", defaults: ServerDefaults | None = None) -> "FastA
 
         spec = SpeculationConfig(mode=tf.default_mode, drafter=tf.drafter)
     metrics = ServerMetrics()
-    worker = GenerationWorker(tf, defaults.queue_size, metrics, spec, max_batch=defaults.max_batch)
+    worker = GenerationWorker(tf, defaults.queue_size, metrics, spec, max_batch=defaults.max_batch,
+                              prefix_cache_bytes=int(defaults.prefix_cache_gib * 2**30))
     server = _Server(tf, defaults, spec, worker, metrics)
 
     @asynccontextmanager

@@ -11,6 +11,7 @@ class ServerMetrics:
     (histogram, to the last byte of a streamed answer), ``triforce_generated_tokens_total``,
     ``triforce_prompt_tokens_total``, ``triforce_reused_prefix_tokens_total``, ``triforce_queue_depth`` (requests
     waiting), ``triforce_requests_running`` (the running batch size, 0 to ``--max-batch``),
+    ``triforce_prefix_cache_bytes`` (KV kept for prefix reuse, bounded by ``--prefix-cache-gib``),
     ``triforce_time_to_first_token_seconds`` (histogram, from arrival), ``triforce_time_between_tokens_seconds``
     (histogram, between a request's consecutive tokens), ``triforce_tier_proposed_tokens_total{tier}`` and
     ``triforce_tier_accepted_tokens_total{tier}`` (their ratio is a tier's acceptance),
@@ -34,6 +35,8 @@ class ServerMetrics:
         self.reused = Counter("triforce_reused_prefix_tokens", "Prompt tokens whose KV cache was reused", registry=r)
         self.queue_depth = Gauge("triforce_queue_depth", "Requests waiting for the engine", registry=r)
         self.running = Gauge("triforce_requests_running", "Requests the engine is running (the batch size)", registry=r)
+        self.prefix_cache_bytes = Gauge("triforce_prefix_cache_bytes", "KV cache bytes kept by idle requests for "
+                                        "prefix reuse (bounded by --prefix-cache-gib)", registry=r)
         self.tbt = Histogram("triforce_time_between_tokens_seconds", "Between a request's consecutive tokens",
                              buckets=(0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5),
                              registry=r)

@@ -65,6 +65,8 @@ class ServerDefaults:
         queue_size: most requests waiting for the engine (not counting the running ones); more get 503.
         max_batch: most requests the engine runs at once, their forwards batched (continuous batching; 1: one at a
             time in arrival order).
+        prefix_cache_gib: GiB of KV cache idle requests keep for prefix reuse, in all (least recently used dropped
+            first; the last request's cache is kept even when larger, so a chat's next turn reuses it; 0: only it).
         request_timeout: seconds from a request's arrival after which its generation ends.
         api_key: when set, every request except ``GET /health`` must carry ``Authorization: Bearer <api_key>``
             (what OpenAI clients send), else 401 in OpenAI's error format. Never printed (not in ``repr``).
@@ -81,6 +83,7 @@ class ServerDefaults:
     spec: "SpeculationConfig | None" = None
     queue_size: int = SERVE_DEFAULTS["queue_size"]
     max_batch: int = DEFAULTS["max_batch"]
+    prefix_cache_gib: float = SERVE_DEFAULTS["prefix_cache_gib"]
     request_timeout: float = SERVE_DEFAULTS["request_timeout"]
     api_key: str | None = field(default=None, repr=False)
 
@@ -91,6 +94,9 @@ class ServerDefaults:
             raise ValueError(f"queue_size must be an integer >= 1, got {self.queue_size!r}")
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
+        if isinstance(self.prefix_cache_gib, bool) or not isinstance(self.prefix_cache_gib, (int, float)) \
+                or not 0 <= self.prefix_cache_gib < float("inf"):
+            raise ValueError(f"prefix_cache_gib must be a number of GiB >= 0, got {self.prefix_cache_gib!r}")
         if not isinstance(self.request_timeout, (int, float)) or not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be a number of seconds > 0, got {self.request_timeout!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

@@ -42,6 +42,10 @@ class _Job:
             pass
 
 
+#: most idle engine states kept for prefix reuse (bounds the prefix scan when their caches are small)
+MAX_KEPT_ENGINES = 64
+
+
 class GenerationWorker:
     """Runs queued generations on a single thread, up to ``max_batch`` at once with their forwards batched.
 
@@ -49,8 +53,11 @@ class GenerationWorker:
     request joins the running batch between forwards, a long prompt's prefill runs chunk by chunk between the
     running requests' decode steps, and a finished or disconnected request leaves at once. Each running request
     has its own engine state (:meth:`~triforce.api.TriForce.fork`); the idle ones keep their last request's KV
-    cache, so a new request reuses the cache of whichever earlier request shares its longest prefix (at most
-    ``max_batch`` kept; the least recently used is reused first; their caches are dropped when memory runs short).
+    cache (the prefix cache), so a new request reuses the cache of whichever earlier request shares its longest
+    prefix. The prefix cache is bounded by bytes: past ``prefix_cache_bytes`` the least recently used caches are
+    dropped (the most recent one is always kept, so a chat's next turn reuses it), at most
+    :data:`MAX_KEPT_ENGINES` idle engines are kept, and every kept cache is dropped when a request would not fit
+    in memory otherwise.
 
     Each job receives, through its asyncio queue: ``("started", queue_seconds)`` when the engine takes it,
     ``("token", TokenEvent)`` per accepted token, then ``("done", info)`` or ``("error", APIError)``; a job
@@ -63,22 +70,26 @@ class GenerationWorker:
         spec: speculation settings for every request.
         max_batch: most requests running at once (1: one at a time in arrival order; models whose requests cannot
             share a forward, :meth:`~triforce.engine.Engine.fork`, run one at a time whatever the setting).
+        prefix_cache_bytes: bytes of KV cache the idle engines may keep for prefix reuse, in all (the most recent
+            request's cache is kept even when larger); None: no bound.
     """
 
     def __init__(self, tf: "TriForce", queue_size: int, metrics: ServerMetrics, spec: "SpeculationConfig",
-                 max_batch: int = 1) -> None:
+                 max_batch: int = 1, prefix_cache_bytes: int | None = None) -> None:
         self.tf, self.queue_size, self.metrics, self.spec = tf, queue_size, metrics, spec
+        self.prefix_cache_bytes = prefix_cache_bytes
+        self._can_fork = True
         try:
             tf.fork()
         except ValueError:
-            max_batch = 1  # tensor parallelism or dynamic NTK: one request at a time
+            max_batch, self._can_fork = 1, False  # tensor parallelism or dynamic NTK: one request at a time
         self.max_batch = max_batch
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._waiting = 0
         self._thread: threading.Thread | None = None
         self._active: dict[int, _Job] = {}  # id(job) -> job, the running ones
-        self._idle_views: list = [tf] if max_batch == 1 else []  # engines kept with their last cache, LRU first
+        self._idle_views: list = [] if self._can_fork else [tf]  # engines kept with their last cache, LRU first
         self._mean_seconds = 1.0  # running mean of a job's engine time, for Retry-After
 
     @property
@@ -173,9 +184,27 @@ class GenerationWorker:
             return n
 
         if not self._idle_views:
-            return self.tf.fork()
+            return self.tf.fork() if self._can_fork else self.tf
         shared = [common(view) for view in self._idle_views]  # LRU first: ties and no match take the oldest
         return self._idle_views.pop(max(range(len(shared)), key=lambda i: (shared[i], -i)))
+
+    @property
+    def kept_cache_bytes(self) -> int:
+        """Bytes of KV cache the idle engines keep for prefix reuse (the prefix cache)."""
+        return sum(view.engine.full_cache.nbytes for view in self._idle_views if view.engine.full_cache is not None)
+
+    def _keep(self, view) -> None:
+        """Return ``view`` to the idle engines (most recent last) and evict the least recently used caches past
+        the bound (:attr:`prefix_cache_bytes`, :data:`MAX_KEPT_ENGINES`)."""
+        self._idle_views.append(view)
+        del self._idle_views[:-MAX_KEPT_ENGINES]
+        if self.prefix_cache_bytes is None:
+            return
+        for old in self._idle_views[:-1]:  # LRU first; the most recent one stays
+            if self.kept_cache_bytes <= self.prefix_cache_bytes:
+                break
+            old.engine.forget_prefix()
+        self.metrics.prefix_cache_bytes.set(self.kept_cache_bytes)
 
     @property
     def keeps_caches(self) -> bool:
@@ -186,9 +215,13 @@ class GenerationWorker:
         """Drop the KV caches the idle engines keep for prefix reuse (memory is short)."""
         for view in self._idle_views:
             view.engine.forget_prefix()
+        self.metrics.prefix_cache_bytes.set(0)
         import gc
 
+        from ..memory import release_free_memory
+
         gc.collect()
+        release_free_memory()  # give the freed caches' pages back (memory.py)
 
     def _check_fits(self, tf: "TriForce", req: GenerationRequest) -> None:
         """:func:`check_with_engine` when a job starts; short of memory, the kept caches are dropped and it checks
@@ -230,8 +263,10 @@ class GenerationWorker:
                 del self._active[id(job)]
             self.metrics.running.set(len(self._active))
             if view is not None:
-                self._idle_views.append(view)
-                del self._idle_views[:-self.max_batch]
+                self._keep(view)
+            from ..memory import release_free_memory
+
+            release_free_memory()  # the request's caches were freed: give their pages back (memory.py)
             self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.monotonic() - t0)
 
     def _serve(self, job: _Job, tf: "TriForce") -> None:

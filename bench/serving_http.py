@@ -1,0 +1,247 @@
+"""Serving through HTTP: throughput, time to first token (TTFT) and time between tokens (TBT) of concurrent
+streaming clients, with continuous batching (``--max-batch 8``) against one request at a time (``--max-batch 1``).
+
+    python bench/serving_http.py --threads 2 --out bench/results/serving_http.json
+
+Each setting runs its own ``python -m triforce.serve`` subprocess (the default model unless ``--model``, the
+server's default mode, T = 0.6 / top-p 0.9, every request its own seed), all started and warmed up with two
+untimed requests before the measurements, which alternate between them: ``--reps`` interleaved repetitions (the
+settings' order reversed every other one), each with fresh prompts, medians reported, and the throughput ratio
+taken within each repetition. The clients are threads of this process
+streaming ``/v1/completions`` with raw token-id prompts (distinct slices of a book, so no request reuses another's
+prefix). Times are taken at the client: TTFT from sending the request to its first content chunk, TBT between a
+stream's consecutive content chunks (one chunk per token).
+
+Scenarios, run for each ``--max-batch`` setting:
+
+* ``concurrent``: N clients (``--clients``, default 1 2 4 8) send a ``--prompt-tokens`` prompt (2,000) at once and
+  stream ``--new-tokens`` (64); total throughput = all completion tokens / wall time from the first request sent
+  to the last stream's end, prefill included.
+* ``long_arrival``: 3 clients stream 96 tokens after 500-token prompts; once each has its first token, a fourth
+  client sends a ``--long-tokens`` prompt (4,000). Reported: the long request's TTFT, and the running streams' TBT
+  while it is prefilled (from its arrival to its first token): with batching its 512-token prefill chunks share
+  forwards with their decode steps (chunked prefill), one at a time it waits for them.
+
+Prints JSON (and writes ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+from common import emit_json  # noqa: E402  (bench/common.py, beside this script)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(HERE, "..", "src")
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """The q-quantile (0..1) of xs, nearest rank; None when empty."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))]
+
+
+class Server:
+    """A ``triforce serve`` subprocess on a free port; ``url`` once healthy."""
+
+    def __init__(self, args, max_batch: int, log: str) -> None:
+        import httpx
+
+        env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        cmd = [sys.executable, "-m", "triforce.serve", "--port", "0", "--threads", str(args.threads),
+               "--max-batch", str(max_batch), "--log-level", "warning", "--queue-size", "64",
+               "--temperature", str(args.temperature), "--top-p", str(args.top_p)]
+        if args.model:
+            cmd += ["--model", args.model]
+        self.log = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        t0, self.url = time.monotonic(), None
+        while time.monotonic() - t0 < 300:
+            m = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", open(log).read())
+            if self.proc.poll() is not None:
+                raise RuntimeError(open(log).read())
+            if m:
+                try:
+                    if httpx.get(m.group(1) + "/health", timeout=2).status_code == 200:
+                        self.url = m.group(1)
+                        MODEL_ID[0] = httpx.get(self.url + "/v1/models").json()["data"][0]["id"]
+                        return
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.2)
+        raise RuntimeError("server not healthy:\n" + open(log).read())
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+MODEL_ID = [""]  # the server's model id, read from /v1/models
+
+
+def stream(url: str, prompt: list[int], max_tokens: int, seed: int, out: dict, started: threading.Event | None = None):
+    """Stream one completion; fills ``out`` with ``sent``, ``times`` (each content chunk's arrival), ``tokens``."""
+    import httpx
+
+    body = {"model": MODEL_ID[0], "prompt": prompt, "max_tokens": max_tokens, "stream": True, "seed": seed,
+            "stream_options": {"include_usage": True}}
+    out["sent"], out["times"], out["tokens"] = time.monotonic(), [], None
+    with httpx.Client(timeout=600) as h:
+        with h.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                out["error"] = f"{r.status_code}: {r.read()[:200]!r}"
+                return
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    out["tokens"] = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    out["times"].append(time.monotonic())
+                    if started is not None:
+                        started.set()
+    out["end"] = time.monotonic()
+
+
+def run_clients(url: str, prompts: list[list[int]], max_tokens: int, seed: int) -> dict:
+    outs = [{} for _ in prompts]
+    threads = [threading.Thread(target=stream, args=(url, p, max_tokens, seed + i, o)) for i, (p, o) in
+               enumerate(zip(prompts, outs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errors = [o["error"] for o in outs if "error" in o]
+    if errors:
+        raise RuntimeError(errors)
+    t0, t1 = min(o["sent"] for o in outs), max(o["end"] for o in outs)
+    ttft = [o["times"][0] - o["sent"] for o in outs if o["times"]]
+    tbt = [b - a for o in outs for a, b in zip(o["times"], o["times"][1:])]
+    tokens = sum(o["tokens"] or len(o["times"]) for o in outs)
+    return {"clients": len(prompts), "tokens": tokens, "seconds": t1 - t0, "tokens_per_second": tokens / (t1 - t0),
+            "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
+            "tbt_p50": percentile(tbt, 0.5), "tbt_p99": percentile(tbt, 0.99)}
+
+
+def long_arrival(url: str, short: list[list[int]], long: list[int], seed: int) -> dict:
+    outs = [{} for _ in short]
+    firsts = [threading.Event() for _ in short]
+    threads = [threading.Thread(target=stream, args=(url, p, 96, seed + i, o, e)) for i, (p, o, e) in
+               enumerate(zip(short, outs, firsts))]
+    for t in threads:
+        t.start()
+    for e in firsts:
+        e.wait(600)
+    lout: dict = {}
+    lt = threading.Thread(target=stream, args=(url, long, 16, seed + 99, lout))
+    lt.start()
+    for t in threads + [lt]:
+        t.join()
+    arrive, first = lout["sent"], lout["times"][0]
+    during = [b - a for o in outs for a, b in zip(o["times"], o["times"][1:]) if b > arrive and a < first]
+    ran = [o for o in outs if o["times"] and o["times"][-1] > arrive]
+    return {"long_prompt_tokens": len(long), "long_ttft": first - arrive,
+            "streams_running_at_arrival": len(ran),
+            "streams_tokens_during_long_prefill": sum(1 for o in outs for t in o["times"] if arrive < t < first),
+            "streams_tbt_during_prefill_p50": percentile(during, 0.5),
+            "streams_tbt_during_prefill_max": max(during) if during else None}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="model source (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--book", default=os.path.join(HERE, "..", "..", "shared", "data", "books", "pg1342.txt"))
+    p.add_argument("--prompt-tokens", type=int, default=2000)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--long-tokens", type=int, default=4000)
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--max-batch", type=int, nargs="+", default=[8, 1])
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reps", type=int, default=2, help="interleaved repetitions (medians reported)")
+    p.add_argument("--out")
+    args = p.parse_args()
+    sys.path.insert(0, SRC)
+    from transformers import AutoTokenizer
+
+    from triforce.download import default_model_dir
+    from triforce.prompts import strip_gutenberg
+
+    tok = AutoTokenizer.from_pretrained(args.model or str(default_model_dir()))  # a local folder
+    with open(args.book, encoding="utf-8") as f:
+        ids = tok(strip_gutenberg(f.read()), add_special_tokens=False)["input_ids"]
+    cursor = [0]
+
+    def take(n: int) -> list[int]:
+        out = ids[cursor[0]:cursor[0] + n]
+        cursor[0] += n
+        if len(out) < n:
+            raise SystemExit(f"--book has too few tokens for the prompts asked ({len(ids)})")
+        return out
+
+    n = args.prompt_tokens
+
+    def new_plan() -> dict:  # fresh prompts for each repetition: no request reuses another's prefix
+        return {"concurrent": [[take(n) for _ in range(c)] for c in args.clients],
+                "short": [take(500) for _ in range(3)], "long": take(args.long_tokens)}
+
+    result = {"machine": {"threads": args.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
+              "prompt_tokens": n, "new_tokens": args.new_tokens, "temperature": args.temperature,
+              "top_p": args.top_p, "reps": args.reps, "settings": {}}
+    servers = {}
+    runs = {mb: {"concurrent": {c: [] for c in args.clients}, "long_arrival": []} for mb in args.max_batch}
+    try:
+        for mb in args.max_batch:  # all loaded up front; an idle server sleeps
+            servers[mb] = Server(args, mb, f"/tmp/triforce_serving_http_{mb}.log")
+            warm = take(n)  # warm-up, not timed: a fresh server's first requests run slower
+            run_clients(servers[mb].url, [warm, warm[:300]], 8, args.seed)
+        for rep in range(args.reps):
+            plan = new_plan()
+            order = list(args.max_batch) if rep % 2 == 0 else list(reversed(args.max_batch))  # interleaved
+            for c, prompts in zip(args.clients, plan["concurrent"]):
+                for mb in order:
+                    row = run_clients(servers[mb].url, prompts, args.new_tokens, args.seed + rep)
+                    runs[mb]["concurrent"][c].append(row)
+                    print(f"rep {rep} max_batch {mb}: {row}", file=sys.stderr, flush=True)
+            for mb in order:
+                arrival = long_arrival(servers[mb].url, plan["short"], plan["long"], args.seed + rep)
+                runs[mb]["long_arrival"].append(arrival)
+                print(f"rep {rep} max_batch {mb}: {arrival}", file=sys.stderr, flush=True)
+    finally:
+        for server in servers.values():
+            server.close()
+
+    def medians(rows: list[dict]) -> dict:
+        return {k: statistics.median(r[k] for r in rows) if isinstance(rows[0][k], (int, float)) else rows[0][k]
+                for k in rows[0]}
+
+    for mb in args.max_batch:
+        result["settings"][str(mb)] = {
+            "concurrent": [dict(medians(rows), runs=rows) for rows in runs[mb]["concurrent"].values()],
+            "long_arrival": dict(medians(runs[mb]["long_arrival"]), runs=runs[mb]["long_arrival"])}
+    if len(args.max_batch) == 2:  # throughput ratio of the first setting to the second, within each repetition
+        a, b = args.max_batch
+        result["throughput_ratio"] = {
+            str(c): statistics.median(x["tokens_per_second"] / y["tokens_per_second"]
+                                      for x, y in zip(runs[a]["concurrent"][c], runs[b]["concurrent"][c]))
+            for c in args.clients}
+    emit_json(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
