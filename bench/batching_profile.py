@@ -6,13 +6,14 @@ B sequences (each from its own copy of the prompt's KV, T = 0.6) decode ``--new-
 :class:`~triforce.scheduling.BatchScheduler`; prints the batched and one-at-a-time throughput of two interleaved
 runs, then the profile of one more batched run: seconds per call of the attention kernel (one layer of one sequence)
 and of the projections (one weight matrix over the batch's rows), and the bandwidth each implies from the bytes it
-reads. Prints JSON.
+reads, and the 25 functions with the most own time (ms per batched step). Prints JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import time
 
@@ -87,7 +88,10 @@ def main() -> int:
                projections=dict(calls=lin_calls, seconds=round(lin_s, 3),
                                 ms_per_step=round(1000 * lin_s / steps, 2),
                                 gb_per_s=round(weights * steps / max(lin_s, 1e-9) / 1e9, 2)),
-               profiled_seconds=round(sum(v[2] for v in stats.values()), 3))
+               profiled_seconds=round(sum(v[2] for v in stats.values()), 3),
+               top_own_time=[dict(function=f"{k[2]} ({os.path.basename(k[0])}:{k[1]})", calls=v[1],
+                                  seconds=round(v[2], 3), ms_per_step=round(1000 * v[2] / steps, 2))
+                             for k, v in sorted(stats.items(), key=lambda kv: -kv[1][2])[:25]])
     emit_json(out, args.out)
     return 0
 

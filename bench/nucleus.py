@@ -1,11 +1,13 @@
-"""Top-p (nucleus) cost per call: ``sampling.logits_to_probs`` against the full-vocabulary sort it replaced.
+"""Top-p (nucleus) and the draw, cost per call: ``sampling.logits_to_probs`` against the full-vocabulary sort it
+replaced, ``sampling.sample`` against ``torch.multinomial``.
 
     python bench/nucleus.py --threads 2 --reps 50 --out bench/results/nucleus.json
 
 Rows of SmolLM2's 49,152-token vocabulary, T = 0.6, top-p 0.9, for 1 row (a decode step) and 7 rows (a 7-token
 verification): ``logits_to_probs`` (the nucleus among the ``NUCLEUS_CANDIDATES`` most likely tokens, a sort only
 for rows where they hold less than top_p) against transformers' ``TopPLogitsWarper`` rule with a full sort (the
-previous implementation). Logits are the default model's own at positions of a book (its real peakedness), or,
+previous implementation); and the draw of one token per row from the result: ``sampling.sample`` (inverse CDF)
+against ``torch.multinomial`` (what it replaced). Logits are the default model's own at positions of a book (its real peakedness), or,
 with ``--flat``, N(0, 0.05) noise, where every row takes the sort fallback. Interleaved repetitions, medians.
 """
 
@@ -34,7 +36,7 @@ def main() -> int:
     add_run_options(p, None, reps=50, out_help="write the JSON there")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from triforce.sampling import SamplingParams, logits_to_probs
+    from triforce.sampling import SamplingParams, logits_to_probs, sample
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     if args.flat:
@@ -65,9 +67,21 @@ def main() -> int:
                 kinds[k]()
                 times[k].append(time.perf_counter() - t0)
         ms = {k: round(1e3 * statistics.median(v), 3) for k, v in times.items()}
+        # the draw from the nucleus: sampling.sample (inverse CDF) against torch.multinomial, one draw per row
+        probs, gen = logits_to_probs(logits[:rows], params), torch.Generator().manual_seed(0)
+        draws = {"ours": lambda: sample(probs, gen), "multinomial": lambda: torch.multinomial(probs, 1, generator=gen)}
+        dtimes = {k: [] for k in draws}
+        for rep in range(args.reps):
+            for k in (list(draws) if rep % 2 == 0 else list(draws)[::-1]):
+                t0 = time.perf_counter()
+                draws[k]()
+                dtimes[k].append(time.perf_counter() - t0)
+        dms = {k: round(1e3 * statistics.median(v), 3) for k, v in dtimes.items()}
         results.append({"rows": rows, "ours_ms": ms["ours"], "sort_ms": ms["sort"],
                         "speedup": round(ms["sort"] / ms["ours"], 2),
-                        "nucleus_sizes": (logits_to_probs(logits[:rows], params) > 0).sum(-1).tolist()})
+                        "nucleus_sizes": (logits_to_probs(logits[:rows], params) > 0).sum(-1).tolist(),
+                        "draw_ours_ms": dms["ours"], "draw_multinomial_ms": dms["multinomial"],
+                        "draw_speedup": round(dms["multinomial"] / dms["ours"], 2)})
     emit_json({"threads": args.threads, "reps": args.reps, "temperature": params.temperature, "top_p": params.top_p,
                "logits": source, "results": results}, args.out)
     return 0

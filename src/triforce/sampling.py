@@ -114,5 +114,22 @@ def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draw one token per row from ``probs`` (N, V) fp32 -> (N,) int64."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """Draw one token per row from ``probs`` by inversion of its cumulative distribution.
+
+    Token i is drawn when ``u * c[V-1]`` falls in ``[c[i-1], c[i])``, with ``c`` the row's cumulative sums (fp64)
+    and ``u`` one uniform in [0, 1) from ``generator``: exactly probability ``probs[i] / sum(probs)``, and never a
+    token of probability 0 (its interval is empty). Equivalent in distribution to ``torch.multinomial(probs, 1)``,
+    which on this project's CPU took 2.0 ms for one row over a 49,152-token vocabulary against 0.32 ms for this,
+    and 11.2 against 0.84 ms for a 7-row verification block (``bench/nucleus.py``); the draws for a given seed
+    differ from multinomial's.
+
+    Args:
+        probs: (N, V) non-negative weights (fp32), each row with a positive sum (normalised or not).
+        generator: random source (one uniform per row).
+
+    Returns:
+        (N,) int64 token ids.
+    """
+    c = probs.double().cumsum(-1)  # (N, V)
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=torch.float64)
+    return torch.searchsorted(c, u * c[:, -1:], right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from .sampling import sample
+
 
 def rejection_sample(
     draft_tokens: torch.Tensor,
@@ -73,5 +75,5 @@ def rejection_sample(
     mass = residual.sum(-1, keepdim=True)
     use_residual = rejected[:, None] & (mass > 0)
     dist = torch.where(use_residual, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), p_next)
-    next_tokens = torch.multinomial(dist, 1, generator=generator).squeeze(-1)
+    next_tokens = sample(dist, generator)  # (B,): inverse-CDF draw (sampling.sample)
     return num_accepted, next_tokens
