@@ -164,7 +164,8 @@ def test_shape_errors_are_named():
 
 def test_inverse_cdf_sample_draws_each_row_from_its_distribution():
     """``sampling.sample``: each row's draws fit its (unnormalised) weights, chi-square p > 1e-3 over 20,000 draws
-    per row, never a zero-weight token, and the last token is reachable."""
+    per row, never a zero-weight token, and the last token is reachable; rows of zeros, NaN, inf or a negative entry
+    and shapes other than (N, V) are refused."""
     from triforce.sampling import sample
 
     gen = torch.Generator().manual_seed(7)
@@ -178,3 +179,10 @@ def test_inverse_cdf_sample_draws_each_row_from_its_distribution():
         assert bool((probs[draws[:, row]] > 0).all())
         _assert_matches(draws[:, row], probs)
     assert draws[:, 2].eq(v - 1).any()
+    for bad in (torch.zeros(1, v), torch.full((1, v), float("nan")), torch.full((1, v), float("inf")),
+                torch.tensor([[-0.1, 1.0, 0.0]])):
+        with pytest.raises(ValueError, match="positive, finite sum"):
+            sample(bad, gen)
+    for shape in ((v,), (2, 3, v), (2, 0)):
+        with pytest.raises(ValueError, match="probs must be"):
+            sample(torch.ones(shape), gen)

@@ -129,7 +129,17 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
 
     Returns:
         (N,) int64 token ids.
+
+    Raises:
+        ValueError: ``probs`` not (N, V) with V >= 1, or a row with a negative entry or whose sum is not positive
+            and finite (all zeros, NaN or inf: e.g. overflowed logits), as ``torch.multinomial`` refuses them.
     """
+    if probs.dim() != 2 or probs.shape[-1] < 1:
+        raise ValueError(f"probs must be (N, V) with V >= 1, got shape {tuple(probs.shape)}")
     c = probs.double().cumsum(-1)  # (N, V)
+    total = c[:, -1]
+    if not bool(((total > 0) & torch.isfinite(total)).all()) or not bool((probs >= 0).all()):
+        raise ValueError("probs: every row must be non-negative with a positive, finite sum (got a row of zeros, "
+                         "a negative entry, NaN or inf)")
     u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=torch.float64)
     return torch.searchsorted(c, u * c[:, -1:], right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)

@@ -35,8 +35,9 @@ import torch
 from .caches import KVCache
 
 MAX_WAIT = 2  # rounds a forward may wait while other models' forwards run
-#: rows of a forward that always joins its model's batch (decode steps, draft blocks, verifications)
-SHORT_FORWARD_ROWS = 32
+#: rows of a forward that always joins its model's batch (decode steps, draft blocks, verifications up to
+#: gamma 63; longer blocks are budgeted like prefill chunks)
+SHORT_FORWARD_ROWS = 64
 #: rows of longer forwards (prefill chunks) one batched forward takes, earliest admitted first (one at least):
 #: one prefill chunk of the target (``ModelTier``'s ``prefill_chunk``, 512)
 PREFILL_ROWS_PER_FORWARD = 512

@@ -97,7 +97,8 @@ class ServerDefaults:
         if isinstance(self.prefix_cache_gib, bool) or not isinstance(self.prefix_cache_gib, (int, float)) \
                 or not 0 <= self.prefix_cache_gib < float("inf"):
             raise ValueError(f"prefix_cache_gib must be a number of GiB >= 0, got {self.prefix_cache_gib!r}")
-        if not isinstance(self.request_timeout, (int, float)) or not self.request_timeout > 0:
+        if isinstance(self.request_timeout, bool) or not isinstance(self.request_timeout, (int, float)) \
+                or not 0 < self.request_timeout < float("inf"):
             raise ValueError(f"request_timeout must be a number of seconds > 0, got {self.request_timeout!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")

@@ -186,7 +186,9 @@ class GenerationWorker:
         if not self._idle_views:
             return self.tf.fork() if self._can_fork else self.tf
         shared = [common(view) for view in self._idle_views]  # LRU first: ties and no match take the oldest
-        return self._idle_views.pop(max(range(len(shared)), key=lambda i: (shared[i], -i)))
+        view = self._idle_views.pop(max(range(len(shared)), key=lambda i: (shared[i], -i)))
+        self.metrics.prefix_cache_bytes.set(self.kept_cache_bytes)  # its cache is now the running request's
+        return view
 
     @property
     def kept_cache_bytes(self) -> int:
