@@ -30,6 +30,18 @@ def sort_rule(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.softmax(logits.masked_fill(remove_sorted.scatter(-1, order, remove_sorted), float("-inf")), -1)
 
 
+def median_ms(kinds: dict, reps: int) -> dict:
+    """Median milliseconds per call of each callable, over ``reps`` interleaved repetitions (order reversed every
+    other one)."""
+    times = {k: [] for k in kinds}
+    for rep in range(reps):
+        for k in (list(kinds) if rep % 2 == 0 else list(kinds)[::-1]):
+            t0 = time.perf_counter()
+            kinds[k]()
+            times[k].append(time.perf_counter() - t0)
+    return {k: round(1e3 * statistics.median(v), 3) for k, v in times.items()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flat", action="store_true", help="noise logits: every row takes the sort fallback")
@@ -59,24 +71,12 @@ def main() -> int:
     for rows in (1, 7):
         x = logits[:rows] / params.temperature
         assert torch.allclose(logits_to_probs(logits[:rows], params), sort_rule(x, params.top_p), atol=1e-6)
-        kinds = {"ours": lambda: logits_to_probs(logits[:rows], params), "sort": lambda: sort_rule(x, params.top_p)}
-        times = {k: [] for k in kinds}
-        for rep in range(args.reps):
-            for k in (list(kinds) if rep % 2 == 0 else list(kinds)[::-1]):
-                t0 = time.perf_counter()
-                kinds[k]()
-                times[k].append(time.perf_counter() - t0)
-        ms = {k: round(1e3 * statistics.median(v), 3) for k, v in times.items()}
+        ms = median_ms({"ours": lambda: logits_to_probs(logits[:rows], params),
+                        "sort": lambda: sort_rule(x, params.top_p)}, args.reps)
         # the draw from the nucleus: sampling.sample (inverse CDF) against torch.multinomial, one draw per row
         probs, gen = logits_to_probs(logits[:rows], params), torch.Generator().manual_seed(0)
-        draws = {"ours": lambda: sample(probs, gen), "multinomial": lambda: torch.multinomial(probs, 1, generator=gen)}
-        dtimes = {k: [] for k in draws}
-        for rep in range(args.reps):
-            for k in (list(draws) if rep % 2 == 0 else list(draws)[::-1]):
-                t0 = time.perf_counter()
-                draws[k]()
-                dtimes[k].append(time.perf_counter() - t0)
-        dms = {k: round(1e3 * statistics.median(v), 3) for k, v in dtimes.items()}
+        dms = median_ms({"ours": lambda: sample(probs, gen),
+                         "multinomial": lambda: torch.multinomial(probs, 1, generator=gen)}, args.reps)
         results.append({"rows": rows, "ours_ms": ms["ours"], "sort_ms": ms["sort"],
                         "speedup": round(ms["sort"] / ms["ours"], 2),
                         "nucleus_sizes": (logits_to_probs(logits[:rows], params) > 0).sum(-1).tolist(),

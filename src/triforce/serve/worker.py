@@ -202,11 +202,14 @@ class GenerationWorker:
         del self._idle_views[:-MAX_KEPT_ENGINES]
         if self.prefix_cache_bytes is None:
             return
+        kept = self.kept_cache_bytes
         for old in self._idle_views[:-1]:  # LRU first; the most recent one stays
-            if self.kept_cache_bytes <= self.prefix_cache_bytes:
+            if kept <= self.prefix_cache_bytes:
                 break
-            old.engine.forget_prefix()
-        self.metrics.prefix_cache_bytes.set(self.kept_cache_bytes)
+            if old.engine.full_cache is not None:
+                kept -= old.engine.full_cache.nbytes
+                old.engine.forget_prefix()
+        self.metrics.prefix_cache_bytes.set(kept)
 
     @property
     def keeps_caches(self) -> bool:
