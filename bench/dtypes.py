@@ -100,7 +100,7 @@ def main() -> int:
             continue
         if verifier["dtype"] not in loaded:
             loaded[verifier["dtype"]] = load_model(None, verifier["dtype"])
-            if loaded[verifier["dtype"]].model.packing_fits():  # as `triforce generate` does by default
+            if loaded[verifier["dtype"]].model.packing_pays():  # as `triforce generate` does by default
                 loaded[verifier["dtype"]].model.pack_weights()
         lm = loaded[verifier["dtype"]]
         if prompt is None:

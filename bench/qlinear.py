@@ -1,4 +1,4 @@
-"""The lower tiers' int8 weight-only products: our AVX-512 kernel against PyTorch's op, over a whole model's weights.
+"""Products of a few rows over a whole model's weights: our AVX-512 kernels against PyTorch's ops.
 
     python bench/qlinear.py --threads 2 --reps 9 --out bench/results/qlinear.json
 
@@ -6,10 +6,11 @@ For SmolLM2-135M's projection shapes (30 layers of qkv 576->960, o 576->576, gat
 and the 576->49,152 LM head: 135 MB of int8 weights), every matrix distinct, so a sweep reads them from memory as a
 decode step does (not from cache): ``kernels.int8_linear`` (``csrc/qlinear.c``), ``aten._weight_int8pack_mm``
 (bf16 activations; what ``quant.Int8Linear`` ran before the kernel), and the fp32 products of the same shapes: MKL's
-(``x @ W``, W (in, out): the verifier's decode step) and oneDNN's with packed weights (the verifier's multi-token
-passes), for 1, 5 and 7 activation rows (a decode step, a
-retrieval tier's 5-token block, a 7-token verification). Interleaved repetitions, medians; GB/s is weight bytes read per second. Random weights: timing
-only (``tests/test_kernels.py`` checks the values).
+(``x @ W``, W (in, out): the verifier's decode step), oneDNN's with packed weights (what the verifier's multi-token
+passes ran before our kernel) and ours (``kernels.f32_linear``, W (in, out), what ``model.Linear`` runs for 2 to 16
+rows), for 1, 2, 4, 5, 7 and 8 activation rows (a decode step, batched decode steps, a retrieval tier's 5-token
+block, a 7-token verification). Interleaved repetitions, medians; GB/s is weight bytes read per second. Random
+weights: timing only (``tests/test_kernels.py`` checks the values).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def main() -> int:
     packed = [torch.ops.mkldnn._reorder_linear_weight(w.T.contiguous(), None) for w in weights]  # oneDNN's
     int8_bytes = sum(q.numel() for q in qs)
     rows_out = []
-    for rows in (1, 5, 7):
+    for rows in (1, 2, 4, 5, 7, 8):
         x = {n: torch.randn(rows, n, generator=gen) for n in (576, 1536)}
         xb = {n: v.to(torch.bfloat16) for n, v in x.items()}
         kinds = {
@@ -50,6 +51,7 @@ def main() -> int:
             "fp32_mkl": (lambda: [x[w.shape[0]] @ w for w in weights], 4 * int8_bytes),
             "fp32_onednn": (lambda: [torch.ops.mkldnn._linear_pointwise(x[w.shape[0]], p, None, "none", [], "")
                                      for w, p in zip(weights, packed)], 4 * int8_bytes),
+            "fp32_ours": (lambda: [kernels.f32_linear(x[w.shape[0]], w) for w in weights], 4 * int8_bytes),
         }
         times = {k: [] for k in kinds}
         for k, (fn, _) in kinds.items():  # warm-up
@@ -67,6 +69,8 @@ def main() -> int:
             row[k] = {"ms": round(1e3 * med, 3), "GB_per_s": round(nbytes / med / 1e9, 2),
                       "min_ms": round(1e3 * min(times[k]), 3), "max_ms": round(1e3 * max(times[k]), 3)}
         row["int8_ours_speedup_over_aten"] = round(row["aten_int8"]["ms"] / row["ours_int8"]["ms"], 3)
+        row["fp32_ours_speedup_over_onednn"] = round(row["fp32_onednn"]["ms"] / row["fp32_ours"]["ms"], 3)
+        row["fp32_ours_speedup_over_mkl"] = round(row["fp32_mkl"]["ms"] / row["fp32_ours"]["ms"], 3)
         rows_out.append(row)
     out = {"threads": args.threads, "reps": args.reps, "int8_kernel": kernels.linear_status(),
            "weights_MB_int8": round(int8_bytes / 1e6, 1), "shapes": "SmolLM2-135M (30 layers + LM head)",

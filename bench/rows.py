@@ -1,38 +1,38 @@
 """What a multi-token pass costs on the CPU: a forward of T tokens against a one-token decode step.
 
 Speculative decoding assumes verifying gamma + 1 tokens costs about one decode step (Leviathan et al. 2023,
-Sec. 3.4). On this project's CPU MKL's matrix product of 5-7 rows takes several times the one-row time, which caps
-every speedup; oneDNN with weights reordered for its kernels (``--packed-weights``,
-``Transformer.pack_weights``) does much better. This script times the embedded SmolLM2's forward over T tokens at a
-fixed context (caches filled with random KV, no prefill; rolled back after each forward), for T in ``--rows``,
-with plain and packed weights, interleaved over ``--reps`` (medians), and the logits' largest difference between
-the two. JSON output.
+Sec. 3.4). This script times the embedded SmolLM2's forward over T tokens at a fixed context (caches filled with
+random KV, no prefill; rolled back after each forward), for T in ``--rows``, with the three ways the projections can
+run: ``ours`` (the default: ``kernels.f32_linear`` for 2-16 rows, MKL's product otherwise), ``onednn`` (weights
+prepacked for oneDNN, ``--packed-weights on`` before our kernel) and ``mkl`` (MKL's product over the (in, out)
+weights for every row count), interleaved over ``--reps`` (medians), each against the one-token decode step of
+``mkl`` (what autoregressive decoding runs; ``ours`` runs the same code for one row), and the logits' largest
+difference from ``mkl``. The attention kernel is the same in all three. JSON output; a Markdown table on stdout.
 
-    OMP_WAIT_POLICY=PASSIVE python bench/rows.py --context 8000 --rows 1 5 7 --reps 9 --threads 2 \
-        --out bench/results/rows.json
+    python bench/rows.py --context 8000 --rows 1 4 7 512 --reps 9 --threads 2 --out bench/results/rows.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 
+import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 import torch
-from common import add_run_options  # noqa: E402  (bench/common.py, beside this script)
+from common import add_run_options, emit_json  # noqa: E402  (bench/common.py, beside this script)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--context", type=int, default=8000)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 5, 7])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 7, 512])
     add_run_options(p, "bench/results/rows.json", reps=9, sampling=False)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
+    from triforce import kernels, model as model_module
     from triforce.caches import FullKVCache
     from triforce.loading import load_model
     from triforce.lab.synthetic import fill_random_kv
@@ -42,51 +42,59 @@ def main() -> int:
     if not packed.pack_weights():
         print("oneDNN linear kernels unavailable here: nothing to compare", file=sys.stderr)
         return 1
+    ours = kernels.f32_linear
+    variants = {"ours": (plain, ours), "onednn": (packed, lambda *a: None), "mkl": (plain, lambda *a: None)}
     n = args.context
     cache = FullKVCache(plain.cfg, n + max(args.rows) + 1)
     fill_random_kv(cache, n)
     gen = torch.Generator().manual_seed(0)
-    times = {(kind, t): [] for kind in ("plain", "packed") for t in args.rows}
+
+    def forward(kind: str, ids: torch.Tensor) -> torch.Tensor:
+        model, linear = variants[kind]
+        model_module.f32_linear = linear  # what model.Linear calls for 2-16 rows (None: PyTorch's product)
+        try:
+            return model(ids, torch.arange(n, n + ids.shape[1]), cache, num_logits=ids.shape[1])
+        finally:
+            model_module.f32_linear = ours
+            cache.rollback(n)
+
     diffs = {}
     for t in args.rows:
         ids = torch.randint(0, plain.cfg.vocab_size, (1, t), generator=gen)
-        pos = torch.arange(n, n + t)
-        a = plain(ids, pos, cache, num_logits=t)
-        cache.rollback(n)
-        b = packed(ids, pos, cache, num_logits=t)
-        cache.rollback(n)
-        diffs[t] = (a - b).abs().max().item()
+        ref = forward("mkl", ids)
+        diffs[t] = {kind: (forward(kind, ids) - ref).abs().max().item() for kind in variants}
+    times = {(kind, t): [] for kind in variants for t in args.rows}
+    names = list(variants)
     for rep in range(args.reps):
         for t in args.rows:
             ids = torch.randint(0, plain.cfg.vocab_size, (1, t), generator=gen)
-            pos = torch.arange(n, n + t)
-            order = [("plain", plain), ("packed", packed)]
-            for kind, model in (order if rep % 2 == 0 else order[::-1]):
+            for kind in names[rep % 3:] + names[:rep % 3]:
                 t0 = time.perf_counter()
-                model(ids, pos, cache, num_logits=t)
+                forward(kind, ids)
                 times[(kind, t)].append(time.perf_counter() - t0)
-                cache.rollback(n)
     rows = []
     for t in args.rows:
-        row = {"tokens": t, "max_logit_difference": diffs[t]}
-        for kind in ("plain", "packed"):
+        row = {"tokens": t}
+        for kind in variants:
             row[f"{kind}_ms"] = round(1000 * statistics.median(times[(kind, t)]), 2)
+            row[f"{kind}_max_logit_difference_vs_mkl"] = diffs[t][kind]
         rows.append(row)
-    base = {kind: next(r[f"{kind}_ms"] for r in rows if r["tokens"] == min(args.rows)) for kind in ("plain", "packed")}
+    decode = next(r for r in rows if r["tokens"] == min(args.rows))["mkl_ms"]  # the autoregressive decode step
     for r in rows:
-        for kind in ("plain", "packed"):
-            r[f"{kind}_vs_plain_decode"] = round(r[f"{kind}_ms"] / base["plain"], 2)
+        for kind in variants:
+            r[f"{kind}_vs_decode"] = round(r[f"{kind}_ms"] / decode, 2)
     out = {"model": "SmolLM2-135M-Instruct", "dtype": "float32", "context": n, "threads": args.threads,
-           "reps": args.reps, "interleaved": True, "rows": rows, "command": "python " + " ".join(sys.argv)}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
-    print("| tokens per forward | MKL, (in, out) weights (ms) | oneDNN, packed weights (ms) | plain / packed | "
-          "x plain 1-token decode (plain, packed) | max logit difference |")
-    print("|---:|---:|---:|---:|---:|---:|")
+           "reps": args.reps, "interleaved": True, "linear_kernel": kernels.linear_status(),
+           "attention_kernel": kernels.status(), "rows": rows, "command": "python " + " ".join(sys.argv)}
+    emit_json(out, args.out)
+    print("| tokens per forward | ours (ms) | oneDNN packed (ms) | MKL (ms) | x the decode step (ours, oneDNN, MKL) "
+          "| max logit difference vs MKL (ours, oneDNN) |", file=sys.stderr)
+    print("|---:|---:|---:|---:|---:|---:|", file=sys.stderr)
     for r in rows:
-        print(f"| {r['tokens']} | {r['plain_ms']:.1f} | {r['packed_ms']:.1f} | {r['plain_ms'] / r['packed_ms']:.2f} | "
-              f"{r['plain_vs_plain_decode']:.2f}, {r['packed_vs_plain_decode']:.2f} | {r['max_logit_difference']:.1e} |")
+        print(f"| {r['tokens']} | {r['ours_ms']:.1f} | {r['onednn_ms']:.1f} | {r['mkl_ms']:.1f} | "
+              f"{r['ours_vs_decode']:.2f}, {r['onednn_vs_decode']:.2f}, {r['mkl_vs_decode']:.2f} | "
+              f"{r['ours_max_logit_difference_vs_mkl']:.1e}, {r['onednn_max_logit_difference_vs_mkl']:.1e} |",
+              file=sys.stderr)
     return 0
 
 

@@ -114,3 +114,53 @@ def test_int8_kernel_declines_what_it_does_not_handle():
     assert kernels.int8_linear(torch.randn(1, 32), q, torch.ones(7)) is None  # one scale per output
     assert kernels.int8_linear(torch.randn(1, 32), q.T.contiguous().T, s) is None  # not contiguous
     assert kernels.int8_linear(torch.randn(0, 32), q, s) is None  # no rows
+
+
+@linear_kernels
+@pytest.mark.parametrize("n_in,out", [(576, 960), (1536, 576), (576, 192), (64, 48), (23, 16), (576, 49152 // 8)])
+def test_f32_kernel_matches_fp64_and_rows_are_independent(n_in, out):
+    """The fp32 product with (in, out) weights for every row count up to LINEAR_MAX_ROWS (one pass, several passes
+    over a tile, the narrow blocks of a small matrix): within the error bound of fp32 summation (n * 2^-24 of
+    sum |x w|) of the exact product, and each row bit-identical to the same row computed alone."""
+    g = torch.Generator().manual_seed(out)
+    w = torch.randn(n_in, out, generator=g)
+    x = torch.randn(kernels.LINEAR_MAX_ROWS, n_in, generator=g)
+    exact = x.double() @ w.double()
+    alone = torch.cat([kernels.f32_linear(x[i:i + 1], w) for i in range(len(x))])
+    for m in range(1, kernels.LINEAR_MAX_ROWS + 1):
+        y = kernels.f32_linear(x[:m], w)
+        assert y is not None and y.shape == (m, out) and y.dtype == torch.float32
+        bound = (x[:m].double().abs() @ w.double().abs()) * n_in * 2 ** -24
+        assert torch.all((y.double() - exact[:m]).abs() <= bound)
+        assert torch.equal(y, alone[:m])
+
+
+@linear_kernels
+def test_f32_kernel_declines_what_it_does_not_handle():
+    w = torch.randn(32, 48)
+    assert kernels.f32_linear(torch.randn(kernels.LINEAR_MAX_ROWS + 1, 32), w) is None  # too many rows: prefill
+    assert kernels.f32_linear(torch.randn(0, 32), w) is None  # no rows
+    assert kernels.f32_linear(torch.randn(2, 31), w) is None  # in differs
+    assert kernels.f32_linear(torch.randn(2, 32), torch.randn(32, 40)) is None  # out not a multiple of 16
+    assert kernels.f32_linear(torch.randn(2, 32), torch.randn(48, 32).T) is None  # not contiguous
+    assert kernels.f32_linear(torch.randn(2, 32, dtype=torch.bfloat16), w.bfloat16()) is None  # bf16
+    assert kernels.f32_linear(torch.randn(2, 32, dtype=torch.float64), w.double()) is None  # fp64
+
+
+@linear_kernels
+def test_linear_runs_the_kernel_for_a_few_rows_only():
+    """model.Linear: 2..LINEAR_MAX_ROWS rows through the kernel (with the bias added), one row and prefill through
+    PyTorch's product; all within fp32 rounding of each other."""
+    from triforce.model import Linear
+
+    lin = Linear(64, 96, bias=True)
+    torch.nn.init.normal_(lin.weight_t)
+    torch.nn.init.normal_(lin.bias)
+    x = torch.randn(1, 40, 64)
+    with torch.no_grad():
+        ref = x @ lin.weight_t + lin.bias
+        for t in (1, 2, 7, kernels.LINEAR_MAX_ROWS, kernels.LINEAR_MAX_ROWS + 1, 40):
+            y = lin(x[:, :t])
+            torch.testing.assert_close(y, ref[:, :t], rtol=1e-5, atol=1e-4)
+            if 1 < t <= kernels.LINEAR_MAX_ROWS:
+                assert torch.equal(y[0], kernels.f32_linear(x[0, :t], lin.weight_t) + lin.bias)

@@ -110,7 +110,8 @@ class TriForce:
         runs the target itself with weight-only int8 (``quant.py``; it changes the output distribution);
         ``packed_weights`` adds oneDNN-prepacked weights for multi-token passes on the CPU
         (:meth:`~triforce.model.Transformer.pack_weights`; one more copy of the weights); None (auto): on a CPU in
-        fp32 when that copy takes at most a quarter of the free memory. ``threads``: CPU threads for torch, for the
+        fp32 where our fp32 kernel for a few rows cannot run and that copy takes at most a quarter of the free
+        memory (:meth:`~triforce.model.Transformer.packing_pays`). ``threads``: CPU threads for torch, for the
         whole process (``torch.set_num_threads``): an integer, ``"auto"`` (the command line's default: one per
         physical core that other programs leave idle while the model loads, :mod:`triforce.threads`), or None to
         leave torch's current setting.
@@ -146,7 +147,7 @@ class TriForce:
             except ModelLoadError as e:
                 raise ModelLoadError(f"draft: {e}") from e
         if packed_weights is None:
-            packed_weights = target.model.packing_fits()
+            packed_weights = target.model.packing_pays()
         if packed_weights:
             target.model.pack_weights()
             if isinstance(draft_model, LoadedModel):

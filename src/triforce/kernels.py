@@ -1,7 +1,8 @@
 """Our CPU kernels, built on first use, each with PyTorch's op as fallback: attention over the verifier's full KV
-cache (``csrc/attention.c``, SDPA otherwise) and products of a few activation rows with a weight matrix stored
-(out, in) (``csrc/qlinear.c``): the lower tiers' int8 weight-only projections (``aten._weight_int8pack_mm``
-otherwise).
+cache (``csrc/attention.c``, SDPA otherwise) and products of a few activation rows with a weight matrix
+(``csrc/qlinear.c``): the lower tiers' int8 weight-only projections, stored (out, in) (``aten._weight_int8pack_mm``
+otherwise), and the fp32 projections of verification blocks and batched steps, stored (in, out) (PyTorch's
+products otherwise).
 
 A decode step of the verifier attends g query rows per KV head (grouped-query attention, g = nh / nkv) over the
 whole cache: at 8K tokens the keys and values of SmolLM2 are 369 MB a step, read by PyTorch's CPU SDPA at about
@@ -18,10 +19,11 @@ loaded, so both share one OpenMP thread pool. Feature detection with a fallback:
 AVX2/FMA, the build fails, or ``TRIFORCE_ATTENTION_KERNEL=0`` is set, :func:`gqa_attention_kernel` returns None and
 the caller uses SDPA (``status()`` says which and why).
 
-The linear kernel (:func:`int8_linear`) streams each int8 weight row once for up to :data:`LINEAR_MAX_ROWS`
-activation rows and dequantises 16 weights per AVX-512 vector, 1.4-1.7x faster than ``aten._weight_int8pack_mm``
-over SmolLM2's weights on this project's CPU (``bench/qlinear.py``, docs/benchmarks.md). They need AVX-512 (F, BW, VL); where the CPU lacks it, or ``TRIFORCE_LINEAR_KERNEL=0`` is set,
-they return None (``linear_status()`` says why).
+The linear kernels stream each weight row once for up to :data:`LINEAR_MAX_ROWS` activation rows:
+:func:`int8_linear` dequantises 16 int8 weights per AVX-512 vector, 1.4-1.7x faster than ``aten._weight_int8pack_mm``
+over SmolLM2's weights on this project's CPU; :func:`f32_linear` multiplies fp32 weights stored (in, out), the
+verifier's blocks and batched steps (``bench/qlinear.py``, docs/benchmarks.md). They need AVX-512 (F, BW, VL); where
+the CPU lacks it, or ``TRIFORCE_LINEAR_KERNEL=0`` is set, they return None (``linear_status()`` says why).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ _SOURCE = _CSRC / "attention.c"
 _lock = threading.Lock()
 _fn = None  # the ctypes function once loaded
 _status = "not loaded"
-_linear_fn = None  # csrc/qlinear.c's ctypes function once loaded
+_linear_fn = None  # csrc/qlinear.c's int8 ctypes function once loaded
+_f32_linear_fn = None  # and its fp32 one
 _linear_status = "not loaded"
 
 
@@ -181,7 +184,7 @@ def gqa_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_ke
 def _load_linear():
     """Build (once per machine) and load ``csrc/qlinear.c``; its function, or None with ``_linear_status`` saying why
     the kernel is unavailable."""
-    global _linear_fn, _linear_status
+    global _linear_fn, _f32_linear_fn, _linear_status
     with _lock:
         if _linear_fn is not None or _linear_status != "not loaded":
             return _linear_fn
@@ -195,18 +198,20 @@ def _load_linear():
             from .download import cache_dir
 
             lib = ctypes.CDLL(str(_build(cache_dir() / "kernels", _CSRC / "qlinear.c", LINEAR_CFLAGS)))
-            fn = lib.triforce_int8_linear
+            fn, f32 = lib.triforce_int8_linear, lib.triforce_f32_linear
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
             _linear_status = f"unavailable: {e}"
             return None
-        fn.restype = ctypes.c_int
+        fn.restype = f32.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-        _linear_fn, _linear_status = fn, "on (csrc/qlinear.c, AVX-512)"
+        f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+        _linear_fn, _f32_linear_fn, _linear_status = fn, f32, "on (csrc/qlinear.c, AVX-512)"
         return _linear_fn
 
 
 def linear_status() -> str:
-    """'on (...)', 'off (...)' or 'unavailable: <reason>' for the int8 kernel (loads it if nobody has yet)."""
+    """'on (...)', 'off (...)' or 'unavailable: <reason>' for the linear kernels, int8 and fp32 (loads them if nobody
+    has yet)."""
     _load_linear()
     return _linear_status
 
@@ -239,4 +244,36 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     m, n_in = x.shape
     y = torch.empty(m, q.shape[0], dtype=torch.float32)
     rc = fn(x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n_in, q.shape[0], torch.get_num_threads())
+    return y if rc == 0 else None
+
+
+def f32_linear(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor | None:
+    """fp32 product ``y = x W`` of a few rows with weights stored (in, out), or None where the kernel does not apply.
+
+    What :class:`~triforce.model.Linear` computes for a verification block or a batched decode step (bias excluded),
+    computed by ``csrc/qlinear.c``: column blocks of the output whose accumulators stay in registers while the
+    weight rows stream past, each weight vector loaded once for all rows. Each output is one chain of FMAs over the
+    inputs in order, whatever the other rows, so a row's result is bitwise the same alone and in a block (the
+    attention kernel's property too: a verification computes the logits a decode step would). 1.6-2.3x oneDNN's
+    packed product for 4-7 rows over SmolLM2's matrices on this project's CPU (``bench/qlinear.py``).
+
+    Args:
+        x: (M, in) fp32 activations, 1 <= M <= :data:`LINEAR_MAX_ROWS`.
+        w_t: (in, out) fp32 weights, contiguous, out a multiple of 16.
+
+    Returns:
+        (M, out) fp32, or None when the kernel does not apply (not CPU, other dtypes or shapes, more rows, out not a
+        multiple of 16, the kernel unavailable): the caller then uses PyTorch's product.
+    """
+    if (x.dim() != 2 or w_t.dim() != 2 or x.device.type != "cpu" or w_t.device.type != "cpu"
+            or x.dtype != torch.float32 or w_t.dtype != torch.float32 or x.shape[1] != w_t.shape[0]
+            or not 1 <= x.shape[0] <= LINEAR_MAX_ROWS or w_t.shape[1] % 16 or w_t.shape[1] == 0
+            or not w_t.is_contiguous()):
+        return None
+    if _load_linear() is None:
+        return None
+    x = x.contiguous()
+    m, n_in = x.shape
+    y = torch.empty(m, w_t.shape[1], dtype=torch.float32)
+    rc = _f32_linear_fn(x.data_ptr(), w_t.data_ptr(), y.data_ptr(), m, n_in, w_t.shape[1], torch.get_num_threads())
     return y if rc == 0 else None

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from .caches import KVCache, RaggedCache
 from .config import ModelConfig
+from .kernels import LINEAR_MAX_ROWS, f32_linear
 from .rope import RotaryEmbedding, apply_rope
 
 
@@ -40,6 +41,11 @@ class Linear(nn.Module):
         self.packed = None  # oneDNN-prepacked copy for multi-row products on CPU (see Transformer.pack_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        if 1 < x.numel() // x.shape[-1] <= LINEAR_MAX_ROWS:  # a verification block or a batched step: our kernel
+            y = f32_linear(x.reshape(-1, x.shape[-1]), self.weight_t)  # None where it does not apply
+            if y is not None:
+                y = y.reshape(*x.shape[:-1], -1)
+                return y + self.bias if self.bias is not None else y
         if self.packed is not None and x.numel() > x.shape[-1]:  # several rows: a verification block or prefill
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], "")
             return y.reshape(*x.shape[:-1], -1)
@@ -325,13 +331,17 @@ class Transformer(nn.Module):
                 module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight_t.detach().T.contiguous(), None)
         return True
 
-    def packing_fits(self) -> bool:
+    def packing_pays(self) -> bool:
         """The ``auto`` rule of ``--packed-weights``: a CPU model in fp32 whose weights take at most a quarter of the
-        free memory (the packed copy doubles them)."""
+        free memory (the packed copy doubles them), where our fp32 kernel for a few rows (``kernels.f32_linear``)
+        cannot run. Where it runs it is faster than oneDNN's packed product for 2-16 rows (``bench/qlinear.py``), and
+        prefill (more rows) is as fast with MKL's product over the (in, out) weights, so the copy would only cost
+        memory."""
+        from .kernels import linear_status
         from .memory import available_bytes
 
         return (self.device.type == "cpu" and self.dtype == torch.float32 and isinstance(self.lm_head, Linear)
-                and 4 * self.weight_bytes() <= available_bytes("cpu"))
+                and not linear_status().startswith("on") and 4 * self.weight_bytes() <= available_bytes("cpu"))
 
     COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 

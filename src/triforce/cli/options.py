@@ -88,8 +88,9 @@ _ALL = [  # by the kind of value; the groups of each subcommand are the tuples b
     Option("--quantize", "weight-only int8 for the target itself (changes its outputs like --dtype does; see "
                          "--lower-weights for a lossless use)", choices=("int8",)),
     Option("--packed-weights", "CPU, fp32: oneDNN-prepacked weights for multi-token passes (verification blocks, "
-                               "prefill), faster than MKL there; one more copy of the weights in memory (auto, the "
-                               "default: when it takes at most a quarter of the free memory)", choices=PACKED_WEIGHTS),
+                               "prefill); one more copy of the weights in memory (auto, the default: only where our "
+                               "AVX-512 kernel for a few rows cannot run, and the copy takes at most a quarter of "
+                               "the free memory)", choices=PACKED_WEIGHTS),
     Option("--compile", "torch.compile each block's norms and MLP (reduce-overhead: CUDA graphs on GPUs); the first "
                         "steps are slow while kernels compile", choices=COMPILE_MODES),
     Option("--mode", "auto (default: the hierarchy is chosen per request and bypassed while it does not pay), "

@@ -11,6 +11,10 @@
  *     chunk c: m_c = max_j s_j, l_c = sum_j exp(s_j - m_c), a_c = sum_j exp(s_j - m_c) v_j
  *     out = sum_c exp(m_c - M) a_c / sum_c exp(m_c - M) l_c,  M = max_c m_c
  *
+ * While a thread computes one work item it prefetches the keys and values of its next one (static schedule: the next
+ * chunk), so the memory stream does not pause while the scores and sums are computed (bench/attention_kernel.py
+ * measures the kernel's bandwidth against the floor).
+ *
  * Built at first use by triforce/kernels.py with -O3 -mavx2 -mfma -fopenmp; the Python side checks every
  * precondition below before calling. Causal mask: the row of token i (rows are ordered (g, T): row r is token r % T)
  * sees keys j <= n_keys - T + i, as the full KV cache's block mask.
@@ -324,6 +328,16 @@ int triforce_gqa_attention(const float* q, const float* k, const float* v, float
             const int j0 = c * chunk, n = n_keys - j0 < chunk ? n_keys - j0 : chunk;
             const int64_t kv_off = b * bstride + h * hstride + (int64_t)j0 * hs;
             float* acc = scratch + it * item_floats;
+            if (it + 1 < items) {  /* the next item's keys and values on their way to L1 while this one computes */
+                const int c1 = (it + 1) % nchunks, bh1 = (it + 1) / nchunks;
+                const int n1 = n_keys - c1 * chunk < chunk ? n_keys - c1 * chunk : chunk;
+                const int64_t off1 = (bh1 / nkv) * bstride + (bh1 % nkv) * hstride + (int64_t)c1 * chunk * hs;
+                const char *kn = (const char*)(k + off1), *vn = (const char*)(v + off1);
+                for (int64_t o = 0; o < (int64_t)n1 * hs * (int64_t)sizeof(float); o += 64) {
+                    _mm_prefetch(kn + o, _MM_HINT_T0);
+                    _mm_prefetch(vn + o, _MM_HINT_T0);
+                }
+            }
 #ifdef __AVX512F__
             if (hs % 16 == 0)
                 chunk_item16(q + (int64_t)bh * R * hs, k + kv_off, v + kv_off, R, T, hs, j0, n, last0, scale,

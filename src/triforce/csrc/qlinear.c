@@ -1,4 +1,5 @@
-/* Weight-only int8 matrix products for a few rows: y = x (scale * q)^T, the lower tiers' projections.
+/* Matrix products for a few activation rows: weight-only int8, y = x (scale * q)^T (the lower tiers' projections),
+ * and fp32 with the weights stored (in, out), y = x W (the verifier's verification blocks and batched steps).
  *
  * A decode step of the retrieval tier multiplies one activation row (a proposal block: up to gamma + 1 rows) by
  * every int8 weight matrix, so it is bound by the bytes of the weights: one byte per weight, a quarter of fp32's.
@@ -93,3 +94,76 @@ int NAME(const float* x, const WT* w, const float* scale, float* y, int M, int i
 /* x: (M, in) fp32 contiguous, q: (out, in) int8 contiguous, scale: (out,) fp32, y: (M, out) fp32.
  * Returns 0, or -1 for arguments outside what the kernel handles (nothing written). */
 LINEAR_FN(triforce_int8_linear, int8_t, block_i8)
+
+
+/* fp32, weights (in, out) as triforce.model.Linear stores them: y[m, o] = sum_i x[m, i] w[i, o].
+ *
+ * A verification block (gamma + 1 rows) or a batched decode step (one row per sequence) reads every weight matrix
+ * once for a few rows, so it should cost what a one-row product costs: the bytes of the weights. oneDNN's packed
+ * product read SmolLM2's matrices at 9-15 GB/s for 4-7 rows on this project's CPU, against about 20 GB/s for one row
+ * (bench/qlinear.py). Here the output columns are split into blocks of 4 vectors (64 floats; 2 where a matrix has
+ * too few blocks for the threads); a block's accumulators for 7 rows stay in registers while the rows i of its
+ * weights stream past, each vector of weights loaded once for all 7 rows, every x[m, i] broadcast. More rows take
+ * further passes over a tile of F_TILE weight rows while it is still in L1, the accumulators kept in y between
+ * tiles. The weight rows F_AHEAD ahead are prefetched, since the stride between rows (out floats) defeats the
+ * hardware's prefetchers, and the last pass over a tile prefetches the next one. No horizontal sums: y[m, o] is one chain of FMAs over i = 0 .. in-1 in a lane, whatever M
+ * and the other rows, so a row's product is bitwise the same alone and in a block. */
+#define F_ROWS 7     /* activation rows per pass: 7 x 4 accumulators */
+#define F_TILE 64    /* weight rows per tile when several passes share it (16 KB of a 64-float column block) */
+#define F_AHEAD 16   /* weight rows ahead that each step prefetches */
+
+/* y[m, o0 : o0 + 16 NV) += sum_{i0 <= i < i1} x[m, i] w[i, o0 : ...) for M (<= F_ROWS) rows, from zero if i0 == 0;
+ * each step prefetches the weight row `ahead` rows on (none if 0) */
+static inline __attribute__((always_inline)) void colblock_f32(const float* x, const int M, int in, int i0, int i1,
+                                                               int ahead, const float* w, int out, int o0,
+                                                               const int NV, float* y) {
+    __m512 acc[F_ROWS][4];
+    for (int m = 0; m < M; ++m)
+        for (int c = 0; c < NV; ++c)
+            acc[m][c] = i0 ? _mm512_loadu_ps(y + (int64_t)m * out + o0 + 16 * c) : _mm512_setzero_ps();
+    const float* wi = w + (int64_t)i0 * out + o0;
+    for (int i = i0; i < i1; ++i, wi += out) {
+        if (ahead && i + ahead < in)
+            for (int c = 0; c < NV; ++c) _mm_prefetch((const char*)(wi + (int64_t)ahead * out + 16 * c), _MM_HINT_T2);
+        __m512 wv[4];
+        for (int c = 0; c < NV; ++c) wv[c] = _mm512_loadu_ps(wi + 16 * c);
+        for (int m = 0; m < M; ++m) {
+            const __m512 xb = _mm512_set1_ps(x[(int64_t)m * in + i]);
+            for (int c = 0; c < NV; ++c) acc[m][c] = _mm512_fmadd_ps(xb, wv[c], acc[m][c]);
+        }
+    }
+    for (int m = 0; m < M; ++m)
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(y + (int64_t)m * out + o0 + 16 * c, acc[m][c]);
+}
+
+#define F_CASE(NV, MM) case MM: colblock_f32(xm, MM, in, i0, i1, ahead, w, out, o0, NV, ym); break;
+#define F_CASES(NV) F_CASE(NV, 1) F_CASE(NV, 2) F_CASE(NV, 3) F_CASE(NV, 4) F_CASE(NV, 5) F_CASE(NV, 6) F_CASE(NV, 7)
+
+/* x: (M, in) fp32 contiguous, w: (in, out) fp32 contiguous, y: (M, out) fp32; out a multiple of 16.
+ * Returns 0, or -1 for arguments outside what the kernel handles (nothing written). */
+int triforce_f32_linear(const float* x, const float* w, float* y, int M, int in, int out, int nthreads) {
+    if (M < 1 || M > MAX_ROWS || in < 1 || out < 16 || out % 16 || nthreads < 1)
+        return -1;
+    const int width = out / 64 >= 4 * nthreads ? 64 : 32;  /* floats per column block */
+    const int blocks = (out + width - 1) / width, tile = M <= F_ROWS ? in : F_TILE;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int b = 0; b < blocks; ++b) {
+        const int o0 = b * width, nv = (out - o0 < width ? out - o0 : width) / 16;
+        for (int i0 = 0; i0 < in; i0 += tile) {
+            const int i1 = in - i0 < tile ? in : i0 + tile;
+            for (int m0 = 0; m0 < M; m0 += F_ROWS) {
+                /* the first pass streams the tile, the last one the next tile while the memory is otherwise idle */
+                const int ahead = m0 == 0 ? F_AHEAD : m0 + F_ROWS >= M ? tile : 0;
+                const float* xm = x + (int64_t)m0 * in;
+                float* ym = y + (int64_t)m0 * out;
+                switch (nv) {
+                    case 4: switch (M - m0 < F_ROWS ? M - m0 : F_ROWS) { F_CASES(4) } break;
+                    case 3: switch (M - m0 < F_ROWS ? M - m0 : F_ROWS) { F_CASES(3) } break;
+                    case 2: switch (M - m0 < F_ROWS ? M - m0 : F_ROWS) { F_CASES(2) } break;
+                    default: switch (M - m0 < F_ROWS ? M - m0 : F_ROWS) { F_CASES(1) } break;
+                }
+            }
+        }
+    }
+    return 0;
+}

@@ -94,7 +94,7 @@ class _OursRunner:
                 check_same_tokenizer(lm.tokenizer, draft_lm.tokenizer)
                 draft = draft_lm.model
         packed = cfg.get("packed_weights", "auto")
-        if packed == "on" or (packed == "auto" and target.packing_fits()):
+        if packed == "on" or (packed == "auto" and target.packing_pays()):
             for model in (target, draft):
                 if model is not None:
                     model.pack_weights()
