@@ -123,40 +123,53 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
-static inline __m256 half_sum(__m512 a) {  /* lanes i and i + 8 added: 16 partial sums to 8 */
-    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+/* The horizontal sums of 16 vectors a[4 i + u] (row i, key u) at once, a transposing tree of 15 additions and 30
+ * shuffles (against 4 extractions, 4 additions and 3 hadds per row of 4 keys for one sum at a time): lanes
+ * 4 i .. 4 i + 3 of the result hold row i's 4 sums. Each sum adds its own vector's lanes in the same order wherever
+ * it sits among the 16 (the shuffles only move lanes), so a row's scores do not depend on the rows beside it. */
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 a[16]) {
+    __m512 v1[8], v2[4];
+    for (int p = 0; p < 8; ++p)  /* per 128-bit lane: lanes 0 + 2 and 1 + 3 of two vectors, interleaved */
+        v1[p] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * p], a[2 * p + 1]), _mm512_unpackhi_ps(a[2 * p], a[2 * p + 1]));
+    for (int q = 0; q < 4; ++q) {  /* per 128-bit lane L: the lane-L sums of vectors 4 q .. 4 q + 3 */
+        const __m512d x = _mm512_castps_pd(v1[2 * q]), y = _mm512_castps_pd(v1[2 * q + 1]);
+        v2[q] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 v30 = _mm512_add_ps(_mm512_shuffle_f32x4(v2[0], v2[1], 0x88), _mm512_shuffle_f32x4(v2[0], v2[1], 0xDD));
+    const __m512 v31 = _mm512_add_ps(_mm512_shuffle_f32x4(v2[2], v2[3], 0x88), _mm512_shuffle_f32x4(v2[2], v2[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v30, v31, 0x88), _mm512_shuffle_f32x4(v30, v31, 0xDD));
 }
 
-/* scores() on 16 lanes, up to 4 rows (NR a constant after inlining) */
+/* scores() on 16 lanes, up to 4 rows (NR a constant after inlining); the rows of a 4-row step missing from NR
+ * are zero vectors in sum16 */
 static inline __attribute__((always_inline)) void scores16(const float* Q, const int NR, const float* K, int n,
                                                            int hs, float scale, float* s, int ld) {
-    const __m128 sc = _mm_set1_ps(scale);
+    const __m512 sc = _mm512_set1_ps(scale);
     int j = 0;
     for (; j + 4 <= n; j += 4) {
-        __m512 a[4][4];
-        for (int i = 0; i < NR; ++i)
-            for (int u = 0; u < 4; ++u) a[i][u] = _mm512_setzero_ps();
+        __m512 a[16];
+        for (int x = 0; x < 16; ++x) a[x] = _mm512_setzero_ps();
         const float* kj = K + (int64_t)j * hs;
         for (int d = 0; d < hs; d += 16) {
             __m512 qq[4];
             for (int i = 0; i < NR; ++i) qq[i] = _mm512_loadu_ps(Q + i * hs + d);
             for (int u = 0; u < 4; ++u) {
                 __m512 kk = _mm512_loadu_ps(kj + u * hs + d);
-                for (int i = 0; i < NR; ++i) a[i][u] = _mm512_fmadd_ps(qq[i], kk, a[i][u]);
+                for (int i = 0; i < NR; ++i) a[4 * i + u] = _mm512_fmadd_ps(qq[i], kk, a[4 * i + u]);
             }
         }
-        for (int i = 0; i < NR; ++i)
-            _mm_storeu_ps(s + i * ld + j, _mm_mul_ps(hsum4(half_sum(a[i][0]), half_sum(a[i][1]), half_sum(a[i][2]),
-                                                           half_sum(a[i][3])), sc));
+        const __m512 sums = _mm512_mul_ps(sum16(a), sc);
+        for (int i = 0; i < NR; ++i) _mm512_mask_storeu_ps(s + i * ld + j - 4 * i, (__mmask16)(0xF << (4 * i)), sums);
     }
-    for (; j < n; ++j) {
+    for (; j < n; ++j) {  /* the last keys one at a time, through the same tree */
         const float* kj = K + (int64_t)j * hs;
-        for (int i = 0; i < NR; ++i) {
-            __m512 a0 = _mm512_setzero_ps();
-            for (int d = 0; d < hs; d += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(Q + i * hs + d), _mm512_loadu_ps(kj + d), a0);
-            const __m256 h = half_sum(a0);
-            s[i * ld + j] = _mm_cvtss_f32(hsum4(h, h, h, h)) * scale;  /* the 4-key path's order of additions */
-        }
+        __m512 a[16];
+        for (int x = 0; x < 16; ++x) a[x] = _mm512_setzero_ps();
+        for (int i = 0; i < NR; ++i)
+            for (int d = 0; d < hs; d += 16)
+                a[4 * i] = _mm512_fmadd_ps(_mm512_loadu_ps(Q + i * hs + d), _mm512_loadu_ps(kj + d), a[4 * i]);
+        const __m512 sums = _mm512_mul_ps(sum16(a), sc);
+        for (int i = 0; i < NR; ++i) _mm512_mask_storeu_ps(s + i * ld + j - 4 * i, (__mmask16)(1 << (4 * i)), sums);
     }
 }
 
@@ -193,8 +206,8 @@ static inline __attribute__((always_inline)) void pv16(const float* P, int ldp, 
 static void chunk_item16(const float* Q, const float* K, const float* V, int R, int T, int hs, int j0, int n,
                          int last0, float scale, float* acc, float* mrow, float* lrow, float* sbuf) {
     const int nmax = last0 + T - j0 < n ? last0 + T - j0 : n;  /* keys the last token's rows see */
-    for (int r0 = 0; nmax > 0 && r0 < R; r0 += 4) {
-        const int nr = R - r0 < 4 ? R - r0 : 4;
+    for (int r0 = 0, nr; nmax > 0 && r0 < R; r0 += nr) {
+        nr = R - r0 == 5 ? 3 : R - r0 < 4 ? R - r0 : 4;  /* 5 rows left: 3 + 2, since a step costs one sum16 */
         if (nr == 4) scores16(Q + (int64_t)r0 * hs, 4, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n);
         else if (nr == 3) scores16(Q + (int64_t)r0 * hs, 3, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n);
         else if (nr == 2) scores16(Q + (int64_t)r0 * hs, 2, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n);
