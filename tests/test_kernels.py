@@ -164,3 +164,35 @@ def test_linear_runs_the_kernel_for_a_few_rows_only():
             torch.testing.assert_close(y, ref[:, :t], rtol=1e-5, atol=1e-4)
             if 1 < t <= kernels.LINEAR_MAX_ROWS:
                 assert torch.equal(y[0], kernels.f32_linear(x[0, :t], lin.weight_t) + lin.bias)
+
+
+norm_rope_kernels = pytest.mark.skipif(kernels.norm_rope_status().startswith("unavailable"),
+                                       reason=f"norm/rope kernels {kernels.norm_rope_status()}")
+
+
+@norm_rope_kernels
+@pytest.mark.parametrize("d", [576, 64, 23])
+def test_rms_norm_kernel_matches_the_formula_and_rows_are_independent(d):
+    """weight * x / sqrt(mean(x^2) + eps) in fp64, within fp32 rounding; a row's result is bit-identical alone."""
+    g = torch.Generator().manual_seed(d)
+    x, w = torch.randn(2, 9, d, generator=g) * 3, torch.randn(d, generator=g)
+    exact = w.double() * x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    y = kernels.rms_norm(x, w, 1e-5)
+    assert y is not None and y.shape == x.shape and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), exact, rtol=4e-6, atol=4e-6 * exact.abs().max().item())
+    assert torch.equal(kernels.rms_norm(x[1:2, 4:5], w, 1e-5), y[1:2, 4:5])
+    assert kernels.rms_norm(x.double(), w.double(), 1e-5) is None  # fp64: PyTorch's ops
+    assert kernels.rms_norm(x, w[:-1], 1e-5) is None  # weight of another size
+
+
+@norm_rope_kernels
+def test_rope_kernel_equals_pytorchs_rotation_bitwise():
+    """x * cos + rotate_half(x) * sin on a strided view of a fused projection: the same bits as PyTorch's ops."""
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 7, 9 * 64 + 2 * 3 * 64, generator=g)
+    q = qkv[..., :576].view(2, 7, 9, 64).transpose(1, 2)  # (B, nh, T, hs), not contiguous
+    cos, sin = torch.randn(7, 64, generator=g), torch.randn(7, 64, generator=g)
+    expected = q * cos + torch.cat((-q[..., 32:], q[..., :32]), dim=-1) * sin
+    assert torch.equal(kernels.rope(q, cos, sin), expected)
+    assert kernels.rope(q, cos[:6], sin[:6]) is None  # positions differ from T
+    assert kernels.rope(torch.randn(1, 2, 3, 5), torch.randn(3, 5), torch.randn(3, 5)) is None  # odd head size

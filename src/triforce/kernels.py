@@ -49,6 +49,10 @@ LINEAR_ENV_SWITCH = "TRIFORCE_LINEAR_KERNEL"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 #: the linear kernels' flags (AVX-512 foundation, byte/word and 128/256-bit forms for the masked tail)
 LINEAR_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp", "-shared", "-fPIC")
+#: environment variable: "0" turns the RMSNorm and RoPE kernels off (PyTorch's ops everywhere)
+NORM_ROPE_ENV_SWITCH = "TRIFORCE_NORM_ROPE_KERNEL"
+#: their flags: no FMA contraction, so RoPE rounds as PyTorch's x * cos + rotate_half(x) * sin does
+NORM_ROPE_CFLAGS = ("-O3", "-mavx2", "-ffp-contract=off", "-shared", "-fPIC")
 #: most activation rows of one linear kernel call (a decode step or a lower tier's block; prefill takes PyTorch's op)
 LINEAR_MAX_ROWS = 16
 #: largest head_dim the kernel handles (checked in the C file)
@@ -60,11 +64,6 @@ _CSRC = Path(__file__).with_name("csrc")
 _SOURCE = _CSRC / "attention.c"
 
 _lock = threading.Lock()
-_fn = None  # the ctypes function once loaded
-_status = "not loaded"
-_linear_fn = None  # csrc/qlinear.c's int8 ctypes function once loaded
-_f32_linear_fn = None  # and its fp32 one
-_linear_status = "not loaded"
 
 
 def _cpu_flags() -> set[str]:
@@ -105,38 +104,61 @@ def _build(out_dir: Path, source_path: Path = _SOURCE, cflags: tuple[str, ...] =
     return lib
 
 
-def _load():
-    """Build (once per machine) and load the kernel; None with ``_status`` saying why where it is unavailable."""
-    global _fn, _status
-    with _lock:
-        if _fn is not None or _status != "not loaded":
-            return _fn
-        if os.environ.get(ENV_SWITCH, "1") == "0":
-            _status = f"off ({ENV_SWITCH}=0)"
-            return None
-        if not _cpu_has_avx2_fma():
-            _status = "unavailable: the CPU has no AVX2/FMA"
-            return None
-        try:
-            from .download import cache_dir
+class _Library:
+    """One C file of ``csrc/``, built once per machine and loaded with ctypes on first use (feature detection with a
+    fallback): ``load()`` gives its functions by name, or None with ``status`` saying why they are unavailable."""
 
-            wide = {"avx512f"} <= _cpu_flags()  # the AVX-512 path of csrc/attention.c (head sizes multiple of 16)
-            lib = ctypes.CDLL(str(_build(cache_dir() / "kernels", _SOURCE, CFLAGS + (("-mavx512f",) if wide else ()))))
-            fn = lib.triforce_gqa_attention
-        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
-            _status = f"unavailable: {e}"
-            return None
-        fn.restype = ctypes.c_int
-        fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
-                       + [ctypes.c_float, ctypes.c_int])
-        _fn, _status = fn, f"on (csrc/attention.c, {'AVX-512' if wide else 'AVX2'})"
-        return _fn
+    def __init__(self, source: str, switch: str, cpu_needs: tuple[str, ...], flags, symbols: dict) -> None:
+        self.source, self.switch, self.cpu_needs, self.flags, self.symbols = source, switch, cpu_needs, flags, symbols
+        self.fns: dict | None = None
+        self.status = "not loaded"
+
+    def load(self) -> dict | None:
+        with _lock:
+            if self.fns is not None or self.status != "not loaded":
+                return self.fns
+            if os.environ.get(self.switch, "1") == "0":
+                self.status = f"off ({self.switch}=0)"
+                return None
+            if not set(self.cpu_needs) <= _cpu_flags():
+                self.status = f"unavailable: the CPU has no {'/'.join(n.upper() for n in self.cpu_needs)}"
+                return None
+            cflags, label = self.flags()
+            try:
+                from .download import cache_dir
+
+                lib = ctypes.CDLL(str(_build(cache_dir() / "kernels", _CSRC / self.source, cflags)))
+                fns = {name: getattr(lib, name) for name in self.symbols}
+            except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+                self.status = f"unavailable: {e}"
+                return None
+            for name, (restype, argtypes) in self.symbols.items():
+                fns[name].restype, fns[name].argtypes = restype, argtypes
+            self.fns, self.status = fns, f"on (csrc/{self.source}, {label})"
+            return self.fns
+
+
+def _attention_flags():
+    wide = {"avx512f"} <= _cpu_flags()  # the AVX-512 path of csrc/attention.c (head sizes multiple of 16)
+    return CFLAGS + (("-mavx512f",) if wide else ()), "AVX-512" if wide else "AVX2"
+
+
+_I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_attention = _Library("attention.c", ENV_SWITCH, ("avx2", "fma"), _attention_flags, {
+    "triforce_gqa_attention": (_I, [_P] * 5 + [_I] * 5 + [_I64] * 2 + [_I] * 2 + [_F, _I])})
+_linear = _Library("qlinear.c", LINEAR_ENV_SWITCH, ("avx512f", "avx512bw", "avx512vl"),
+                   lambda: (LINEAR_CFLAGS, "AVX-512"), {
+                       "triforce_int8_linear": (_I, [_P] * 4 + [_I] * 4),
+                       "triforce_f32_linear": (_I, [_P] * 3 + [_I] * 4)})
+_norm_rope = _Library("norm_rope.c", NORM_ROPE_ENV_SWITCH, ("avx2",), lambda: (NORM_ROPE_CFLAGS, "AVX2"), {
+    "triforce_rms_norm": (None, [_P] * 3 + [_I64, _I, _F]),
+    "triforce_rope": (None, [_P] + [_I64] * 3 + [_P] * 3 + [_I] * 4)})
 
 
 def status() -> str:
-    """'on (...)', 'off (...)' or 'unavailable: <reason>' (loads the kernel if nobody has yet)."""
-    _load()
-    return _status
+    """'on (...)', 'off (...)' or 'unavailable: <reason>' for the attention kernel (loads it if nobody has yet)."""
+    _attention.load()
+    return _attention.status
 
 
 def gqa_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: int) -> torch.Tensor | None:
@@ -168,9 +190,10 @@ def gqa_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_ke
         return None
     rows = nh // nkv * t  # (g * T) query rows per KV head
     chunk = CHUNK
-    fn = _load()
-    if fn is None:
+    fns = _attention.load()
+    if fns is None:
         return None
+    fn = fns["triforce_gqa_attention"]
     q = q.contiguous()  # (B, nh, T, hs) == (B, nkv, g*T, hs): head h = kv * g + j, rows ordered (j, token)
     out = torch.empty_like(q)
     threads = torch.get_num_threads()
@@ -181,39 +204,11 @@ def gqa_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_ke
     return out if rc == 0 else None
 
 
-def _load_linear():
-    """Build (once per machine) and load ``csrc/qlinear.c``; its function, or None with ``_linear_status`` saying why
-    the kernel is unavailable."""
-    global _linear_fn, _f32_linear_fn, _linear_status
-    with _lock:
-        if _linear_fn is not None or _linear_status != "not loaded":
-            return _linear_fn
-        if os.environ.get(LINEAR_ENV_SWITCH, "1") == "0":
-            _linear_status = f"off ({LINEAR_ENV_SWITCH}=0)"
-            return None
-        if not {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags():
-            _linear_status = "unavailable: the CPU has no AVX-512 (F, BW, VL)"
-            return None
-        try:
-            from .download import cache_dir
-
-            lib = ctypes.CDLL(str(_build(cache_dir() / "kernels", _CSRC / "qlinear.c", LINEAR_CFLAGS)))
-            fn, f32 = lib.triforce_int8_linear, lib.triforce_f32_linear
-        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
-            _linear_status = f"unavailable: {e}"
-            return None
-        fn.restype = f32.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-        f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-        _linear_fn, _f32_linear_fn, _linear_status = fn, f32, "on (csrc/qlinear.c, AVX-512)"
-        return _linear_fn
-
-
 def linear_status() -> str:
     """'on (...)', 'off (...)' or 'unavailable: <reason>' for the linear kernels, int8 and fp32 (loads them if nobody
     has yet)."""
-    _load_linear()
-    return _linear_status
+    _linear.load()
+    return _linear.status
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
@@ -237,9 +232,10 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
             or x.shape[1] != q.shape[1] or scale.shape[0] != q.shape[0] or not 1 <= x.shape[0] <= LINEAR_MAX_ROWS
             or not q.is_contiguous() or not scale.is_contiguous()):
         return None
-    fn = _load_linear()
-    if fn is None:
+    fns = _linear.load()
+    if fns is None:
         return None
+    fn = fns["triforce_int8_linear"]
     x = x.contiguous()
     m, n_in = x.shape
     y = torch.empty(m, q.shape[0], dtype=torch.float32)
@@ -270,10 +266,73 @@ def f32_linear(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor | None:
             or not 1 <= x.shape[0] <= LINEAR_MAX_ROWS or w_t.shape[1] % 16 or w_t.shape[1] == 0
             or not w_t.is_contiguous()):
         return None
-    if _load_linear() is None:
+    fns = _linear.load()
+    if fns is None:
         return None
     x = x.contiguous()
     m, n_in = x.shape
     y = torch.empty(m, w_t.shape[1], dtype=torch.float32)
-    rc = _f32_linear_fn(x.data_ptr(), w_t.data_ptr(), y.data_ptr(), m, n_in, w_t.shape[1], torch.get_num_threads())
+    rc = fns["triforce_f32_linear"](x.data_ptr(), w_t.data_ptr(), y.data_ptr(), m, n_in, w_t.shape[1], torch.get_num_threads())
     return y if rc == 0 else None
+
+
+def norm_rope_status() -> str:
+    """'on (...)', 'off (...)' or 'unavailable: <reason>' for the RMSNorm and RoPE kernels (loads them if nobody has
+    yet)."""
+    _norm_rope.load()
+    return _norm_rope.status
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm ``weight * (x / sqrt(mean(x^2) + eps))`` over the last dim (Zhang & Sennrich, arXiv 1910.07467; what
+    :class:`~triforce.model.RMSNorm` computes), by ``csrc/norm_rope.c`` in one call instead of PyTorch's 6-8 small
+    ops; or None where the kernel does not apply.
+
+    Args:
+        x: (..., d) fp32 on the CPU.
+        weight: (d,) fp32, contiguous.
+        eps: added to the mean square.
+
+    Returns:
+        x's shape, fp32, contiguous; or None (not CPU/fp32, shapes that do not match, the kernel unavailable): the
+        caller then uses PyTorch's ops.
+    """
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 1
+            or x.dim() < 1 or x.shape[-1] != weight.shape[0] or x.numel() == 0 or not weight.is_contiguous()):
+        return None
+    fns = _norm_rope.load()
+    if fns is None:
+        return None
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    fns["triforce_rms_norm"](x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
+                             eps)
+    return y
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """Rotary embedding ``x * cos + rotate_half(x) * sin`` (Su et al., arXiv 2104.09864; what
+    :func:`triforce.rope.apply_rope` computes, with the same roundings), by ``csrc/norm_rope.c`` in one call; or None
+    where the kernel does not apply.
+
+    Args:
+        x: (B, h, T, hs) fp32 on the CPU, any strides with the last dim contiguous (a view of the fused projection).
+        cos, sin: (T, hs) fp32, contiguous.
+
+    Returns:
+        (B, h, T, hs) fp32, contiguous; or None (not CPU/fp32, shapes that do not match, hs odd, the kernel
+        unavailable): the caller then uses PyTorch's ops.
+    """
+    if (x.dim() != 4 or cos.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.float32
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.shape != (x.shape[2], x.shape[3])
+            or sin.shape != cos.shape or x.shape[3] % 2 or x.numel() == 0 or x.stride(3) != 1
+            or not cos.is_contiguous() or not sin.is_contiguous()):
+        return None
+    fns = _norm_rope.load()
+    if fns is None:
+        return None
+    b, h, t, hs = x.shape
+    y = torch.empty(b, h, t, hs, dtype=torch.float32)
+    fns["triforce_rope"](x.data_ptr(), x.stride(0), x.stride(1), x.stride(2), y.data_ptr(), cos.data_ptr(),
+                         sin.data_ptr(), b, h, t, hs)
+    return y

@@ -22,6 +22,7 @@ import math
 import torch
 
 from .config import ModelConfig
+from .kernels import rope as rope_kernel
 
 
 def rope_inv_freq(cfg: ModelConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
@@ -132,6 +133,10 @@ class RotaryEmbedding:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` (B, h, T, hs) by cos/sin (T, hs): ``x * cos + rotate_half(x) * sin``."""
+    if not torch.compiler.is_compiling():
+        y = rope_kernel(x, cos, sin)  # csrc/norm_rope.c: one call, the same roundings (None where it does not apply)
+        if y is not None:
+            return y
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

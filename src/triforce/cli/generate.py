@@ -186,11 +186,13 @@ def _generate(args: argparse.Namespace, out) -> int:
             bar.close()
     import torch
 
-    from ..kernels import status as kernel_status
+    from ..kernels import linear_status, norm_rope_status, status as kernel_status
 
     threads = torch.get_num_threads()
     if args.json:
-        out.write(json.dumps(dict(result.to_dict(), threads=threads, attention_kernel=kernel_status()), indent=2) + "\n")
+        kernels = dict(attention_kernel=kernel_status(), linear_kernel=linear_status(),
+                       norm_rope_kernel=norm_rope_status())
+        out.write(json.dumps(dict(result.to_dict(), threads=threads, **kernels), indent=2) + "\n")
         out.flush()
     else:
         out.write("\n")
