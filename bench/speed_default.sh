@@ -21,7 +21,7 @@ for book in $BOOKS; do
         --methods autoregressive,auto --json "$OUT/${book}_8000_greedy.json"
   for n in 1000 4000; do
     bench --book "$book.txt" --prompt-tokens "$n" --new-tokens 128 --temperature 0.6 \
-          --methods autoregressive,auto,self --json "$OUT/${book}_${n}_t06.json"
+          --methods autoregressive,auto,self,retrieval-int8 --json "$OUT/${book}_${n}_t06.json"
   done
 done
 if [ "$QWEN" = 1 ] && [ -f "$QWEN_DIR/qwen-coder-1.5b.gguf" ]; then

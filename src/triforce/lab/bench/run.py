@@ -104,9 +104,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     try:
         log(f"bench: starting {len(to_run)} workers ({', '.join(to_run)}); skipped: "
             f"{', '.join(skipped) or 'none'}")
-        for m in to_run:
+        for m in to_run:  # one after another: loading peaks (GGUF dequantisation) must not add up in memory
             workers[m] = Worker(m, config, log_dir)
-        for m in list(workers):
             try:
                 ready = workers[m].receive()
                 results[m] = {"status": "ok", "description": METHODS[m][1], "load_seconds": ready["load_seconds"],
