@@ -86,9 +86,23 @@ linear_kernels = pytest.mark.skipif(kernels.linear_status().startswith("unavaila
                                  reason=f"linear kernels {kernels.linear_status()}")
 
 
+@pytest.fixture(params=["native", "avx2"])
+def linear_build(request, monkeypatch):
+    """The linear kernels as this CPU's build (AVX-512 or AVX2), and the AVX2 build too where the native one is
+    AVX-512, so both branches of csrc/qlinear.c are checked on an AVX-512 machine."""
+    if request.param == "avx2":
+        if "AVX2" in kernels.linear_status():
+            pytest.skip("the native build is the AVX2 one")
+        forced = kernels.linear_build("AVX2")
+        if forced.load() is None:
+            pytest.skip(f"AVX2 build {forced.status}")
+        monkeypatch.setattr(kernels, "_linear", forced)
+    return request.param
+
+
 @linear_kernels
 @pytest.mark.parametrize("out,n_in", [(960, 576), (3072, 576), (576, 1536), (37, 23), (5, 16), (130, 48)])
-def test_int8_kernel_matches_fp64_and_rows_are_independent(out, n_in):
+def test_int8_kernel_matches_fp64_and_rows_are_independent(out, n_in, linear_build):
     """Every row count up to LINEAR_MAX_ROWS: within fp32 rounding of the exact product, and each row bit-identical to
     the same row computed alone (a decode step equals its row in a verification block)."""
     g = torch.Generator().manual_seed(out)
@@ -118,7 +132,7 @@ def test_int8_kernel_declines_what_it_does_not_handle():
 
 @linear_kernels
 @pytest.mark.parametrize("n_in,out", [(576, 960), (1536, 576), (576, 192), (64, 48), (23, 16), (576, 49152 // 8)])
-def test_f32_kernel_matches_fp64_and_rows_are_independent(n_in, out):
+def test_f32_kernel_matches_fp64_and_rows_are_independent(n_in, out, linear_build):
     """The fp32 product with (in, out) weights for every row count up to LINEAR_MAX_ROWS (one pass, several passes
     over a tile, the narrow blocks of a small matrix): within the error bound of fp32 summation (n * 2^-24 of
     sum |x w|) of the exact product, and each row bit-identical to the same row computed alone."""

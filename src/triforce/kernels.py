@@ -22,8 +22,10 @@ the caller uses SDPA (``status()`` says which and why).
 The linear kernels stream each weight row once for up to :data:`LINEAR_MAX_ROWS` activation rows:
 :func:`int8_linear` dequantises 16 int8 weights per AVX-512 vector, 1.4-1.7x faster than ``aten._weight_int8pack_mm``
 over SmolLM2's weights on this project's CPU; :func:`f32_linear` multiplies fp32 weights stored (in, out), the
-verifier's blocks and batched steps (``bench/qlinear.py``, docs/benchmarks.md). They need AVX-512 (F, BW, VL); where
-the CPU lacks it, or ``TRIFORCE_LINEAR_KERNEL=0`` is set, they return None (``linear_status()`` says why).
+verifier's blocks and batched steps (``bench/qlinear.py``, docs/benchmarks.md). They are built for AVX-512 (F, BW,
+VL) where the CPU has it, and otherwise for AVX2 and FMA (8-lane versions of the same kernels, with the same
+row-independence); where the CPU has neither, or ``TRIFORCE_LINEAR_KERNEL=0`` is set, they return None
+(``linear_status()`` says why).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ LINEAR_ENV_SWITCH = "TRIFORCE_LINEAR_KERNEL"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 #: the linear kernels' flags (AVX-512 foundation, byte/word and 128/256-bit forms for the masked tail)
 LINEAR_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp", "-shared", "-fPIC")
+#: the linear kernels' flags where the CPU has AVX2 and FMA but no AVX-512 (8-lane versions of the same kernels)
+LINEAR_AVX2_CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 #: environment variable: "0" turns the RMSNorm and RoPE kernels off (PyTorch's ops everywhere)
 NORM_ROPE_ENV_SWITCH = "TRIFORCE_NORM_ROPE_KERNEL"
 #: their flags: no FMA contraction, so RoPE rounds as PyTorch's x * cos + rotate_half(x) * sin does
@@ -146,10 +150,34 @@ def _attention_flags():
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _attention = _Library("attention.c", ENV_SWITCH, ("avx2", "fma"), _attention_flags, {
     "triforce_gqa_attention": (_I, [_P] * 5 + [_I] * 5 + [_I64] * 2 + [_I] * 2 + [_F, _I])})
-_linear = _Library("qlinear.c", LINEAR_ENV_SWITCH, ("avx512f", "avx512bw", "avx512vl"),
-                   lambda: (LINEAR_CFLAGS, "AVX-512"), {
-                       "triforce_int8_linear": (_I, [_P] * 4 + [_I] * 4),
-                       "triforce_f32_linear": (_I, [_P] * 3 + [_I] * 4)})
+_LINEAR_BUILDS = {"AVX-512": (("avx512f", "avx512bw", "avx512vl"), LINEAR_CFLAGS),
+                  "AVX2": (("avx2", "fma"), LINEAR_AVX2_CFLAGS)}  # the #if and #else branches of csrc/qlinear.c
+_LINEAR_SYMBOLS = {"triforce_int8_linear": (_I, [_P] * 4 + [_I] * 4),
+                   "triforce_f32_linear": (_I, [_P] * 3 + [_I] * 4)}
+
+
+def _linear_flags():
+    isa = "AVX-512" if set(_LINEAR_BUILDS["AVX-512"][0]) <= _cpu_flags() else "AVX2"
+    return _LINEAR_BUILDS[isa][1], isa
+
+
+def linear_build(isa: str) -> "_Library":
+    """The linear kernels built for ``isa`` whatever this CPU's best build, so that tests and ``bench/qlinear.py``
+    check and time the AVX2 branch of ``csrc/qlinear.c`` on an AVX-512 machine (swap it in as ``kernels._linear``).
+
+    Args:
+        isa: "AVX-512" or "AVX2".
+
+    Raises:
+        ValueError: for another ``isa``.
+    """
+    if isa not in _LINEAR_BUILDS:
+        raise ValueError(f"isa must be one of {sorted(_LINEAR_BUILDS)}, got {isa!r}")
+    needs, cflags = _LINEAR_BUILDS[isa]
+    return _Library("qlinear.c", LINEAR_ENV_SWITCH, needs, lambda: (cflags, isa), _LINEAR_SYMBOLS)
+
+
+_linear = _Library("qlinear.c", LINEAR_ENV_SWITCH, ("avx2", "fma"), _linear_flags, _LINEAR_SYMBOLS)
 _norm_rope = _Library("norm_rope.c", NORM_ROPE_ENV_SWITCH, ("avx2",), lambda: (NORM_ROPE_CFLAGS, "AVX2"), {
     "triforce_rms_norm": (None, [_P] * 3 + [_I64, _I, _F]),
     "triforce_rope": (None, [_P] + [_I64] * 3 + [_P] * 3 + [_I] * 4)})

@@ -14,13 +14,18 @@
  *
  * Each output's sum is taken in the same order (16 lanes along i, then the lanes) whatever M and whatever the other
  * rows, so a row's result does not depend on the rows beside it. Built at first use by triforce/kernels.py with
- * -O3 -mavx512f -mavx512bw -mavx512vl -fopenmp; the Python side checks every precondition below before calling.
+ * -O3 -mavx512f -mavx512bw -mavx512vl -fopenmp where the CPU has AVX-512, else with -O3 -mavx2 -mfma -fopenmp: the
+ * same two kernels on 8-lane vectors (the #else branch at the end of this file); the Python side checks every
+ * precondition below before calling.
  */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 
 #define MAX_ROWS 16
+
+#ifdef __AVX512F__
+
 #define OUT_BLOCK 4  /* outputs per inner step: each x vector is loaded once for 4 weight rows */
 #define ROW_BLOCK 4  /* activation rows per inner step: 4 x 4 accumulators stay in registers */
 #define PREFETCH_ROWS 16  /* weight rows ahead that each inner step prefetches (9 KB of int8, 36 KB of fp32 at in = 576) */
@@ -167,3 +172,146 @@ int triforce_f32_linear(const float* x, const float* w, float* y, int M, int in,
     }
     return 0;
 }
+
+#else  /* AVX2 + FMA: 16 registers of 8 floats */
+
+/* The int8 kernel on 8 lanes: 1 output x 4 rows per inner step (the dequantised weight vector reused for 4 rows),
+ * the weight rows PREFETCH_ROWS ahead prefetched; each output is 8 lanes along i, then the lanes summed in one fixed
+ * order, then the last in % 8 inputs in order: the same whatever M and the other rows. On an AVX2 EPYC over
+ * SmolLM2's weights (bench/qlinear.py), 1 output per step read them at 7.4 / 7.0 / 3.4 / 3.2 GB/s for 1 / 2 / 5 / 7
+ * rows where 2 outputs per step read 7.9 / 6.4 / 2.9 / 2.5 (aten's bf16 int8 product: 6.4 / 5.5 / 1.9 / 1.9). */
+#ifndef OUT_BLOCK
+#define OUT_BLOCK 1
+#endif
+#ifndef ROW_BLOCK
+#define ROW_BLOCK 4
+#endif
+#define PREFETCH_ROWS 16
+
+static inline __m256 load_i8x8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+static inline float hsum8(__m256 v) {  /* ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)) */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline __attribute__((always_inline)) void block_i8(const float* x, const int M, int in, const int8_t* w,
+                                                           const float* scale, int o0, int no, int out, float* y) {
+    __m256 acc[OUT_BLOCK][ROW_BLOCK];
+    for (int u = 0; u < no; ++u)
+        for (int m = 0; m < M; ++m) acc[u][m] = _mm256_setzero_ps();
+    const int ahead = o0 + no + PREFETCH_ROWS <= out;
+    int i = 0;
+    for (; i + 8 <= in; i += 8) {
+        if (ahead && (i % 64) == 0)
+            for (int u = 0; u < no; ++u)
+                _mm_prefetch((const char*)(w + (int64_t)(o0 + u + PREFETCH_ROWS) * in + i), _MM_HINT_T0);
+        __m256 wv[OUT_BLOCK];
+        for (int u = 0; u < no; ++u) wv[u] = load_i8x8(w + (int64_t)(o0 + u) * in + i);
+        for (int m = 0; m < M; ++m) {
+            const __m256 xv = _mm256_loadu_ps(x + (int64_t)m * in + i);
+            for (int u = 0; u < no; ++u) acc[u][m] = _mm256_fmadd_ps(xv, wv[u], acc[u][m]);
+        }
+    }
+    for (int u = 0; u < no; ++u)
+        for (int m = 0; m < M; ++m) {
+            float sum = hsum8(acc[u][m]);
+            for (int j = i; j < in; ++j) sum += x[(int64_t)m * in + j] * (float)w[(int64_t)(o0 + u) * in + j];
+            y[(int64_t)m * out + o0 + u] = scale[o0 + u] * sum;
+        }
+}
+
+int triforce_int8_linear(const float* x, const int8_t* w, const float* scale, float* y, int M, int in, int out,
+                         int nthreads) {
+    if (M < 1 || M > MAX_ROWS || in < 1 || out < 1 || nthreads < 1)
+        return -1;
+    const int blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int b = 0; b < blocks; ++b) {
+        const int o0 = b * OUT_BLOCK, no = out - o0 < OUT_BLOCK ? out - o0 : OUT_BLOCK;
+        for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+            const float* xm = x + (int64_t)m0 * in;
+            float* ym = y + (int64_t)m0 * out;
+            switch (M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK) {
+#if ROW_BLOCK > 4
+                case 6: block_i8(xm, 6, in, w, scale, o0, no, out, ym); break;
+                case 5: block_i8(xm, 5, in, w, scale, o0, no, out, ym); break;
+#endif
+                case 4: block_i8(xm, 4, in, w, scale, o0, no, out, ym); break;
+                case 3: block_i8(xm, 3, in, w, scale, o0, no, out, ym); break;
+                case 2: block_i8(xm, 2, in, w, scale, o0, no, out, ym); break;
+                default: block_i8(xm, 1, in, w, scale, o0, no, out, ym); break;
+            }
+        }
+    }
+    return 0;
+}
+
+/* The fp32 kernel on 8 lanes: column blocks of 16 floats (one 64-byte line of each weight row), up to 8 rows per pass
+ * (16 accumulators: the compiler takes the two weight vectors as memory operands of the FMAs, which the loads from L1
+ * afford), the rows split evenly over the passes (a pass of one row would wait on its FMA chains' latency); later
+ * passes over a tile of F_TILE weight rows find it in L1. As in the AVX-512 build, no horizontal sums: y[m, o] is one
+ * chain of FMAs over i in a lane, whatever M. Over SmolLM2's matrices on an AVX2 EPYC (bench/qlinear.py), 8 rows per
+ * pass read the weights at 10.4 GB/s for 7 rows where 6 rows per pass (4 + 3, 128-row tiles) read them at 7.0, and
+ * 32-row tiles beat 128-row ones for 8 rows (9.7 against 7.3 GB/s). */
+#ifndef F_ROWS
+#define F_ROWS 8
+#endif
+#ifndef F_TILE
+#define F_TILE 32    /* weight rows per tile when several passes share it (2 KB of a 16-float column block) */
+#endif
+#ifndef F_AHEAD
+#define F_AHEAD 24   /* weight rows ahead that each step prefetches */
+#endif
+
+static inline __attribute__((always_inline)) void colblock_f32(const float* x, const int M, int in, int i0, int i1,
+                                                               int ahead, const float* w, int out, int o0, float* y) {
+    __m256 acc[F_ROWS][2];
+    for (int m = 0; m < M; ++m)
+        for (int c = 0; c < 2; ++c)
+            acc[m][c] = i0 ? _mm256_loadu_ps(y + (int64_t)m * out + o0 + 8 * c) : _mm256_setzero_ps();
+    const float* wi = w + (int64_t)i0 * out + o0;
+    for (int i = i0; i < i1; ++i, wi += out) {
+        if (ahead && i + ahead < in) _mm_prefetch((const char*)(wi + (int64_t)ahead * out), _MM_HINT_T2);
+        const __m256 w0 = _mm256_loadu_ps(wi), w1 = _mm256_loadu_ps(wi + 8);
+        for (int m = 0; m < M; ++m) {
+            const __m256 xb = _mm256_broadcast_ss(x + (int64_t)m * in + i);
+            acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
+        }
+    }
+    for (int m = 0; m < M; ++m)
+        for (int c = 0; c < 2; ++c) _mm256_storeu_ps(y + (int64_t)m * out + o0 + 8 * c, acc[m][c]);
+}
+
+#define F_CASE(MM) case MM: colblock_f32(xm, MM, in, i0, i1, ahead, w, out, o0, ym); break;
+
+/* x: (M, in) fp32 contiguous, w: (in, out) fp32 contiguous, y: (M, out) fp32; out a multiple of 16.
+ * Returns 0, or -1 for arguments outside what the kernel handles (nothing written). */
+int triforce_f32_linear(const float* x, const float* w, float* y, int M, int in, int out, int nthreads) {
+    if (M < 1 || M > MAX_ROWS || in < 1 || out < 16 || out % 16 || nthreads < 1)
+        return -1;
+    const int blocks = out / 16, passes = (M + F_ROWS - 1) / F_ROWS, tile = passes == 1 ? in : F_TILE;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int b = 0; b < blocks; ++b) {
+        const int o0 = b * 16;
+        for (int i0 = 0; i0 < in; i0 += tile) {
+            const int i1 = in - i0 < tile ? in : i0 + tile;
+            for (int p = 0, m0 = 0; p < passes; ++p) {
+                const int rows = M / passes + (p < M % passes);
+                /* the first pass streams the tile, the last one the next tile while the memory is otherwise idle */
+                const int ahead = p == 0 ? F_AHEAD : p == passes - 1 ? tile : 0;
+                const float* xm = x + (int64_t)m0 * in;
+                float* ym = y + (int64_t)m0 * out;
+                switch (rows) { F_CASE(1) F_CASE(2) F_CASE(3) F_CASE(4) F_CASE(5) F_CASE(6) F_CASE(7) F_CASE(8) }
+                m0 += rows;
+            }
+        }
+    }
+    return 0;
+}
+
+#endif
