@@ -206,6 +206,42 @@ def test_failing_sequence_does_not_stop_the_batch(engine):
     assert isinstance(seqs[0].error, KeyError) and seqs[1].result == reference
 
 
+def test_batched_forward_seconds_exclude_waiting_for_others():
+    """A tier's forward_seconds under the scheduler count the batched forwards, not the time its sequence waited
+    while another sequence's code ran: next to a sequence that sleeps 50 ms after each of its 4 forwards, a
+    generation's target tier reports less than one sleep in all (its forwards take about 1 ms each here), while
+    its wall time holds the sleeps."""
+    import time
+
+    from triforce.caches import FullKVCache
+    from triforce.scheduling import run_forward
+
+    target, _ = pair(seed=8)
+
+    def sleeper():
+        cache = FullKVCache(target.cfg, 64)
+        for i in range(4):
+            run_forward(target, torch.tensor([[5 + i]]), torch.tensor([i]), cache)
+            time.sleep(0.05)
+
+    prompt = _prompt(12, 40)
+    out = {}
+
+    def generation():
+        t0 = time.perf_counter()
+        res = engine_alone.generate(prompt, max_new_tokens=4, spec=_spec("autoregressive"), sampling=GREEDY)
+        out["wall"] = time.perf_counter() - t0
+        return res
+
+    engine_alone = Engine(target).fork()
+    seqs = BatchScheduler(2).run([sleeper, generation])
+    assert all(s.error is None for s in seqs), [s.error for s in seqs]
+    stats = seqs[1].result[1].tiers["target"]
+    assert stats["forward_passes"] >= 4
+    assert out["wall"] > 0.15  # it did wait for the sleeper's code
+    assert stats["forward_seconds"] < 0.05, stats
+
+
 @pytest.mark.parametrize("mode", ["triforce", pytest.param("retrieval", marks=pytest.mark.slow)])
 def test_batched_sequence_matches_exact_distribution(models, mode):  # noqa: F811
     """The tested sequence (20-token prompt, T = 1) runs batched with a longer greedy autoregressive sequence and a

@@ -199,5 +199,6 @@ def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype
         raise ModelLoadError(f"model {source!r} not found: pass a local Hugging Face folder, a .gguf file, or a hub "
                              "id like 'org/name'")
     cfg = ModelConfig.from_hf(hf_config)
-    model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=device if tp is None else tp.device, tp=tp)
+    model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=device if tp is None else tp.device, tp=tp,
+                                        consume=True)
     return LoadedModel(model, tokenizer, hf_config, source)

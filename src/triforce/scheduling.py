@@ -26,6 +26,7 @@ while later prompts are still prefilled, instead of every prompt's first token w
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -65,16 +66,22 @@ class ForwardRequest:
 
 
 def run_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                num_logits: int | None = None) -> torch.Tensor:
+                num_logits: int | None = None) -> tuple[torch.Tensor, float]:
     """``model(input_ids, positions, cache, num_logits)``, batched with other sequences' forwards when called from a
     generation run by a :class:`BatchScheduler`; a direct call otherwise.
 
-    Args, returns and raises: as :meth:`~triforce.model.Transformer.forward` ((1, T) ids, (T,) positions; logits
-    (1, num_logits or T, V) fp32).
+    Args and raises: as :meth:`~triforce.model.Transformer.forward` ((1, T) ids, (T,) positions).
+
+    Returns:
+        ``(logits, seconds)``: logits (1, num_logits or T, V) fp32, and the wall time in seconds of the forward that
+        computed them. Batched, that is the whole batched forward (shared with the other sequences in it), never the
+        time this generation waited for other forwards or other generations' code.
     """
     current = greenlet.getcurrent()
     if not isinstance(current, _SequenceGreenlet):
-        return model(input_ids, positions, cache, num_logits=num_logits)
+        t0 = time.perf_counter()
+        logits = model(input_ids, positions, cache, num_logits=num_logits)
+        return logits, time.perf_counter() - t0
     return current.parent.switch(ForwardRequest(model, input_ids, positions, cache, num_logits))
 
 
@@ -214,22 +221,25 @@ class BatchScheduler:
         for s in group:
             s._request = None
         model = requests[0].model
+        t0 = time.perf_counter()
         try:
             outputs = model.forward_ragged([(r.input_ids, r.positions, r.cache, r.num_logits) for r in requests])
         except Exception:  # noqa: BLE001 - find whose forward fails: each runs alone, its error goes to it
             outputs = None
+        seconds = time.perf_counter() - t0  # run_forward's second value: the batched forward's own time
         self.forwards += 1
         self.sequence_forwards += len(group)
         for i, (seq, req) in enumerate(zip(group, requests)):
             if outputs is not None:
-                self._resume(seq, outputs[i])
+                self._resume(seq, (outputs[i], seconds))
                 continue
             try:
+                t0 = time.perf_counter()
                 out = model(req.input_ids, req.positions, req.cache, num_logits=req.num_logits)
             except Exception as e:  # noqa: BLE001
                 self._resume(seq, error=e)
             else:
-                self._resume(seq, out)
+                self._resume(seq, (out, time.perf_counter() - t0))
         return not self.idle()
 
     @staticmethod

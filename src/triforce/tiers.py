@@ -53,7 +53,8 @@ class TierStats:
     Attributes:
         name: tier name (``target``, ``retrieval``, ``draft``).
         forward_passes: model forwards (prefill chunks included).
-        forward_seconds: wall time inside those forwards, seconds.
+        forward_seconds: wall time inside those forwards, seconds (under a batch scheduler: of the batched forwards
+            that ran them, each whole, without the time spent waiting for the batch).
         prefill_seconds: part of ``forward_seconds`` spent on the prompt.
         verifications: steps that verified a drafter's block (0 for a tier without drafter).
         proposed: drafter tokens this tier verified.
@@ -211,9 +212,10 @@ class ModelTier:
         start = len(self.cached)
         ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
         pos = torch.arange(start, start + len(tokens), device=self.model.device)
-        t0 = time.perf_counter()
-        logits = run_forward(self.model, ids, pos, self.cache, num_logits)[0]  # (n, V) fp32; batched under a scheduler
-        self.stats.forward_seconds += time.perf_counter() - t0
+        # (1, n, V) fp32; batched under a scheduler, whose seconds exclude the time spent waiting for the batch
+        logits, seconds = run_forward(self.model, ids, pos, self.cache, num_logits)
+        logits = logits[0]
+        self.stats.forward_seconds += seconds
         self.stats.forward_passes += 1
         self.cached.extend(tokens)
         return logits
