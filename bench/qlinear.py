@@ -4,14 +4,15 @@
     python bench/qlinear.py --threads 2 --reps 9 --build AVX2   # the AVX2 build, on an AVX-512 machine too
 
 For SmolLM2-135M's projection shapes (30 layers of qkv 576->960, o 576->576, gate/up 576->3072, down 1536->576,
-and the 576->49,152 LM head: 135 MB of int8 weights), every matrix distinct, so a sweep reads them from memory as a
+and the 576->49,152 LM head: 135 MB of int8 weights; ``--shapes qwen2.5-1.5b``: Qwen2.5-1.5B's 28 layers and
+LM head, 1.78 GB), every matrix distinct, so a sweep reads them from memory as a
 decode step does (not from cache): ``kernels.int8_linear`` (``csrc/qlinear.c``), ``aten._weight_int8pack_mm``
 (bf16 activations; what ``quant.Int8Linear`` ran before the kernel), and the fp32 products of the same shapes: MKL's
 (``x @ W``, W (in, out): the verifier's decode step), oneDNN's with packed weights (what the verifier's multi-token
-passes ran before our kernel) and ours (``kernels.f32_linear``, W (in, out), what ``model.Linear`` runs for 2 to 16
-rows), for 1, 2, 4, 5, 7 and 8 activation rows (a decode step, batched decode steps, a retrieval tier's 5-token
-block, a 7-token verification). Interleaved repetitions, medians; GB/s is weight bytes read per second. Random
-weights: timing only (``tests/test_kernels.py`` checks the values).
+passes ran before our kernel) and ours (``kernels.f32_linear``, W (in, out), what ``model.Linear`` runs for 2 to 64
+rows), for 1, 2, 4, 5, 7 and 8 activation rows by default (a decode step, batched decode steps, a retrieval tier's
+5-token block, a 7-token verification; ``--rows 14 28 56``: batches of verifications). Interleaved repetitions,
+medians; GB/s is weight bytes read per second. Random weights: timing only (``tests/test_kernels.py`` checks the values).
 """
 
 from __future__ import annotations
@@ -24,12 +25,19 @@ import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it,
 import torch
 from common import add_run_options, emit_json  # noqa: E402  (bench/common.py, beside this script)
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]  # (out, in), SmolLM2-135M
+SHAPES = {  # (out, in) of every projection and the LM head
+    "smollm2": [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)],  # SmolLM2-135M
+    "qwen2.5-1.5b": [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)] * 28 + [(151936, 1536)],
+}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_options(p, None, reps=9, sampling=False, out_help="write the JSON there")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 5, 7, 8],
+                   help="activation row counts to time (1 to kernels.LINEAR_MAX_ROWS)")
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2",
+                   help="whose matrices (qwen2.5-1.5b: 7.1 GB of fp32 weights, 16 GB with the int8 and packed copies)")
     p.add_argument("--build", choices=["native", "AVX-512", "AVX2"], default="native",
                    help="which build of csrc/qlinear.c to time (native: this CPU's best, what the product runs)")
     args = p.parse_args()
@@ -40,18 +48,20 @@ def main() -> int:
         kernels._linear = kernels.linear_build(args.build)
 
     gen = torch.Generator().manual_seed(0)
-    qs = [torch.randint(-127, 128, s, dtype=torch.int8, generator=gen) for s in SHAPES]
-    scales = [torch.rand(s[0], generator=gen) * 0.01 for s in SHAPES]
+    qs = [torch.randint(-127, 128, s, dtype=torch.int8, generator=gen) for s in SHAPES[args.shapes]]
+    scales = [torch.rand(s[0], generator=gen) * 0.01 for s in SHAPES[args.shapes]]
     scales_bf16 = [s.to(torch.bfloat16) for s in scales]
-    weights = [torch.randn(s[1], s[0], generator=gen) for s in SHAPES]  # fp32, (in, out)
+    weights = [torch.randn(s[1], s[0], generator=gen) for s in SHAPES[args.shapes]]  # fp32, (in, out)
     packed = [torch.ops.mkldnn._reorder_linear_weight(w.T.contiguous(), None) for w in weights]  # oneDNN's
     int8_bytes = sum(q.numel() for q in qs)
+    if not all(1 <= r <= kernels.LINEAR_MAX_ROWS for r in args.rows):
+        p.error(f"--rows must lie in 1..{kernels.LINEAR_MAX_ROWS}, got {args.rows}")
     status = kernels.linear_status()
     if not status.startswith("on"):  # the kernels return None at once: timing them would report nonsense
         p.error(f"the linear kernels are {status}; this benchmark times them")
     rows_out = []
-    for rows in (1, 2, 4, 5, 7, 8):
-        x = {n: torch.randn(rows, n, generator=gen) for n in (576, 1536)}
+    for rows in args.rows:
+        x = {n: torch.randn(rows, n, generator=gen) for n in {s[1] for s in SHAPES[args.shapes]}}
         xb = {n: v.to(torch.bfloat16) for n, v in x.items()}
         kinds = {
             "ours_int8": (lambda: [kernels.int8_linear(x[q.shape[1]], q, s) for q, s in zip(qs, scales)], int8_bytes),
@@ -82,7 +92,7 @@ def main() -> int:
         row["fp32_ours_speedup_over_mkl"] = round(row["fp32_mkl"]["ms"] / row["fp32_ours"]["ms"], 3)
         rows_out.append(row)
     out = {"threads": args.threads, "reps": args.reps, "int8_kernel": status,
-           "weights_MB_int8": round(int8_bytes / 1e6, 1), "shapes": "SmolLM2-135M (30 layers + LM head)",
+           "weights_MB_int8": round(int8_bytes / 1e6, 1), "shapes": args.shapes,
            "results": rows_out}
     emit_json(out, args.out)
     return 0

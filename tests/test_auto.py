@@ -11,7 +11,8 @@ import torch
 from test_distribution import SETTINGS, chi2_pvalue, empirical, exact_distribution
 from test_distribution import models  # noqa: F401  (fixture)
 from tiny import hf_model, ours, pair
-from triforce.auto import RETRIEVAL_MIN_KV_SHARE, RETRIEVAL_MIN_KV_SHARE_SAMPLING, SpeedGovernor, plan_hierarchy
+from triforce.auto import (RETRIEVAL_BUDGET_BOUNDS, RETRIEVAL_MIN_KV_SHARE, RETRIEVAL_MIN_KV_SHARE_SAMPLING,
+                           WEIGHT_BOUND_LAYER_BYTES, SpeedGovernor, plan_hierarchy)
 from triforce.caches import kv_bytes
 from triforce.engine import Engine, SpeculationConfig
 from triforce.loading import load_model  # noqa: F401  (import check: no cycle through auto)
@@ -64,6 +65,47 @@ def test_plan_adds_retrieval_only_when_the_kv_cache_outweighs_a_share_of_the_wei
     assert long.tiers == "draft:3,retrieval:5"
     assert long.budget == max(256, long_p // 4) and long.lower_weights == "int8"
     assert plan_hierarchy(cfg, w, torch.float32, long_p, "self", GREEDY, max_budget=100).budget == 100
+
+
+def test_plan_adds_the_int8_tier_under_a_weight_bound_target_on_a_cpu():
+    """Layers of at least WEIGHT_BOUND_LAYER_BYTES: the int8 retrieval tier at the largest budget whatever the KV
+    share (on a CPU only); a named draft that reads as much as the int8 copy is left out, a smaller one stays."""
+    model = ours(hf_model(seed=0))
+    cfg = model.cfg
+    big = WEIGHT_BOUND_LAYER_BYTES * cfg.num_hidden_layers  # exactly at the threshold
+    t06 = SamplingParams(0.6)
+    plan = plan_hierarchy(cfg, big, torch.float32, 100, None, t06)
+    assert plan.tiers == "retrieval:6" and plan.lower_weights == "int8" and plan.budget == RETRIEVAL_BUDGET_BOUNDS[1]
+    assert "per layer" in plan.reason
+    assert plan_hierarchy(cfg, big, torch.float32, 100, None, GREEDY).tiers == "ngram:4,retrieval:6"
+    assert plan_hierarchy(cfg, big, torch.float32, 100, None, t06, max_budget=512).budget == 512
+    assert plan_hierarchy(cfg, big - cfg.num_hidden_layers, torch.float32, 100, None, t06).tiers == ""  # just below
+    assert plan_hierarchy(cfg, big, torch.float32, 100, None, t06, device_type="cuda").tiers == ""
+    assert plan_hierarchy(cfg, big, torch.float32, 100, "self", t06).tiers == "self:4"  # named: drafts for the target
+    heavy = plan_hierarchy(cfg, big, torch.float32, 100, "draft", t06, draft_weight_bytes=big // 4)
+    assert heavy.tiers == "retrieval:6" and "left out" in heavy.reason
+    light = plan_hierarchy(cfg, big, torch.float32, 100, "draft", t06, draft_weight_bytes=big // 4 - 1)
+    assert light.tiers == "draft:4,retrieval:6"
+    assert plan_hierarchy(cfg, big, torch.bfloat16, 100, "draft", t06, draft_weight_bytes=big // 4).tiers == \
+        "draft:4,retrieval:6"  # bf16 weights: the int8 copy is half of them
+
+
+@pytest.mark.parametrize("temperature", [0, 0.6])
+def test_auto_weight_bound_plan_equals_autoregressive_greedy_and_runs_sampled(monkeypatch, temperature):
+    """The weight-bound plan on a tiny model (threshold lowered): the int8 tier holding the whole prompt; greedy
+    output equals autoregressive decoding token for token, and a sampled run completes with that hierarchy."""
+    monkeypatch.setattr("triforce.auto.WEIGHT_BOUND_LAYER_BYTES", 1)
+    target, _ = pair(seed=7, max_pos=1024)
+    engine = Engine(target)
+    prompt = torch.randint(3, 40, (60,), generator=torch.Generator().manual_seed(5)).tolist()
+    sampling = SamplingParams(temperature=temperature)
+    spec = SpeculationConfig(mode="auto", gamma1=2, gamma2=4, budget=128, chunk_size=4)
+    out, stats = engine.generate(prompt, max_new_tokens=24, sampling=sampling, spec=spec)
+    assert stats.auto["hierarchy"] == ("ngram:2,retrieval:4" if temperature == 0 else "retrieval:4")
+    assert len(out) == 24
+    if temperature == 0:
+        ref, _ = engine.generate(prompt, max_new_tokens=24, sampling=GREEDY, spec=SpeculationConfig())
+        assert out == ref
 
 
 class FakeTop:

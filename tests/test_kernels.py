@@ -103,26 +103,26 @@ def linear_build(request, monkeypatch):
 @linear_kernels
 @pytest.mark.parametrize("out,n_in", [(960, 576), (3072, 576), (576, 1536), (37, 23), (5, 16), (130, 48)])
 def test_int8_kernel_matches_fp64_and_rows_are_independent(out, n_in, linear_build):
-    """Every row count up to LINEAR_MAX_ROWS: within fp32 rounding of the exact product, and each row bit-identical to
+    """Every row count up to INT8_LINEAR_MAX_ROWS: within fp32 rounding of the exact product, and each row bit-identical to
     the same row computed alone (a decode step equals its row in a verification block)."""
     g = torch.Generator().manual_seed(out)
     q = torch.randint(-127, 128, (out, n_in), dtype=torch.int8, generator=g)
     scale = torch.rand(out, generator=g) * 0.02
-    x = torch.randn(kernels.LINEAR_MAX_ROWS, n_in, generator=g)
+    x = torch.randn(kernels.INT8_LINEAR_MAX_ROWS, n_in, generator=g)
     exact = x.double() @ (q.double() * scale.double()[:, None]).T  # (M, out)
     alone = torch.cat([kernels.int8_linear(x[i:i + 1], q, scale) for i in range(len(x))])
-    for m in (1, 2, 3, 4, 5, 7, 8, kernels.LINEAR_MAX_ROWS):
+    bound = (x.double().abs() @ (q.double().abs() * scale.double()[:, None]).T) * n_in * 2 ** -24 + 1e-30  # per row
+    for m in (1, 2, 3, 4, 5, 7, 8, kernels.INT8_LINEAR_MAX_ROWS):
         y = kernels.int8_linear(x[:m], q, scale)
         assert y is not None and y.shape == (m, out) and y.dtype == torch.float32
-        bound = (x[:m].double().abs() @ (q.double().abs() * scale.double()[:, None]).T) * n_in * 2 ** -24 + 1e-30
-        assert torch.all((y.double() - exact[:m]).abs() <= bound)
+        assert torch.all((y.double() - exact[:m]).abs() <= bound[:m])
         assert torch.equal(y, alone[:m])
 
 
 @linear_kernels
 def test_int8_kernel_declines_what_it_does_not_handle():
     q, s = torch.zeros(8, 32, dtype=torch.int8), torch.ones(8)
-    assert kernels.int8_linear(torch.randn(kernels.LINEAR_MAX_ROWS + 1, 32), q, s) is None  # too many rows: PyTorch's op
+    assert kernels.int8_linear(torch.randn(kernels.INT8_LINEAR_MAX_ROWS + 1, 32), q, s) is None  # too many rows: PyTorch's op
     assert kernels.int8_linear(torch.randn(1, 32, dtype=torch.bfloat16), q, s) is None  # bf16 activations
     assert kernels.int8_linear(torch.randn(1, 31), q, s) is None  # in differs
     assert kernels.int8_linear(torch.randn(1, 32), q, torch.ones(7)) is None  # one scale per output
@@ -141,11 +141,11 @@ def test_f32_kernel_matches_fp64_and_rows_are_independent(n_in, out, linear_buil
     x = torch.randn(kernels.LINEAR_MAX_ROWS, n_in, generator=g)
     exact = x.double() @ w.double()
     alone = torch.cat([kernels.f32_linear(x[i:i + 1], w) for i in range(len(x))])
+    bound = (x.double().abs() @ w.double().abs()) * n_in * 2 ** -24  # per row
     for m in range(1, kernels.LINEAR_MAX_ROWS + 1):
         y = kernels.f32_linear(x[:m], w)
         assert y is not None and y.shape == (m, out) and y.dtype == torch.float32
-        bound = (x[:m].double().abs() @ w.double().abs()) * n_in * 2 ** -24
-        assert torch.all((y.double() - exact[:m]).abs() <= bound)
+        assert torch.all((y.double() - exact[:m]).abs() <= bound[:m])
         assert torch.equal(y, alone[:m])
 
 
@@ -170,10 +170,10 @@ def test_linear_runs_the_kernel_for_a_few_rows_only():
     lin = Linear(64, 96, bias=True)
     torch.nn.init.normal_(lin.weight_t)
     torch.nn.init.normal_(lin.bias)
-    x = torch.randn(1, 40, 64)
+    x = torch.randn(1, kernels.LINEAR_MAX_ROWS + 40, 64)
     with torch.no_grad():
         ref = x @ lin.weight_t + lin.bias
-        for t in (1, 2, 7, kernels.LINEAR_MAX_ROWS, kernels.LINEAR_MAX_ROWS + 1, 40):
+        for t in (1, 2, 7, 28, kernels.LINEAR_MAX_ROWS, kernels.LINEAR_MAX_ROWS + 1, kernels.LINEAR_MAX_ROWS + 40):
             y = lin(x[:, :t])
             torch.testing.assert_close(y, ref[:, :t], rtol=1e-5, atol=1e-4)
             if 1 < t <= kernels.LINEAR_MAX_ROWS:

@@ -16,6 +16,15 @@ hierarchy only changes how many tokens each verification emits, never their dist
     ``auto`` with a 1,000-slot retrieval tier ran at 1.18-1.43x plain decoding on three books, and the retrieval tier
     alone at 1.39x with 1,000 slots and 1.34x with 4,096 (``bench/results/budget_sweep``, ``speed_default``); at 4K (0.34x) it
     ran at 0.83-0.91x before this session's kernels, so 4K decodes plainly;
+  - the same tier also goes under the target, whatever the KV share, when the step is bound by the weights' bytes:
+    on a CPU, a target whose layers hold at least :data:`WEIGHT_BOUND_LAYER_BYTES` each, so that a step's fixed
+    per-layer costs are small next to the bytes the int8 copy saves. Its budget is then the largest
+    (``max_budget``): the KV cache is small, and the whole prompt in the retrieval cache makes the tier the target's
+    own int8 copy, accepted most often (self-speculation by quantization, as QuantSpec, arXiv 2502.10424, with
+    int8 weights). Measured on this project's CPU (Qwen2.5-Coder-1.5B, 254 MB of fp32 weights per layer, 3,000
+    tokens, T = 0.6): 3.22x plain decoding (acceptance 0.93); SmolLM2-135M (18 MB per layer), whose steps are about
+    a third fixed per-layer costs, ran the same tier at 0.87x at 1K tokens. A draft model the user named that reads
+    at least as many bytes per step as the int8 copy has no place under it and is left out (the reason says so);
   - the bottom tier is the one the user named (a draft model, ``ngram``, or ``self``: the target's int4 copy over
     a StreamingLLM cache; ``self`` drafts directly for the target). Without one: the model-free n-gram drafter under
     greedy decoding (it costs no forward, and greedy text repeats itself); under sampling nothing below the
@@ -53,6 +62,9 @@ RETRIEVAL_BUDGET_SHARE = 1 / 4
 #: the same under sampling: a smaller cache, since each proposal's step reads it (module docstring)
 RETRIEVAL_BUDGET_SHARE_SAMPLING = 1 / 8
 RETRIEVAL_BUDGET_BOUNDS = (256, 4096)
+#: on a CPU, the int8 retrieval tier goes under a target with at least this many weight bytes per layer whatever
+#: the KV share (module docstring: 254 MB per layer paid 3.22x, 18 MB did not pay)
+WEIGHT_BOUND_LAYER_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -75,7 +87,8 @@ class AutoPlan:
 
 def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, prompt_tokens: int, bottom: str | None,
                    sampling: SamplingParams, gamma1: int = DEFAULTS["gamma1"], gamma2: int = DEFAULTS["gamma2"],
-                   chunk_size: int = DEFAULTS["chunk_size"], max_budget: int = DEFAULTS["budget"]) -> AutoPlan:
+                   chunk_size: int = DEFAULTS["chunk_size"], max_budget: int = DEFAULTS["budget"],
+                   device_type: str = "cpu", draft_weight_bytes: int | None = None) -> AutoPlan:
     """Choose the hierarchy for a request of ``prompt_tokens`` (rules in the module docstring).
 
     Args:
@@ -92,6 +105,9 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
         max_budget: the most retrieval slots (``SpeculationConfig.budget``; the budget is
             :data:`RETRIEVAL_BUDGET_SHARE` of the prompt, :data:`RETRIEVAL_BUDGET_SHARE_SAMPLING` under sampling,
             within :data:`RETRIEVAL_BUDGET_BOUNDS` and this).
+        device_type: where the target runs (``"cpu"``, ``"cuda"``): the weight-bound rule is measured on CPUs only,
+            where our int8 kernel runs.
+        draft_weight_bytes: bytes of the named draft model's weights (``bottom == "draft"``), or None.
 
     Returns:
         :class:`AutoPlan`.
@@ -110,6 +126,21 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
         who = f"{bottom} drafts (named)"
     threshold = RETRIEVAL_MIN_KV_SHARE if sampling.greedy else RETRIEVAL_MIN_KV_SHARE_SAMPLING
     retrieval = share >= threshold and prompt_tokens > budget and bottom != "self"
+    layer_bytes = weight_bytes / max(1, cfg.num_hidden_layers)
+    if (not retrieval and bottom != "self" and device_type == "cpu" and layer_bytes >= WEIGHT_BOUND_LAYER_BYTES):
+        budget = max(int(min(hi, max_budget)), chunk_size + gamma2 + 3)  # the whole prompt where it fits
+        int8_bytes = weight_bytes // torch.empty((), dtype=kv_dtype).element_size()  # the weights' dtype, as a rule
+        why = (f"{sizes}, {layer_bytes / 2**20:.0f} MiB of weights per layer >= "
+               f"{WEIGHT_BOUND_LAYER_BYTES / 2**20:.0f}: steps bound by the weights' bytes, a {budget}-slot "
+               f"retrieval tier with int8 weights")
+        if bottom == "draft" and draft_weight_bytes is not None and draft_weight_bytes >= int8_bytes:
+            why += (f"; the draft model ({draft_weight_bytes / 2**20:.0f} MiB) reads more per step than the int8 "
+                    f"copy ({int8_bytes / 2**20:.0f} MiB), so it is left out")
+            bottom = None
+        elif bottom:
+            why += f"; {who}"
+        tiers = f"{bottom}:{gamma1},retrieval:{gamma2}" if bottom else f"retrieval:{gamma2}"
+        return AutoPlan(tiers=tiers, budget=budget, lower_weights="int8", reason=why)
     if retrieval:
         tiers = f"{bottom}:{gamma1},retrieval:{gamma2}" if bottom else f"retrieval:{gamma2}"
         why = f"{sizes} >= {threshold}: a {budget}-slot retrieval tier with int8 weights; {who}"

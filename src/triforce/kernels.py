@@ -19,9 +19,11 @@ loaded, so both share one OpenMP thread pool. Feature detection with a fallback:
 AVX2/FMA, the build fails, or ``TRIFORCE_ATTENTION_KERNEL=0`` is set, :func:`gqa_attention_kernel` returns None and
 the caller uses SDPA (``status()`` says which and why).
 
-The linear kernels stream each weight row once for up to :data:`LINEAR_MAX_ROWS` activation rows:
-:func:`int8_linear` dequantises 16 int8 weights per AVX-512 vector, 1.4-1.7x faster than ``aten._weight_int8pack_mm``
-over SmolLM2's weights on this project's CPU; :func:`f32_linear` multiplies fp32 weights stored (in, out), the
+The linear kernels stream each weight row once for up to :data:`LINEAR_MAX_ROWS` activation rows (int8:
+:data:`INT8_LINEAR_MAX_ROWS`):
+:func:`int8_linear` dequantises 16 int8 weights per AVX-512 vector, 1.1-1.2x faster than ``aten._weight_int8pack_mm``
+over SmolLM2's weights for the 1-2 rows of a lower tier's decode step on this project's CPU (as fast at 4-5 rows,
+slower from 7; docs/benchmarks.md); :func:`f32_linear` multiplies fp32 weights stored (in, out), the
 verifier's blocks and batched steps (``bench/qlinear.py``, docs/benchmarks.md). They are built for AVX-512 (F, BW,
 VL) where the CPU has it, and otherwise for AVX2 and FMA (8-lane versions of the same kernels, with the same
 row-independence); where the CPU has neither, or ``TRIFORCE_LINEAR_KERNEL=0`` is set, they return None
@@ -57,8 +59,13 @@ LINEAR_AVX2_CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 NORM_ROPE_ENV_SWITCH = "TRIFORCE_NORM_ROPE_KERNEL"
 #: their flags: no FMA contraction, so RoPE rounds as PyTorch's x * cos + rotate_half(x) * sin does
 NORM_ROPE_CFLAGS = ("-O3", "-mavx2", "-ffp-contract=off", "-shared", "-fPIC")
-#: most activation rows of one linear kernel call (a decode step or a lower tier's block; prefill takes PyTorch's op)
-LINEAR_MAX_ROWS = 16
+#: most activation rows of one linear kernel call: a decode step, a verification block, a batch of them (8 sequences
+#: verifying 7 tokens each are 56 rows, where MKL's product is 2.6x slower than ours, bench/qlinear.py); prefill
+#: chunks take PyTorch's op
+LINEAR_MAX_ROWS = 64
+#: most rows of one int8 kernel call (a lower tier's decode step or proposal block, a small batch of them): from about
+#: 7 rows on, aten's bf16 int8 product is faster (bench/qlinear.py --rows 7 14 28), and it takes more
+INT8_LINEAR_MAX_ROWS = 16
 #: largest head_dim the kernel handles (checked in the C file)
 MAX_HEAD_DIM = 256
 #: keys per work item, whatever the block: the same chunks for a decode step and a verification block, so a query
@@ -239,6 +246,19 @@ def linear_status() -> str:
     return _linear.status
 
 
+def f32_one_row_pays() -> bool:
+    """Whether a one-row fp32 product (a decode step's projections) runs on :func:`f32_linear` rather than MKL's GEMV.
+
+    True with the AVX-512 build: on this project's CPU it made a SmolLM2 decode step at 8K 1.25x faster (41.5 against
+    51.8 ms) and swept Qwen2.5-1.5B's weights at 33 GB/s against MKL's 22 (``bench/rows.py --rows 1``,
+    docs/benchmarks.md). False with the AVX2 build (11.2 against MKL's 14.3 GB/s on an AVX2 machine) or without the
+    kernels. A decode step then computes bitwise the logits of its row in a verification block.
+    """
+    if _linear.status == "not loaded":  # one lock-free check per call after the first (a decode step makes ~150)
+        _linear.load()
+    return _linear.fns is not None and _linear.status.endswith("AVX-512)")
+
+
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     """Weight-only int8 product ``y = x (scale * q)^T`` for a few rows, or None where the kernel does not apply.
 
@@ -247,7 +267,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     other rows, so a row's result does not depend on the rows beside it.
 
     Args:
-        x: (M, in) fp32 activations, 1 <= M <= :data:`LINEAR_MAX_ROWS`.
+        x: (M, in) fp32 activations, 1 <= M <= :data:`INT8_LINEAR_MAX_ROWS`.
         q: (out, in) int8 weights, contiguous.
         scale: (out,) fp32 scales, contiguous.
 
@@ -257,7 +277,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     """
     if (x.dim() != 2 or q.dim() != 2 or scale.dim() != 1 or x.device.type != "cpu" or q.device.type != "cpu"
             or x.dtype != torch.float32 or q.dtype != torch.int8 or scale.dtype != torch.float32
-            or x.shape[1] != q.shape[1] or scale.shape[0] != q.shape[0] or not 1 <= x.shape[0] <= LINEAR_MAX_ROWS
+            or x.shape[1] != q.shape[1] or scale.shape[0] != q.shape[0] or not 1 <= x.shape[0] <= INT8_LINEAR_MAX_ROWS
             or not q.is_contiguous() or not scale.is_contiguous()):
         return None
     fns = _linear.load()
@@ -278,8 +298,9 @@ def f32_linear(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor | None:
     computed by ``csrc/qlinear.c``: column blocks of the output whose accumulators stay in registers while the
     weight rows stream past, each weight vector loaded once for all rows. Each output is one chain of FMAs over the
     inputs in order, whatever the other rows, so a row's result is bitwise the same alone and in a block (the
-    attention kernel's property too: a verification computes the logits a decode step would). 1.6-2.3x oneDNN's
-    packed product for 4-7 rows over SmolLM2's matrices on this project's CPU (``bench/qlinear.py``).
+    attention kernel's property too: a verification computes the logits a decode step would). About 1.2x oneDNN's
+    packed product and 1.3-1.6x MKL's for 4-7 rows over SmolLM2's matrices on this project's AVX-512 CPU
+    (``bench/qlinear.py``, docs/benchmarks.md).
 
     Args:
         x: (M, in) fp32 activations, 1 <= M <= :data:`LINEAR_MAX_ROWS`.

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .caches import KVCache, RaggedCache
 from .config import ModelConfig
-from .kernels import LINEAR_MAX_ROWS, f32_linear, rms_norm
+from .kernels import LINEAR_MAX_ROWS, f32_linear, f32_one_row_pays, rms_norm
 from .rope import RotaryEmbedding, apply_rope
 
 
@@ -41,7 +41,9 @@ class Linear(nn.Module):
         self.packed = None  # oneDNN-prepacked copy for multi-row products on CPU (see Transformer.pack_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        if 1 < x.numel() // x.shape[-1] <= LINEAR_MAX_ROWS:  # a verification block or a batched step: our kernel
+        rows = x.numel() // x.shape[-1]
+        # a verification block or a batched step (and a decode step where the kernel beats MKL's GEMV): our kernel
+        if 1 < rows <= LINEAR_MAX_ROWS or (rows == 1 and f32_one_row_pays()):
             y = f32_linear(x.reshape(-1, x.shape[-1]), self.weight_t)  # None where it does not apply
             if y is not None:
                 y = y.reshape(*x.shape[:-1], -1)

@@ -7,7 +7,7 @@ output distribution.
 
 * ``int8``: weight-only, symmetric, per output channel (``w ~= scale[o] * q[o, i]`` with ``q`` in [-127, 127],
   ``scale = max_i |w[o, i]| / 127``), as in gpt-fast's and torchao's int8 weight-only schemes. With fp32
-  activations and at most ``kernels.LINEAR_MAX_ROWS`` rows (decode steps and proposal blocks) the matmul is our
+  activations and at most ``kernels.INT8_LINEAR_MAX_ROWS`` rows (decode steps and proposal blocks) the matmul is our
   AVX-512 kernel (``kernels.int8_linear``, fp32 activations and scales); otherwise PyTorch's own
   ``aten._weight_int8pack_mm`` (bf16 activations, int8 weights, fp32 accumulation) where the device has it, and
   elsewhere ``x @ (q * scale)^T`` dequantized on the fly (feature detection with a fallback at every step).

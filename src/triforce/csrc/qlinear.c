@@ -22,7 +22,7 @@
 #include <omp.h>
 #include <stdint.h>
 
-#define MAX_ROWS 16
+#define MAX_ROWS 64  /* the most activation rows per call: a batch of 8 sequences verifying 7 tokens each is 56 */
 
 #ifdef __AVX512F__
 
