@@ -38,6 +38,8 @@ def main() -> int:
                    help="activation row counts to time (1 to kernels.LINEAR_MAX_ROWS)")
     p.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2",
                    help="whose matrices (qwen2.5-1.5b: 7.1 GB of fp32 weights, 16 GB with the int8 and packed copies)")
+    p.add_argument("--no-onednn", action="store_true",
+                   help="skip oneDNN's packed product (its copy of the weights: Qwen's shapes fit in 24 GiB without it)")
     p.add_argument("--build", choices=["native", "AVX-512", "AVX2"], default="native",
                    help="which build of csrc/qlinear.c to time (native: this CPU's best, what the product runs)")
     args = p.parse_args()
@@ -47,18 +49,19 @@ def main() -> int:
     if args.build != "native":
         kernels._linear = kernels.linear_build(args.build)
 
-    gen = torch.Generator().manual_seed(0)
-    qs = [torch.randint(-127, 128, s, dtype=torch.int8, generator=gen) for s in SHAPES[args.shapes]]
-    scales = [torch.rand(s[0], generator=gen) * 0.01 for s in SHAPES[args.shapes]]
-    scales_bf16 = [s.to(torch.bfloat16) for s in scales]
-    weights = [torch.randn(s[1], s[0], generator=gen) for s in SHAPES[args.shapes]]  # fp32, (in, out)
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w.T.contiguous(), None) for w in weights]  # oneDNN's
-    int8_bytes = sum(q.numel() for q in qs)
     if not all(1 <= r <= kernels.LINEAR_MAX_ROWS for r in args.rows):
         p.error(f"--rows must lie in 1..{kernels.LINEAR_MAX_ROWS}, got {args.rows}")
     status = kernels.linear_status()
     if not status.startswith("on"):  # the kernels return None at once: timing them would report nonsense
         p.error(f"the linear kernels are {status}; this benchmark times them")
+    gen = torch.Generator().manual_seed(0)
+    qs = [torch.randint(-127, 128, s, dtype=torch.int8, generator=gen) for s in SHAPES[args.shapes]]
+    scales = [torch.rand(s[0], generator=gen) * 0.01 for s in SHAPES[args.shapes]]
+    scales_bf16 = [s.to(torch.bfloat16) for s in scales]
+    weights = [torch.randn(s[1], s[0], generator=gen) for s in SHAPES[args.shapes]]  # fp32, (in, out)
+    packed = [] if args.no_onednn else [torch.ops.mkldnn._reorder_linear_weight(w.T.contiguous(), None)
+                                        for w in weights]  # oneDNN's
+    int8_bytes = sum(q.numel() for q in qs)
     rows_out = []
     for rows in args.rows:
         x = {n: torch.randn(rows, n, generator=gen) for n in {s[1] for s in SHAPES[args.shapes]}}
@@ -72,6 +75,8 @@ def main() -> int:
                                      for w, p in zip(weights, packed)], 4 * int8_bytes),
             "fp32_ours": (lambda: [kernels.f32_linear(x[w.shape[0]], w) for w in weights], 4 * int8_bytes),
         }
+        if args.no_onednn:
+            del kinds["fp32_onednn"]
         times = {k: [] for k in kinds}
         for k, (fn, _) in kinds.items():  # warm-up
             fn()
@@ -88,7 +93,8 @@ def main() -> int:
             row[k] = {"ms": round(1e3 * med, 3), "GB_per_s": round(nbytes / med / 1e9, 2),
                       "min_ms": round(1e3 * min(times[k]), 3), "max_ms": round(1e3 * max(times[k]), 3)}
         row["int8_ours_speedup_over_aten"] = round(row["aten_int8"]["ms"] / row["ours_int8"]["ms"], 3)
-        row["fp32_ours_speedup_over_onednn"] = round(row["fp32_onednn"]["ms"] / row["fp32_ours"]["ms"], 3)
+        if not args.no_onednn:
+            row["fp32_ours_speedup_over_onednn"] = round(row["fp32_onednn"]["ms"] / row["fp32_ours"]["ms"], 3)
         row["fp32_ours_speedup_over_mkl"] = round(row["fp32_mkl"]["ms"] / row["fp32_ours"]["ms"], 3)
         rows_out.append(row)
     out = {"threads": args.threads, "reps": args.reps, "int8_kernel": status,

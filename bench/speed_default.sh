@@ -29,4 +29,7 @@ if [ "$QWEN" = 1 ] && [ -f "$QWEN_DIR/qwen-coder-1.5b.gguf" ]; then
   bench --model "$QWEN_DIR/qwen-coder-1.5b.gguf" --draft "$QWEN_DIR/qwen-coder-0.5b.gguf" --book pg1342.txt \
         --prompt-tokens 3000 --new-tokens 64 --temperature 0.6 --reps 2 \
         --methods autoregressive,auto --json "$OUT/qwen_3000_t06.json"
+  # the best lossless hierarchy beside it: the target's own int8 copy (4,096 slots hold the whole prompt)
+  bench --model "$QWEN_DIR/qwen-coder-1.5b.gguf" --book pg1342.txt --prompt-tokens 3000 --new-tokens 64 \
+        --temperature 0.6 --reps 2 --methods autoregressive,retrieval-int8 --json "$OUT/qwen_3000_t06_retrieval_int8.json"
 fi

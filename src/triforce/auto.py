@@ -35,7 +35,7 @@ hierarchy only changes how many tokens each verification emits, never their dist
 
 * :class:`SpeedGovernor` measures, while generating, the time per emitted token of the speculative steps against
   the time of plain decode steps of the same request, and bypasses the drafters (autoregressive steps) while
-  speculation is slower, trying again after a backoff (64 tokens) that doubles each time it fails. A tier that stops paying
+  speculation is slower, trying again after a backoff (16 tokens) that doubles each time it fails. A tier that stops paying
   is therefore bypassed, and tried again later. Greedy output is unchanged token for token; under sampling the
   output distribution is unchanged, but the sample drawn for a seed depends on the timings.
 """
@@ -160,8 +160,13 @@ class SpeedGovernor:
     :attr:`warmup` speculative steps after each (re)start are not timed (they carry one-off costs: the retrieval
     cache's first selection, the lower tiers' catch-up forward over the tokens decoded while bypassed); once
     :attr:`min_steps` speculative steps are timed, if their time per emitted token (over the last :attr:`window`
-    steps) exceeds the median decode-step time, the drafters are bypassed for ``backoff`` tokens (64, doubling up to
+    steps) exceeds the median decode-step time, the drafters are bypassed for ``backoff`` tokens (16, doubling up to
     1024 while it keeps failing), then tried again (the lower tiers catch up: ``ModelTier.resume_drafting``).
+    :attr:`min_steps` is the whole window: under sampling a tier that pays on average has runs of low acceptance, and
+    3 steps were too few to tell them from a tier that does not pay (on pg1342 at 8K, T = 0.6, with decode steps on
+    our kernel, two of three repetitions bypassed a tier that was paying 1.1-1.3x, docs/benchmarks.md), and so did 8
+    steps, at the same point of the text: a stretch of low acceptance there, after which the tier paid again. So the
+    first backoff is short (16 tokens, was 64), and a tier that keeps failing still backs off to 1024.
 
     Times are wall-clock seconds of each ``step`` + ``commit`` as the engine measures them; ``tokens`` are the tokens
     a step emitted.
@@ -174,8 +179,8 @@ class SpeedGovernor:
     probe: int = 3
     warmup: int = 1
     window: int = 8
-    min_steps: int = 3
-    backoff_min: int = 64
+    min_steps: int = 8
+    backoff_min: int = 16
     backoff_max: int = 1024
     _decode: deque = field(default_factory=lambda: deque(maxlen=16))
     _spec: deque = field(default_factory=lambda: deque(maxlen=8))

@@ -249,9 +249,9 @@ def linear_status() -> str:
 def f32_one_row_pays() -> bool:
     """Whether a one-row fp32 product (a decode step's projections) runs on :func:`f32_linear` rather than MKL's GEMV.
 
-    True with the AVX-512 build: on this project's CPU it made a SmolLM2 decode step at 8K 1.25x faster (41.5 against
-    51.8 ms) and swept Qwen2.5-1.5B's weights at 33 GB/s against MKL's 22 (``bench/rows.py --rows 1``,
-    docs/benchmarks.md). False with the AVX2 build (11.2 against MKL's 14.3 GB/s on an AVX2 machine) or without the
+    True with the AVX-512 build: on this project's CPU it made a SmolLM2 decode step at 8K 1.17x faster (41.0 against
+    48.1 ms, ``bench/rows.py --rows 1 7``) and swept Qwen2.5-1.5B's weights at 29.5 GB/s against MKL's 18.5
+    (``bench/qlinear.py --shapes qwen2.5-1.5b``; docs/benchmarks.md). False with the AVX2 build (11.2 against MKL's 14.3 GB/s on an AVX2 machine) or without the
     kernels. A decode step then computes bitwise the logits of its row in a verification block.
     """
     if _linear.status == "not loaded":  # one lock-free check per call after the first (a decode step makes ~150)

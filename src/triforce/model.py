@@ -358,7 +358,7 @@ class Transformer(nn.Module):
     def packing_pays(self) -> bool:
         """The ``auto`` rule of ``--packed-weights``: a CPU model in fp32 whose weights take at most a quarter of the
         free memory (the packed copy doubles them), where our fp32 kernel for a few rows (``kernels.f32_linear``)
-        cannot run. Where it runs it is faster than oneDNN's packed product for 2-16 rows (``bench/qlinear.py``), and
+        cannot run. Where it runs it is faster than oneDNN's packed product for 2-64 rows (``bench/qlinear.py``), and
         prefill (more rows) is as fast with MKL's product over the (in, out) weights, so the copy would only cost
         memory."""
         from .kernels import linear_status

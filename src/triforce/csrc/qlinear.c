@@ -256,7 +256,8 @@ int triforce_int8_linear(const float* x, const int8_t* w, const float* scale, fl
  * passes over a tile of F_TILE weight rows find it in L1. As in the AVX-512 build, no horizontal sums: y[m, o] is one
  * chain of FMAs over i in a lane, whatever M. Over SmolLM2's matrices on an AVX2 EPYC (bench/qlinear.py), 8 rows per
  * pass read the weights at 10.4 GB/s for 7 rows where 6 rows per pass (4 + 3, 128-row tiles) read them at 7.0, and
- * 32-row tiles beat 128-row ones for 8 rows (9.7 against 7.3 GB/s). */
+ * 32-row tiles beat 128-row ones for 8 rows (9.7 against 7.3 GB/s). One row read 11.2 GB/s against MKL's GEMV's
+ * 14.3, so this build leaves decode steps to MKL (kernels.f32_one_row_pays). */
 #ifndef F_ROWS
 #define F_ROWS 8
 #endif
