@@ -176,8 +176,10 @@ def test_linear_runs_the_kernel_for_a_few_rows_only():
         for t in (1, 2, 7, 28, kernels.LINEAR_MAX_ROWS, kernels.LINEAR_MAX_ROWS + 1, kernels.LINEAR_MAX_ROWS + 40):
             y = lin(x[:, :t])
             torch.testing.assert_close(y, ref[:, :t], rtol=1e-5, atol=1e-4)
-            if 1 < t <= kernels.LINEAR_MAX_ROWS:
+            if 1 < t <= kernels.LINEAR_MAX_ROWS or (t == 1 and kernels.f32_one_row_pays()):
                 assert torch.equal(y[0], kernels.f32_linear(x[0, :t], lin.weight_t) + lin.bias)
+        if kernels.f32_one_row_pays():  # a decode step's row is bitwise its row in a block
+            assert torch.equal(lin(x[:, :1])[0, 0], lin(x[:, :7])[0, 0])
 
 
 norm_rope_kernels = pytest.mark.skipif(kernels.norm_rope_status().startswith("unavailable"),

@@ -22,8 +22,8 @@ hierarchy only changes how many tokens each verification emits, never their dist
     (``max_budget``): the KV cache is small, and the whole prompt in the retrieval cache makes the tier the target's
     own int8 copy, accepted most often (self-speculation by quantization, as QuantSpec, arXiv 2502.10424, with
     int8 weights). Measured on this project's CPU (Qwen2.5-Coder-1.5B, 254 MB of fp32 weights per layer, 3,000
-    tokens, T = 0.6): 3.22x plain decoding (acceptance 0.93); SmolLM2-135M (18 MB per layer), whose steps are about
-    a third fixed per-layer costs, ran the same tier at 0.87x at 1K tokens. A draft model the user named that reads
+    tokens, T = 0.6): 3.22x plain decoding (acceptance 0.93); SmolLM2-135M (18 MB per layer) ran the same tier at
+    0.86x at 1K tokens (``speed_default/pg1342_1000_t06.json``). A draft model the user named that reads
     at least as many bytes per step as the int8 copy has no place under it and is left out (the reason says so);
   - the bottom tier is the one the user named (a draft model, ``ngram``, or ``self``: the target's int4 copy over
     a StreamingLLM cache; ``self`` drafts directly for the target). Without one: the model-free n-gram drafter under
@@ -127,7 +127,9 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
     threshold = RETRIEVAL_MIN_KV_SHARE if sampling.greedy else RETRIEVAL_MIN_KV_SHARE_SAMPLING
     retrieval = share >= threshold and prompt_tokens > budget and bottom != "self"
     layer_bytes = weight_bytes / max(1, cfg.num_hidden_layers)
-    if (not retrieval and bottom != "self" and device_type == "cpu" and layer_bytes >= WEIGHT_BOUND_LAYER_BYTES):
+    weight_bound = (not retrieval and bottom != "self" and device_type == "cpu"
+                    and layer_bytes >= WEIGHT_BOUND_LAYER_BYTES)
+    if weight_bound:
         budget = max(int(min(hi, max_budget)), chunk_size + gamma2 + 3)  # the whole prompt where it fits
         int8_bytes = weight_bytes // torch.empty((), dtype=kv_dtype).element_size()  # the weights' dtype, as a rule
         why = (f"{sizes}, {layer_bytes / 2**20:.0f} MiB of weights per layer >= "
@@ -139,11 +141,10 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
             bottom = None
         elif bottom:
             why += f"; {who}"
-        tiers = f"{bottom}:{gamma1},retrieval:{gamma2}" if bottom else f"retrieval:{gamma2}"
-        return AutoPlan(tiers=tiers, budget=budget, lower_weights="int8", reason=why)
-    if retrieval:
-        tiers = f"{bottom}:{gamma1},retrieval:{gamma2}" if bottom else f"retrieval:{gamma2}"
+    elif retrieval:
         why = f"{sizes} >= {threshold}: a {budget}-slot retrieval tier with int8 weights; {who}"
+    if weight_bound or retrieval:
+        tiers = f"{bottom}:{gamma1},retrieval:{gamma2}" if bottom else f"retrieval:{gamma2}"
     else:
         tiers = f"{bottom}:{gamma1 if bottom == 'self' else gamma2}" if bottom else ""
         why = (f"{sizes}: no retrieval tier" + ("" if bottom == "self" else

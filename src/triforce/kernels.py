@@ -251,8 +251,13 @@ def f32_one_row_pays() -> bool:
 
     True with the AVX-512 build: on this project's CPU it made a SmolLM2 decode step at 8K 1.17x faster (41.0 against
     48.1 ms, ``bench/rows.py --rows 1 7``) and swept Qwen2.5-1.5B's weights at 29.5 GB/s against MKL's 18.5
-    (``bench/qlinear.py --shapes qwen2.5-1.5b``; docs/benchmarks.md). False with the AVX2 build (11.2 against MKL's 14.3 GB/s on an AVX2 machine) or without the
-    kernels. A decode step then computes bitwise the logits of its row in a verification block.
+    (``bench/qlinear.py --shapes qwen2.5-1.5b``; docs/benchmarks.md). False with the AVX2 build (slower than MKL's
+    GEMV for one row in the AVX2-machine sweeps quoted in ``csrc/qlinear.c``) or without the kernels. A decode step
+    then computes bitwise the logits of its row in a verification block.
+
+    Returns:
+        bool; loads the linear kernels on the first call. Called once per projection of a decode step (a string
+        check, no lock, after the first call).
     """
     if _linear.status == "not loaded":  # one lock-free check per call after the first (a decode step makes ~150)
         _linear.load()
@@ -298,9 +303,9 @@ def f32_linear(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor | None:
     computed by ``csrc/qlinear.c``: column blocks of the output whose accumulators stay in registers while the
     weight rows stream past, each weight vector loaded once for all rows. Each output is one chain of FMAs over the
     inputs in order, whatever the other rows, so a row's result is bitwise the same alone and in a block (the
-    attention kernel's property too: a verification computes the logits a decode step would). About 1.2x oneDNN's
-    packed product and 1.3-1.6x MKL's for 4-7 rows over SmolLM2's matrices on this project's AVX-512 CPU
-    (``bench/qlinear.py``, docs/benchmarks.md).
+    attention kernel's property too: a verification computes the logits a decode step would). 0.9-1.2x oneDNN's
+    packed product and 1.6-3.3x MKL's for 1-56 rows over SmolLM2's matrices on this project's AVX-512 CPU
+    (``bench/qlinear.py --rows 1 2 4 5 7 8 14 28 56``, docs/benchmarks.md).
 
     Args:
         x: (M, in) fp32 activations, 1 <= M <= :data:`LINEAR_MAX_ROWS`.
