@@ -16,18 +16,23 @@ Three measurements, in one process, repetitions interleaved (kernel and SDPA alt
   autoregressive decode step) and 7 tokens (``full_pass``), the cache attending with SDPA or with the kernel
   (``FullKVCache.kernel_max_block``).
 
+With ``--baseline-source FILE`` (an earlier ``attention.c``, e.g. ``git show HEAD~1:src/triforce/csrc/attention.c``)
+the attention rows also time the kernel built from that file (``baseline``), interleaved with the others, so that a
+change to the kernel is measured against the code before it in one run, and check that both give bitwise the same
+output (``baseline_bitwise_equal``).
+
 JSON on stdout (and to ``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 import torch
+from common import emit_json  # noqa: E402  (bench/common.py, beside this script)
 
 
 def _timed(fn) -> float:
@@ -63,7 +68,19 @@ def peak_flops(reps: int) -> float:
     return 2 * 1024 ** 3 / s
 
 
-def attention_rows(shape: tuple[int, int, int, int], context: int, t: int, reps: int, bw: float) -> dict:
+def _with_library(lib, fn):
+    """Run ``fn`` with ``kernels.gqa_attention_kernel`` calling the attention library ``lib`` (a kernels._Library)."""
+    from triforce import kernels
+
+    current, kernels._attention = kernels._attention, lib
+    try:
+        return fn()
+    finally:
+        kernels._attention = current
+
+
+def attention_rows(shape: tuple[int, int, int, int], context: int, t: int, reps: int, bw: float,
+                   baseline=None) -> dict:
     from triforce.caches import _causal_offset_mask, gqa_attention
     from triforce.kernels import gqa_attention_kernel
 
@@ -75,6 +92,10 @@ def attention_rows(shape: tuple[int, int, int, int], context: int, t: int, reps:
     mask = None if t == 1 else _causal_offset_mask(context, t, n, q.device)
     fns = {"sdpa": lambda: [gqa_attention(q, k[i, :, :, :n], v[i, :, :, :n], mask) for i in range(layers)],
            "kernel": lambda: [gqa_attention_kernel(q, k[i], v[i], n) for i in range(layers)]}
+    extra = {}
+    if baseline is not None:
+        fns["baseline"] = lambda: _with_library(baseline, fns["kernel"])
+        extra["baseline_bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(fns["kernel"](), fns["baseline"]()))
     s = _interleaved(fns, reps)
     kv = 2 * layers * nkv * n * hs * 4
     return {"layers": layers, "heads": nh, "kv_heads": nkv, "head_dim": hs, "context": context, "tokens": t,
@@ -82,7 +103,9 @@ def attention_rows(shape: tuple[int, int, int, int], context: int, t: int, reps:
             "gflop": round(4 * nh * t * hs * n * layers / 1e9, 3),
             **{f"{m}_ms": round(1000 * s[m], 2) for m in fns},
             **{f"{m}_gb_per_s": round(kv / s[m] / 1e9, 2) for m in fns},
-            "speedup": round(s["sdpa"] / s["kernel"], 3)}
+            "speedup": round(s["sdpa"] / s["kernel"], 3),
+            **({"speedup_over_baseline": round(s["baseline"] / s["kernel"], 3)} if baseline is not None else {}),
+            **extra}
 
 
 def forward_rows(model, context: int, reps: int) -> list[dict]:
@@ -113,16 +136,29 @@ def main() -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[1000, 4000, 8000])
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--no-forward", action="store_true", help="skip the whole-model forwards (no model needed)")
+    p.add_argument("--baseline-source", metavar="FILE", help="also time the kernel built from this attention.c")
     p.add_argument("--out")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    from pathlib import Path
+
     from triforce import kernels
 
     out = {"threads": args.threads, "kernel": kernels.status(), "reps": args.reps}
+    baseline = None
+    if args.baseline_source:
+        src = Path(args.baseline_source).resolve()
+        if not src.is_file():
+            p.error(f"--baseline-source: no such file {args.baseline_source!r}")
+        baseline = kernels._Library(str(src), "TRIFORCE_ATTENTION_KERNEL", ("avx2", "fma"), kernels._attention_flags,
+                                    kernels._attention.symbols)
+        if baseline.load() is None:
+            p.error(f"--baseline-source: the kernel from {src} is {baseline.status}")
+        out["baseline"] = {"source": str(src), "status": baseline.status}
     bw = floor_bandwidth(args.reps)
     out["floor_gemv_gb_per_s"] = round(bw / 1e9, 2)
     out["peak_gemm_gflop_per_s"] = round(peak_flops(args.reps) / 1e9, 1)
-    out["attention"] = [attention_rows(shape, c, t, args.reps, bw)
+    out["attention"] = [attention_rows(shape, c, t, args.reps, bw, baseline)
                         for shape in ((30, 9, 3, 64), (28, 12, 2, 128)) for c in args.contexts for t in (1, 7)]
     if not args.no_forward:
         from triforce.loading import load_model
@@ -130,11 +166,7 @@ def main() -> int:
         model = load_model(None).model
         model.pack_weights()
         out["forward"] = [r for c in args.contexts for r in forward_rows(model, c, args.reps)]
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_json(out, args.out)
     return 0
 
 

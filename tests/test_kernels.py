@@ -182,6 +182,64 @@ def test_linear_runs_the_kernel_for_a_few_rows_only():
             assert torch.equal(lin(x[:, :1])[0, 0], lin(x[:, :7])[0, 0])
 
 
+@linear_kernels
+@pytest.mark.parametrize("value", ["1", "0", ""])
+def test_one_row_switch_chooses_the_decode_steps_product(value, monkeypatch):
+    """TRIFORCE_ONE_ROW_KERNEL: "1" puts a decode step's products on our kernel whatever the build (its row then equals
+    its row in a 7-row block bitwise), "0" on MKL's GEMV, unset the build's default (AVX-512 only); another value is a
+    ValueError naming the variable and the allowed values."""
+    from triforce.model import Linear
+
+    fresh = kernels.linear_build("AVX-512" if "AVX-512" in kernels.linear_status() else "AVX2")
+    monkeypatch.setattr(kernels, "_linear", fresh)
+    monkeypatch.setenv(kernels.ONE_ROW_ENV_SWITCH, value)
+    expected = {"1": True, "0": False, "": "AVX-512" in kernels.linear_status()}[value]
+    assert kernels.f32_one_row_pays() is expected
+    lin = Linear(64, 96)
+    torch.nn.init.normal_(lin.weight_t)
+    x = torch.randn(1, 7, 64)
+    with torch.no_grad():
+        one = lin(x[:, :1])[0, 0]
+        if expected:
+            assert torch.equal(one, kernels.f32_linear(x[0, :1], lin.weight_t)[0])
+            assert torch.equal(one, lin(x)[0, 0])
+        else:
+            assert torch.equal(one, (x[0, :1] @ lin.weight_t)[0])  # MKL's GEMV, as before the kernels
+
+
+@linear_kernels
+@pytest.mark.parametrize("beats", [True, False])
+def test_packed_weights_take_blocks_where_onednn_is_faster(beats, monkeypatch):
+    """With packed weights, a block of 2..64 rows runs on our kernel where it beats oneDNN (AVX-512 build) and on
+    oneDNN's packed product where it does not (AVX2 build): bitwise the one or the other, both within fp32 rounding of
+    the plain product; packing_pays packs exactly where oneDNN wins."""
+    from triforce.model import Linear
+
+    monkeypatch.setattr(kernels._linear, "beats_onednn", beats)
+    lin = Linear(64, 96)
+    torch.nn.init.normal_(lin.weight_t)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN")
+    lin.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight_t.detach().T.contiguous(), None)
+    x = torch.randn(1, 7, 64)
+    with torch.no_grad():
+        y = lin(x)[0]
+        ours = kernels.f32_linear(x[0], lin.weight_t)
+        onednn = torch.ops.mkldnn._linear_pointwise(x[0], lin.packed, None, "none", [], "")
+        assert torch.equal(y, ours if beats else onednn)
+        torch.testing.assert_close(y, x[0] @ lin.weight_t, rtol=1e-5, atol=1e-4)
+    from tiny import hf_model, ours  # tests/tiny.py
+
+    assert ours(hf_model()).packing_pays() is (not beats)
+
+
+def test_one_row_switch_rejects_other_values(monkeypatch):
+    monkeypatch.setattr(kernels, "_linear", kernels.linear_build("AVX2"))
+    monkeypatch.setenv(kernels.ONE_ROW_ENV_SWITCH, "yes")
+    with pytest.raises(ValueError, match="TRIFORCE_ONE_ROW_KERNEL must be '0', '1' or unset, got 'yes'"):
+        kernels.f32_one_row_pays()
+
+
 norm_rope_kernels = pytest.mark.skipif(kernels.norm_rope_status().startswith("unavailable"),
                                        reason=f"norm/rope kernels {kernels.norm_rope_status()}")
 

@@ -27,7 +27,9 @@ slower from 7; docs/benchmarks.md); :func:`f32_linear` multiplies fp32 weights s
 verifier's blocks and batched steps (``bench/qlinear.py``, docs/benchmarks.md). They are built for AVX-512 (F, BW,
 VL) where the CPU has it, and otherwise for AVX2 and FMA (8-lane versions of the same kernels, with the same
 row-independence); where the CPU has neither, or ``TRIFORCE_LINEAR_KERNEL=0`` is set, they return None
-(``linear_status()`` says why).
+(``linear_status()`` says why). Which product a model's fp32 projection runs is decided per build: with AVX-512 our
+kernel for 2-64 rows and for decode steps (:func:`f32_one_row_pays`), with AVX2 oneDNN's product over packed weights
+where the model has them (:func:`f32_beats_onednn`), else our kernel for 2-64 rows, and MKL's GEMV for one row.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ import torch
 ENV_SWITCH = "TRIFORCE_ATTENTION_KERNEL"
 #: environment variable: "0" turns the linear kernels off (PyTorch's products everywhere)
 LINEAR_ENV_SWITCH = "TRIFORCE_LINEAR_KERNEL"
+#: environment variable: where a decode step's one-row products run: "1" our fp32 kernel, "0" MKL's GEMV, unset the
+#: build's default (:func:`f32_one_row_pays`); for A/B runs of the same code (bench/rows.py, ``triforce bench``)
+ONE_ROW_ENV_SWITCH = "TRIFORCE_ONE_ROW_KERNEL"
 #: compiler flags; the build is cached per (source, flags, compiler) hash
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 #: the linear kernels' flags (AVX-512 foundation, byte/word and 128/256-bit forms for the masked tail)
@@ -123,6 +128,8 @@ class _Library:
         self.source, self.switch, self.cpu_needs, self.flags, self.symbols = source, switch, cpu_needs, flags, symbols
         self.fns: dict | None = None
         self.status = "not loaded"
+        self.one_row: bool | None = None  # the linear kernels' decode-step choice, set by f32_one_row_pays
+        self.beats_onednn: bool | None = None  # and their multi-row one, set by f32_beats_onednn
 
     def load(self) -> dict | None:
         with _lock:
@@ -249,19 +256,49 @@ def linear_status() -> str:
 def f32_one_row_pays() -> bool:
     """Whether a one-row fp32 product (a decode step's projections) runs on :func:`f32_linear` rather than MKL's GEMV.
 
-    True with the AVX-512 build: on this project's CPU it made a SmolLM2 decode step at 8K 1.17x faster (41.0 against
-    48.1 ms, ``bench/rows.py --rows 1 7``) and swept Qwen2.5-1.5B's weights at 29.5 GB/s against MKL's 18.5
-    (``bench/qlinear.py --shapes qwen2.5-1.5b``; docs/benchmarks.md). False with the AVX2 build (slower than MKL's
-    GEMV for one row in the AVX2-machine sweeps quoted in ``csrc/qlinear.c``) or without the kernels. A decode step
-    then computes bitwise the logits of its row in a verification block.
+    By default True with the AVX-512 build: on this project's AVX-512 CPU it made a SmolLM2 decode step at 8K 1.17x
+    faster (41.0 against 48.1 ms, ``bench/rows.py --rows 1 7``) and swept Qwen2.5-1.5B's weights at 29.5 GB/s against
+    MKL's 18.5 (``bench/qlinear.py --shapes qwen2.5-1.5b``; docs/benchmarks.md). False with the AVX2 build (slower than
+    MKL's GEMV for one row on an AVX2 CPU, ``bench/results/qlinear_avx2_cpu.json``) or without the kernels.
+    ``TRIFORCE_ONE_ROW_KERNEL`` (:data:`ONE_ROW_ENV_SWITCH`) = "1" or "0" overrides the default, for A/B runs. When
+    True, a decode step computes bitwise the logits of its row in a verification block.
 
     Returns:
-        bool; loads the linear kernels on the first call. Called once per projection of a decode step (a string
-        check, no lock, after the first call).
+        bool; loads the linear kernels and reads the variable on the first call, then answers from the library's
+        cached choice (one attribute read: a decode step makes ~150 calls).
+
+    Raises:
+        ValueError: ``TRIFORCE_ONE_ROW_KERNEL`` set to something other than "0" or "1" (on the first call).
     """
-    if _linear.status == "not loaded":  # one lock-free check per call after the first (a decode step makes ~150)
-        _linear.load()
-    return _linear.fns is not None and _linear.status.endswith("AVX-512)")
+    pays = _linear.one_row  # None until decided
+    if pays is None:
+        choice = os.environ.get(ONE_ROW_ENV_SWITCH, "")
+        if choice not in ("", "0", "1"):
+            raise ValueError(f"{ONE_ROW_ENV_SWITCH} must be '0', '1' or unset, got {choice!r}")
+        loaded = _linear.load() is not None
+        pays = _linear.one_row = loaded and (choice == "1" or (choice == "" and _linear.status.endswith("AVX-512)")))
+    return pays
+
+
+def f32_beats_onednn() -> bool:
+    """Whether :func:`f32_linear` is faster than oneDNN's product over prepacked weights for 2 to
+    :data:`LINEAR_MAX_ROWS` fp32 rows (a verification block, a batch of decode steps or verifications).
+
+    True with the AVX-512 build: 0.92-1.16x oneDNN's time over SmolLM2's weights on this project's AVX-512 CPU, the
+    two within a few percent at most row counts (``bench/results/qlinear.json``), so ``--packed-weights auto`` does
+    not spend memory on a packed copy. False with the AVX2 build: on an AVX2 EPYC oneDNN's packed product (its own
+    AVX2 kernels) took 0.59-0.75x our time at every row count from 1 to 56 (``bench/results/qlinear_avx2_cpu.json``),
+    so the model packs its weights (:meth:`~triforce.model.Transformer.packing_pays`) and multi-row products run on
+    oneDNN; our kernel still runs them where the weights are not packed (``--packed-weights off``, too little
+    memory): it beats MKL's product there (1.05-2.0x). False without the kernels.
+
+    Returns:
+        bool; loads the linear kernels on the first call, then answers from the library's cached choice.
+    """
+    beats = _linear.beats_onednn
+    if beats is None:
+        beats = _linear.beats_onednn = _linear.load() is not None and _linear.status.endswith("AVX-512)")
+    return beats
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:

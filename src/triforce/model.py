@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .caches import KVCache, RaggedCache
 from .config import ModelConfig
-from .kernels import LINEAR_MAX_ROWS, f32_linear, f32_one_row_pays, rms_norm
+from .kernels import LINEAR_MAX_ROWS, f32_beats_onednn, f32_linear, f32_one_row_pays, rms_norm
 from .rope import RotaryEmbedding, apply_rope
 
 
@@ -42,8 +42,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         rows = x.numel() // x.shape[-1]
-        # a verification block or a batched step (and a decode step where the kernel beats MKL's GEMV): our kernel
-        if 1 < rows <= LINEAR_MAX_ROWS or (rows == 1 and f32_one_row_pays()):
+        # a verification block or a batched step (and a decode step where the kernel beats MKL's GEMV): our kernel,
+        # unless oneDNN's product over packed weights is faster on this CPU (the AVX2 build)
+        if ((1 < rows <= LINEAR_MAX_ROWS and (self.packed is None or f32_beats_onednn()))
+                or (rows == 1 and f32_one_row_pays())):
             y = f32_linear(x.reshape(-1, x.shape[-1]), self.weight_t)  # None where it does not apply
             if y is not None:
                 y = y.reshape(*x.shape[:-1], -1)
@@ -358,14 +360,15 @@ class Transformer(nn.Module):
     def packing_pays(self) -> bool:
         """The ``auto`` rule of ``--packed-weights``: a CPU model in fp32 whose weights take at most a quarter of the
         free memory (the packed copy doubles them), where our fp32 kernel for a few rows (``kernels.f32_linear``)
-        cannot run. Where it runs it is faster than oneDNN's packed product for 2-64 rows (``bench/qlinear.py``), and
-        prefill (more rows) is as fast with MKL's product over the (in, out) weights, so the copy would only cost
-        memory."""
-        from .kernels import linear_status
+        cannot run or is slower than oneDNN's packed product (the AVX2 build, :func:`~triforce.kernels.f32_beats_onednn`).
+        Where the AVX-512 build runs it is about as fast as oneDNN's packed product for 2-64 rows
+        (``bench/qlinear.py``), and prefill (more rows) is as fast with MKL's product over the (in, out) weights, so
+        the copy would only cost memory."""
+        from .kernels import f32_beats_onednn
         from .memory import available_bytes
 
         return (self.device.type == "cpu" and self.dtype == torch.float32 and isinstance(self.lm_head, Linear)
-                and not linear_status().startswith("on") and 4 * self.weight_bytes() <= available_bytes("cpu"))
+                and not f32_beats_onednn() and 4 * self.weight_bytes() <= available_bytes("cpu"))
 
     COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 

@@ -186,6 +186,14 @@ int triforce_f32_linear(const float* x, const float* w, float* y, int M, int in,
 #ifndef ROW_BLOCK
 #define ROW_BLOCK 4
 #endif
+/* One row (a lower tier's decode step) takes ONE_ROW_OUT outputs per step instead: with a single output its
+ * accumulator is one chain of dependent FMAs, latency-bound (Qwen2.5-1.5B's weights, 1.78 GB as int8, at 6.9 GB/s,
+ * behind aten's 8.7, on an AVX2 EPYC, bench/results/qlinear_qwen1.5b_avx2_cpu.json). Each output keeps its own chain
+ * over i in the same order, so the results are bitwise those of one output per step. */
+#ifndef ONE_ROW_OUT
+#define ONE_ROW_OUT 4
+#endif
+#define ACC_OUT (OUT_BLOCK > ONE_ROW_OUT ? OUT_BLOCK : ONE_ROW_OUT)
 #define PREFETCH_ROWS 16
 
 static inline __m256 load_i8x8(const int8_t* p) {
@@ -199,8 +207,8 @@ static inline float hsum8(__m256 v) {  /* ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l
 }
 
 static inline __attribute__((always_inline)) void block_i8(const float* x, const int M, int in, const int8_t* w,
-                                                           const float* scale, int o0, int no, int out, float* y) {
-    __m256 acc[OUT_BLOCK][ROW_BLOCK];
+                                                           const float* scale, int o0, const int no, int out, float* y) {
+    __m256 acc[ACC_OUT][ROW_BLOCK];
     for (int u = 0; u < no; ++u)
         for (int m = 0; m < M; ++m) acc[u][m] = _mm256_setzero_ps();
     const int ahead = o0 + no + PREFETCH_ROWS <= out;
@@ -209,7 +217,7 @@ static inline __attribute__((always_inline)) void block_i8(const float* x, const
         if (ahead && (i % 64) == 0)
             for (int u = 0; u < no; ++u)
                 _mm_prefetch((const char*)(w + (int64_t)(o0 + u + PREFETCH_ROWS) * in + i), _MM_HINT_T0);
-        __m256 wv[OUT_BLOCK];
+        __m256 wv[ACC_OUT];
         for (int u = 0; u < no; ++u) wv[u] = load_i8x8(w + (int64_t)(o0 + u) * in + i);
         for (int m = 0; m < M; ++m) {
             const __m256 xv = _mm256_loadu_ps(x + (int64_t)m * in + i);
@@ -228,6 +236,16 @@ int triforce_int8_linear(const float* x, const int8_t* w, const float* scale, fl
                          int nthreads) {
     if (M < 1 || M > MAX_ROWS || in < 1 || out < 1 || nthreads < 1)
         return -1;
+    if (M == 1) {  /* ONE_ROW_OUT independent chains */
+        const int blocks1 = (out + ONE_ROW_OUT - 1) / ONE_ROW_OUT;
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int b = 0; b < blocks1; ++b) {
+            const int o0 = b * ONE_ROW_OUT;
+            if (out - o0 >= ONE_ROW_OUT) block_i8(x, 1, in, w, scale, o0, ONE_ROW_OUT, out, y);
+            else for (int o = o0; o < out; ++o) block_i8(x, 1, in, w, scale, o, 1, out, y);
+        }
+        return 0;
+    }
     const int blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int b = 0; b < blocks; ++b) {
