@@ -287,10 +287,10 @@ def f32_beats_onednn() -> bool:
     True with the AVX-512 build: 0.92-1.16x oneDNN's time over SmolLM2's weights on this project's AVX-512 CPU, the
     two within a few percent at most row counts (``bench/results/qlinear.json``), so ``--packed-weights auto`` does
     not spend memory on a packed copy. False with the AVX2 build: on an AVX2 EPYC oneDNN's packed product (its own
-    AVX2 kernels) took 0.59-0.75x our time at every row count from 1 to 56 (``bench/results/qlinear_avx2_cpu.json``),
+    AVX2 kernels) took 0.59-0.76x our time at every row count from 1 to 56 (``bench/results/qlinear_avx2_cpu.json``),
     so the model packs its weights (:meth:`~triforce.model.Transformer.packing_pays`) and multi-row products run on
     oneDNN; our kernel still runs them where the weights are not packed (``--packed-weights off``, too little
-    memory): it beats MKL's product there (1.05-2.0x). False without the kernels.
+    memory): there it beats MKL's product from 4 rows (1.2-2.0x), not at 2 (0.90x). False without the kernels.
 
     Returns:
         bool; loads the linear kernels on the first call, then answers from the library's cached choice.
