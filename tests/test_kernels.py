@@ -1,6 +1,8 @@
 """csrc/attention.c (``kernels.gqa_attention_kernel``) against PyTorch's SDPA with the full KV cache's causal mask;
 csrc/qlinear.c (``kernels.int8_linear``) against the fp64 product of the dequantized weights."""
 
+import math
+
 import pytest
 import torch
 
@@ -34,6 +36,29 @@ def test_kernel_matches_sdpa(b, nh, nkv, t, hs, n_keys, cap):
     # fp32 rounding only: within 2x SDPA's own error against fp64 (and at most 1e-5 absolute)
     err, err_sdpa = (out.double() - exact).abs().max().item(), (sdpa.double() - exact).abs().max().item()
     assert err <= max(2 * err_sdpa, 1e-6) and err < 1e-5, (err, err_sdpa)
+
+
+@pytest.mark.parametrize("t,split", [(1, 300), (1, 1), (3, 257)])
+def test_kernel_log_sum_exp_merges_two_key_ranges(t, split):
+    """lse is log sum_j exp(q.k_j / sqrt(hs)) per query (fp64 reference); attention over keys [0, n) equals the merge
+    (merge_attention) of the kernel over [0, split) and over [split, n) (a view of the cache, its own n_keys), within
+    fp32 rounding: the retrieval cache's path for a prompt shorter than its budget."""
+    g = torch.Generator().manual_seed(split)
+    b, nh, nkv, hs, n = 1, 9, 3, 64, 700
+    q = torch.randn(b, nh, t, hs, generator=g)
+    k, v = torch.randn(b, nkv, n, hs, generator=g) * 2, torch.randn(b, nkv, n, hs, generator=g)
+    lse = torch.empty(b, nh, t)
+    out = kernels.gqa_attention_kernel(q, k, v, n, lse)
+    kk = k.repeat_interleave(nh // nkv, 1).double()
+    s = q.double() @ kk.transpose(-1, -2) / math.sqrt(hs)  # (B, nh, T, n)
+    s = s.masked_fill(~_causal_offset_mask(n - t, t, n, q.device), float("-inf"))
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), rtol=1e-6, atol=1e-5)
+    if t == 1:  # a single query: the two ranges are independent key sets
+        l1, l2 = torch.empty(b, nh, 1), torch.empty(b, nh, 1)
+        first = kernels.gqa_attention_kernel(q, k, v, split, l1)
+        second = kernels.gqa_attention_kernel(q, k[:, :, split:], v[:, :, split:], n - split, l2)
+        torch.testing.assert_close(kernels.merge_attention(first, l1, second, l2), out, rtol=1e-5, atol=1e-6)
+    assert kernels.gqa_attention_kernel(q, k, v, n, torch.empty(b, nh, t + 1)) is None  # lse of the wrong shape
 
 
 def test_kernel_declines_what_it_does_not_handle():

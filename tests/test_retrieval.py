@@ -153,3 +153,27 @@ def test_attn_rule_matches_exact_distribution(models, mode, setting):  # noqa: F
                              chunk_score="attn", rebuild_every=2)
     counts = empirical(Engine(target, draft), prompt, params, spec, N_FAST, seed=1500 + len(setting) + len(mode))
     assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
+
+
+@pytest.mark.parametrize("n,budget", [(40, 96), (9, 64), (100, 128)])
+def test_one_query_over_a_cache_with_empty_slots_matches_sdpa(n, budget):
+    """A prompt shorter than the budget leaves slots between the selected and the generated ones empty: a decode step
+    then attends over the two filled ranges with the kernel (merged by log-sum-exp) where it applies, and equals SDPA
+    over every slot with the cache's mask within fp32 rounding, step after step."""
+    from triforce.caches import gqa_attention
+
+    cfg, full = _filled(n=n, hs=16)
+    cache = RetrievalCache(cfg, full, budget, 8)
+    cache.build(n, torch.randn(cfg.num_hidden_layers, 1, cfg.num_attention_heads, cfg.head_dim))
+    gen = torch.Generator().manual_seed(n)
+    for step in range(4):
+        cache.begin_forward(torch.tensor([n + step]))
+        assert cache._mask is not None  # empty slots: not every slot is visible
+        for layer in range(cfg.num_hidden_layers):
+            q = torch.randn(1, cfg.num_attention_heads, 1, cfg.head_dim, generator=gen)
+            k = torch.randn(1, cfg.num_key_value_heads, 1, cfg.head_dim, generator=gen)
+            v = torch.randn(1, cfg.num_key_value_heads, 1, cfg.head_dim, generator=gen)
+            out = cache.attend(layer, q, k, v, q)
+            ref = gqa_attention(q.double(), cache.k[layer].double(), cache.v[layer].double(), cache._mask)
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+        cache.end_forward()

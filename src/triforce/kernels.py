@@ -163,7 +163,7 @@ def _attention_flags():
 
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _attention = _Library("attention.c", ENV_SWITCH, ("avx2", "fma"), _attention_flags, {
-    "triforce_gqa_attention": (_I, [_P] * 5 + [_I] * 5 + [_I64] * 2 + [_I] * 2 + [_F, _I])})
+    "triforce_gqa_attention": (_I, [_P] * 5 + [_I] * 5 + [_I64] * 2 + [_I] * 2 + [_F, _I, _P])})
 _LINEAR_BUILDS = {"AVX-512": (("avx512f", "avx512bw", "avx512vl"), LINEAR_CFLAGS),
                   "AVX2": (("avx2", "fma"), LINEAR_AVX2_CFLAGS)}  # the #if and #else branches of csrc/qlinear.c
 _LINEAR_SYMBOLS = {"triforce_int8_linear": (_I, [_P] * 4 + [_I] * 4),
@@ -203,7 +203,8 @@ def status() -> str:
     return _attention.status
 
 
-def gqa_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: int) -> torch.Tensor | None:
+def gqa_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: int,
+                         lse: torch.Tensor | None = None) -> torch.Tensor | None:
     """Causal GQA attention of a block of T queries that ends the sequence, over keys [0, n_keys), or None.
 
     The attention of :func:`triforce.caches.gqa_attention` with the full KV cache's mask (query i of the block, at
@@ -215,6 +216,9 @@ def gqa_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_ke
         q: (B, nh, T, hs) fp32 queries (after RoPE).
         k, v: (B, nkv, capacity, hs) fp32 views of one layer's cache whose last dim is contiguous, capacity >= n_keys.
         n_keys: keys the block sees, the cache length after this block's tokens were written.
+        lse: None, or a (B, nh, T) fp32 contiguous tensor that receives each query's log-sum-exp of its scaled
+            scores, log sum_j exp(q . k_j / sqrt(hs)), to merge this attention with one over other keys (the
+            flash-decoding rule, :func:`merge_attention`).
 
     Returns:
         (B, nh, T, hs) fp32, or None when the kernel does not apply (not CPU/fp32, hs not a multiple of 8 or over
@@ -230,6 +234,9 @@ def gqa_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_ke
             or hs % 8 or hs > MAX_HEAD_DIM or k.stride(-1) != 1 or v.stride() != k.stride() or k.stride(2) != hs
             or n_keys < t or n_keys > k.shape[2]):
         return None
+    if lse is not None and (lse.shape != (b, nh, t) or lse.dtype != torch.float32 or not lse.is_contiguous()
+                            or lse.device.type != "cpu"):
+        return None
     rows = nh // nkv * t  # (g * T) query rows per KV head
     chunk = CHUNK
     fns = _attention.load()
@@ -242,8 +249,26 @@ def gqa_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_ke
     # the chunks' partial results, then each thread's scores (csrc/attention.c)
     scratch = torch.empty(b * nkv * -(-n_keys // chunk) * rows * (hs + 2) + threads * rows * chunk, dtype=torch.float32)
     rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), scratch.data_ptr(), b, nkv, rows, t, hs,
-            k.stride(0), k.stride(1), n_keys, chunk, 1.0 / math.sqrt(hs), threads)
+            k.stride(0), k.stride(1), n_keys, chunk, 1.0 / math.sqrt(hs), threads,
+            lse.data_ptr() if lse is not None else None)
     return out if rc == 0 else None
+
+
+def merge_attention(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets from the attention over each and its log-sum-exp (the merge
+    of flash-decoding's split-key partial results; Dao et al. 2023, as in ``csrc/attention.c``):
+    out = (e^(lse1 - m) out1 + e^(lse2 - m) out2) / (e^(lse1 - m) + e^(lse2 - m)), m = max(lse1, lse2).
+
+    Args:
+        out1, out2: (B, nh, T, hs) fp32 attention outputs.
+        lse1, lse2: (B, nh, T) fp32 log-sum-exps of their scaled scores.
+
+    Returns:
+        (B, nh, T, hs) fp32.
+    """
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - m)[..., None], torch.exp(lse2 - m)[..., None]  # (B, nh, T, 1)
+    return (w1 * out1 + w2 * out2) / (w1 + w2)
 
 
 def linear_status() -> str:

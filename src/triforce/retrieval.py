@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .caches import CacheError, FullKVCache, KVCache, gqa_attention
-from .kernels import gqa_attention_kernel
+from .kernels import gqa_attention_kernel, merge_attention
 from .config import ModelConfig
 
 CHUNK_SCORES = ("mean", "max", "bound", "attn")
@@ -145,6 +145,7 @@ class RetrievalCache(KVCache):
         # selected source position per slot, -1 for an empty slot: (L, B, nkv, budget) int64
         self.selected = torch.full((L, B, nkv, budget), -1, dtype=torch.long, device=full.device)
         self.n_selected = 0  # slots filled by the selection
+        self._gen_from = 0  # the first generated slot of the current forward (begin_forward)
         self.build_len = 0
         self.length = 0
         self.synced = 0  # positions [build_len, synced) hold the full cache's KV
@@ -263,6 +264,7 @@ class RetrievalCache(KVCache):
         self._slot_idx = self._slots(positions)
         gen_end = end - self.build_len  # generated tokens held once the block is written
         first_gen_slot = self.budget - gen_end
+        self._gen_from = first_gen_slot  # generated slots [first_gen_slot, budget) hold positions up to `end`
         if t == 1 and self.n_selected >= first_gen_slot:
             self._mask = None  # every slot is filled and visible to the single query
             return
@@ -279,6 +281,19 @@ class RetrievalCache(KVCache):
             out = gqa_attention_kernel(q, self.k[layer], self.v[layer], self.budget)
             if out is not None:
                 return out
+        elif self._t == 1 and 0 < self.n_selected < self._gen_from:
+            # one query, empty slots between the selected ones and the generated ones (a prompt shorter than the
+            # budget): the kernel over each filled range, merged by their log-sum-exps, rather than SDPA over every
+            # slot with a mask
+            b, nh = q.shape[:2]
+            lse_sel = torch.empty(b, nh, 1)
+            lse_gen = torch.empty(b, nh, 1)
+            k, v = self.k[layer], self.v[layer]
+            sel = gqa_attention_kernel(q, k, v, self.n_selected, lse_sel)
+            gen = None if sel is None else gqa_attention_kernel(q, k[:, :, self._gen_from:], v[:, :, self._gen_from:],
+                                                                 self.budget - self._gen_from, lse_gen)
+            if gen is not None:
+                return merge_attention(sel, lse_sel, gen, lse_gen)
         return gqa_attention(q, self.k[layer], self.v[layer], self._mask)
 
     def end_forward(self) -> None:

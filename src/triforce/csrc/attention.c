@@ -322,11 +322,12 @@ static void chunk_item(const float* Q, const float* K, const float* V, int R, in
 
 /* q: (B, nkv, R, hs) contiguous; key/value (b, h, j, d) at b * bstride + h * hstride + j * hs + d, j < n_keys;
  * out: (B, nkv, R, hs) contiguous; scratch: B * nkv * ceil(n_keys / chunk) * R * (hs + 2) floats for the chunks'
- * partial results, then nthreads * R * chunk floats, each thread's scores.
+ * partial results, then nthreads * R * chunk floats, each thread's scores; lse: NULL, or (B, nkv, R) floats that
+ * receive each row's log-sum-exp of its scaled scores.
  * Returns 0, or -1 for arguments outside what the kernel handles (nothing written). */
 int triforce_gqa_attention(const float* q, const float* k, const float* v, float* out, float* scratch, int B,
                            int nkv, int R, int T, int hs, int64_t bstride, int64_t hstride, int n_keys, int chunk,
-                           float scale, int nthreads) {
+                           float scale, int nthreads, float* lse) {
     if (hs % 8 || hs > 256 || T < 1 || R % T || n_keys < T || chunk < 8 || nthreads < 1)
         return -1;
     const int nchunks = (n_keys + chunk - 1) / chunk, items = B * nkv * nchunks, last0 = n_keys - T;
@@ -382,6 +383,7 @@ int triforce_gqa_attention(const float* q, const float* k, const float* v, float
             }
             const float inv = 1.f / L;
             for (int d = 0; d < hs; ++d) o[d] *= inv;
+            if (lse) lse[x] = M + logf(L);  /* log sum_j exp(s_j): to merge with attention over other keys */
         }
     }
     return 0;
