@@ -157,6 +157,6 @@ def test_torchrun_cli_prints_once_and_matches_single_process(tiny_folder):
     assert single.returncode == 0, single.stderr
     multi = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(_free_port()), "-m", "triforce",
                             *common, "--tp", "2", "--threads", "1"], capture_output=True, text=True, env=env, timeout=300)
-    assert multi.returncode == 0, multi.stderr[-2000:]
+    assert multi.returncode == 0, multi.stderr[:3000] + "\n...\n" + multi.stderr[-2000:]  # a rank's own error first
     one, two = json.loads(single.stdout), json.loads(multi.stdout)  # one JSON object: only rank 0 printed
     assert two["token_ids"] == one["token_ids"] and two["text"] == one["text"]

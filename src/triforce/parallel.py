@@ -17,6 +17,7 @@ A draft model is replicated on every rank (it is tiny; its decisions are broadca
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -177,7 +178,10 @@ def init_tensor_parallel(tp: int, device: str | torch.device = "cpu") -> TensorP
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` (set by ``torchrun``) and
     initialises ``torch.distributed`` with NCCL for CUDA devices and gloo for the CPU. On CUDA, rank r computes on
-    ``cuda:LOCAL_RANK``.
+    ``cuda:LOCAL_RANK``. The process group it creates is destroyed at interpreter exit (an ``atexit`` handler, while
+    Python is still alive): a gloo group left to the C++ destructors aborts the process at finalization now and then
+    ("terminate called without an active exception", pytorch/pytorch#190489), which torchrun reports as a failed rank
+    after the output was complete.
 
     Raises:
         ValueError: ``tp`` < 1, or the process was not launched with ``tp`` ranks (the message shows the torchrun
@@ -202,4 +206,13 @@ def init_tensor_parallel(tp: int, device: str | torch.device = "cpu") -> TensorP
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        atexit.register(_destroy_process_group)
     return TensorParallel(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
+
+
+def _destroy_process_group() -> None:
+    """Destroy the default process group if it still exists (registered by :func:`init_tensor_parallel`)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -187,8 +187,9 @@ int triforce_f32_linear(const float* x, const float* w, float* y, int M, int in,
 #define ROW_BLOCK 4
 #endif
 /* One row (a lower tier's decode step) takes ONE_ROW_OUT outputs per step instead: with a single output its
- * accumulator is one chain of dependent FMAs, latency-bound (Qwen2.5-1.5B's weights, 1.78 GB as int8, at 6.9 GB/s,
- * behind aten's 8.7, on an AVX2 EPYC, bench/results/qlinear_qwen1.5b_avx2_cpu.json). Each output keeps its own chain
+ * accumulator is one chain of dependent FMAs, latency-bound (on an AVX2 EPYC it was behind aten's int8 product; with
+ * 4 chains Qwen2.5-1.5B's 1.78 GB of int8 weights take 123.4 ms against aten's 199.9,
+ * bench/results/qlinear_qwen1.5b_avx2_cpu.json). Each output keeps its own chain
  * over i in the same order, so the results are bitwise those of one output per step. */
 #ifndef ONE_ROW_OUT
 #define ONE_ROW_OUT 4
