@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 from triforce.defaults import DEFAULTS
 
@@ -23,20 +22,11 @@ def add_run_options(p: argparse.ArgumentParser, out: str | None, reps: int = 1, 
 
 
 def machine() -> dict:
-    """The CPU a result was measured on: ``{"cpu": model name, "cores": logical CPUs, "isa": "AVX-512" | "AVX2" |
-    "other"}`` (the kernels' builds differ by ISA, and figures differ between this project's machines)."""
-    name, flags = "unknown", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and name == "unknown":
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = "AVX-512" if {"avx512f", "avx512bw", "avx512vl"} <= flags else "AVX2" if {"avx2", "fma"} <= flags else "other"
-    return {"cpu": name, "cores": os.cpu_count(), "isa": isa}
+    """The CPU a result was measured on: ``triforce.kernels.cpu()``, ``{"cpu", "cores", "isa"}`` (the kernels' builds
+    differ by ISA, and figures differ between this project's machines)."""
+    from triforce.kernels import cpu
+
+    return cpu()
 
 
 def emit_json(obj, path: str | None) -> str:

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(kernels.status().startswith("unavailable"), reas
     (1, 4, 4, 1, 8, 5, 9),           # MHA, fewer keys than a chunk
     (1, 32, 8, 5, 16, 513, 600),     # Llama-3 grouping, chunk boundary + 1
     (1, 6, 1, 2, 24, 257, 257),      # MQA, head_dim not a power of two
+    (1, 10, 2, 4, 72, 700, 700),     # 20 rows per KV head (3-row passes and a 2-row one), 9 value vectors (4+4+1)
 ])
 def test_kernel_matches_sdpa(b, nh, nkv, t, hs, n_keys, cap):
     g = torch.Generator().manual_seed(n_keys)
@@ -93,7 +94,8 @@ def test_full_cache_decode_uses_kernel_and_equals_sdpa():
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("nh,nkv,hs,t", [(9, 3, 64, 7), (32, 2, 64, 9)])  # 21 rows per KV head; 144 (over 128)
+@pytest.mark.parametrize("nh,nkv,hs,t", [(9, 3, 64, 7), (32, 2, 64, 9),  # 21 rows per KV head; 144 (over 128)
+                                         (10, 2, 40, 5)])  # 25 rows: 3-row value passes and a 1-row one; 4+1 vectors
 def test_row_does_not_depend_on_block(nh, nkv, hs, t):
     """A query's output is bitwise the same whether it is attended alone (decode) or in a block (verification),
     also when the block has more rows per KV head than a decode step has (the chunks do not depend on the rows)."""

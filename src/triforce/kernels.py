@@ -85,9 +85,26 @@ _lock = threading.Lock()
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split())
+            return set(next((line.split(":", 1)[-1] for line in f if line.startswith("flags")), "").split())
     except OSError:
         return set()
+
+
+def cpu() -> dict:
+    """The CPU the kernels are built for: ``{"cpu": model name, "cores": logical CPUs, "isa": "AVX-512" | "AVX2" |
+    "other"}`` ("AVX-512": F, BW and VL, the linear kernels' wide build; "AVX2": AVX2 and FMA, the 8-lane builds;
+    read from /proc/cpuinfo, "unknown" and "other" where it cannot be read). Benchmarks record it: the kernels' builds,
+    and so the figures, differ by ISA."""
+    name = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    flags = _cpu_flags()
+    isa = ("AVX-512" if set(_LINEAR_BUILDS["AVX-512"][0]) <= flags
+           else "AVX2" if set(_LINEAR_BUILDS["AVX2"][0]) <= flags else "other")
+    return {"cpu": name, "cores": os.cpu_count(), "isa": isa}
 
 
 def _cpu_has_avx2_fma() -> bool:

@@ -67,8 +67,11 @@ def _machine() -> dict:
     import torch
     import transformers
 
-    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+    from ... import kernels
+
+    info = {**kernels.cpu(), "attention_kernel": kernels.status(), "linear_kernels": kernels.linear_status(),
+            "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__,
             "load_average_1_5_15min_at_end": [round(x, 2) for x in os.getloadavg()]}
     try:
