@@ -9,7 +9,7 @@ between repetitions, and the medians of the engine's time between tokens are com
         --modes auto autoregressive --out bench/results/same_process_pg2701_4000.json
 
 JSON on stdout (and to ``--out``): per mode the time between tokens of each repetition (ms), the median, what
-``auto`` chose, and each mode's median over the first mode's.
+``auto`` chose and what its governor measured in each repetition, and each mode's median over the first mode's.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def main() -> int:
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     tbt: dict[str, list[float]] = {m: [] for m in args.modes}
     chose: dict[str, str] = {}
+    governor: dict[str, list[dict]] = {}  # per repetition: what auto's governor saw, and the acceptance
     for rep in range(args.reps):
         order = args.modes if rep % 2 == 0 else args.modes[::-1]
         for mode in order:
@@ -50,11 +51,16 @@ def main() -> int:
             tbt[mode].append(round(stats.mean_time_between_tokens_ms, 2))
             if stats.auto:
                 chose[mode] = stats.auto["hierarchy"]
+                governor.setdefault(mode, []).append(
+                    {k: v for k, v in stats.auto.items() if k not in ("hierarchy", "reason", "budget")}
+                    | {"acceptance": {name: t.get("acceptance_rate") for name, t in stats.tiers.items()},
+                       "tokens_per_verification": {name: t.get("mean_tokens_per_verification")
+                                                   for name, t in stats.tiers.items()}})
     medians = {m: statistics.median(v) for m, v in tbt.items()}
     first = args.modes[0]
     out = {"book": args.book, "prompt_tokens": len(ids), "new_tokens": args.new_tokens,
            "temperature": args.temperature, "top_p": args.top_p, "threads": args.threads, "reps": args.reps,
-           "time_between_tokens_ms": tbt, "median_ms": medians, "auto_hierarchy": chose,
+           "time_between_tokens_ms": tbt, "median_ms": medians, "auto_hierarchy": chose, "auto_governor": governor,
            f"median_vs_{first}": {m: round(medians[m] / medians[first], 3) for m in args.modes},
            "command": "python " + " ".join(sys.argv)}
     emit_json(out, args.out)
