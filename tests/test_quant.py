@@ -3,11 +3,13 @@
 import pytest
 import torch
 
-from tiny import pair
+from tiny import hf_model, ours, pair
 from triforce.caches import FullKVCache
 from triforce.engine import Engine, SpeculationConfig
 from triforce.model import Linear
+from triforce import kernels
 from triforce.quant import BF16Linear, Int8Linear, lower_precision_copy
+from triforce.retrieval import RetrievalCache
 from triforce.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
@@ -106,3 +108,93 @@ def test_bad_dtype_options_are_named():
         SpeculationConfig(lower_kv_dtype="int8")
     with pytest.raises(ValueError, match="lower_weights"):
         lower_precision_copy(target, "fp8")
+
+
+def _int8_step(low, ret, token, n):
+    """One decode step of ``low`` over ``ret`` at position n: logits (1, 1, V), then the cache back at n."""
+    logits = low(torch.tensor([[token]]), torch.tensor([n]), ret, num_logits=1)
+    k, v = ret.k.clone(), ret.v.clone()
+    ret.rollback(n)
+    return logits, k, v
+
+
+@pytest.mark.parametrize("family,heads,kv_heads", [("llama", 4, 2), ("qwen2", 4, 1), ("llama", 8, 8)])
+def test_int8_decode_step_in_one_call_is_the_python_layers(family, heads, kv_heads, monkeypatch):
+    """csrc/decode_step.c runs an int8 copy's decode step over a retrieval cache as Block.forward does layer by layer
+    (qwen2: projections with bias; GQA groups of 2 and 4, and none): the same logits and the same keys and values
+    written, to float rounding (only SiLU's exp is PyTorch's on one side, our libm's on the other)."""
+    if kernels.decode_step_status().split(" ")[0] != "on":
+        pytest.skip(f"decode step kernel {kernels.decode_step_status()}")
+    hf = hf_model(8, vocab=96, layers=3, family=family, heads=heads, kv_heads=kv_heads)
+    with torch.no_grad():  # transformers initialises biases to 0: give them values the kernel must add
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    target = ours(hf)
+    low = lower_precision_copy(target, "int8")
+    assert low.decode_step is not None
+    n, g = 40, torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 96, (n,), generator=g)
+    full = FullKVCache(target.cfg, 64, record_queries=True)
+    target(prompt[None], torch.arange(n), full)
+    ret = RetrievalCache(target.cfg, full, 16, 4)
+    ret.build_from_full(n - 1)
+    low(prompt[None, -1:], torch.tensor([n - 1]), ret)  # a generated slot too
+    calls = []
+    step = low.decode_step
+    monkeypatch.setattr(low, "decode_step", lambda *a: calls.append(step(*a)) or calls[-1])
+    for token in (7, 50):
+        fused = _int8_step(low, ret, token, n)
+        assert calls[-1] is not None  # the one-call step ran
+        monkeypatch.setattr(low, "decode_step", None)
+        python = _int8_step(low, ret, token, n)
+        monkeypatch.setattr(low, "decode_step", lambda *a: calls.append(step(*a)) or calls[-1])
+        for a, b in zip(fused, python):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+        assert fused[0].argmax() == python[0].argmax()
+        assert not torch.equal(fused[1], ret.k)  # this step's keys were written (and rolled back after)
+    # a cache that offers no rows (a verification block, a full cache) runs the layers in Python
+    calls.clear()
+    low(torch.tensor([[7, 8]]), torch.tensor([n, n + 1]), ret)
+    assert calls == [None]
+
+
+def test_int8_decode_step_declines_what_it_does_not_take():
+    """Head sizes the attention kernel does not take (not a multiple of 8), other dtypes and bf16 caches: None, so the
+    model runs its layers in Python."""
+    target = ours(hf_model(9, vocab=96, layers=3, hidden=48, heads=4, kv_heads=2))  # head_dim 12
+    low = lower_precision_copy(target, "int8")
+    full = FullKVCache(target.cfg, 64)
+    ret = RetrievalCache(target.cfg, full, 16, 4)
+    x = torch.zeros(1, 1, 48)
+    cos = sin = torch.zeros(1, 12)
+    assert low.decode_step is None or kernels.int8_decode_layers(low.decode_step.table, x, ret.k, ret.v, 0, 16, cos,
+                                                                 sin) is None
+    target, _ = pair(seed=9)
+    low = lower_precision_copy(target, "int8")
+    table = low.decode_step.table
+    x, cos = torch.zeros(1, 1, 64), torch.zeros(1, 16)
+    k = torch.zeros(3, 1, 2, 16, 16)
+    assert kernels.int8_decode_layers(table, x, k.bfloat16(), k.bfloat16(), 0, 16, cos, cos) is None
+    assert kernels.int8_decode_layers(table, x.double(), k, k, 0, 16, cos, cos) is None
+    assert kernels.int8_decode_layers(table, x, k, k, 16, 16, cos, cos) is None  # slot outside the rows
+    assert lower_precision_copy(target, "bfloat16").decode_step is None
+    with pytest.raises(ValueError, match="norms"):
+        kernels.Int8LayerTable(table._keep[0][:1], *table._keep[1:], table.dims, table.eps)
+
+
+def test_int8_retrieval_tier_in_one_call_is_lossless_greedy(monkeypatch):
+    """The retrieval tier's int8 steps in one kernel call: the tokens of autoregressive decoding."""
+    target, draft = pair(seed=5)
+    engine = Engine(target, draft)
+    steps = []
+    real = kernels.int8_decode_layers
+    monkeypatch.setattr("triforce.quant.int8_decode_layers", lambda *a: steps.append(real(*a)) or steps[-1])
+    g = torch.Generator().manual_seed(11)
+    for _ in range(3):
+        prompt = torch.randint(3, 96, (int(torch.randint(40, 90, (1,), generator=g)),), generator=g).tolist()
+        ref, _ = engine.generate(prompt, max_new_tokens=24, sampling=GREEDY)
+        spec = SpeculationConfig(mode="retrieval", budget=24, chunk_size=4, gamma2=4, lower_weights="int8")
+        assert engine.generate(prompt, max_new_tokens=24, sampling=GREEDY, spec=spec)[0] == ref
+    if kernels.decode_step_status().startswith("on"):
+        assert steps and all(s is not None for s in steps)

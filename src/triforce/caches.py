@@ -96,6 +96,16 @@ class KVCache(ABC):
     def end_forward(self) -> None:
         """Finish the forward: the cache now holds the block's tokens too."""
 
+    def one_query_rows(self) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+        """Where the forward begun by :meth:`begin_forward` may run every layer in one kernel call, or None.
+
+        For a forward of one token (batch 1) whose query sees every row of ``k, v`` below ``n_keys``: returns
+        ``(k, v, slot, n_keys)``, the (L, 1, nkv, capacity, hs) tensors the token's key and value are written into at
+        row ``slot`` and attended over in rows [0, n_keys) (``kernels.int8_decode_layers``). None (the default): the
+        model calls :meth:`attend` layer by layer.
+        """
+        return None
+
     @abstractmethod
     def rollback(self, length: int) -> None:
         """Forget every token at position >= ``length`` (after a verification rejected them).

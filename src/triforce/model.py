@@ -150,6 +150,8 @@ class Transformer(nn.Module):
         self.rope: RotaryEmbedding | None = None  # built on first use, on the weights' device
         self.tp = None  # TensorParallel when this model is one rank's shard (see parallel.py)
         self.compile_mode: str | None = None  # set by compile_blocks (lower-precision copies compile their own MLPs)
+        # (x, cos, sin, cache) -> hidden state after the last layer, or None: set on int8 copies (quant.py)
+        self.decode_step = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -196,8 +198,12 @@ class Transformer(nn.Module):
         cache.begin_forward(positions)
         x = self.embed(input_ids)  # (B, T, d)
         cos, sin = self.rope.cos_sin(positions, x.dtype)  # (T, hs) each
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i)
+        y = self.decode_step(x, cos, sin, cache) if self.decode_step is not None else None
+        if y is not None:  # every layer in one call (csrc/decode_step.c: int8 lower tiers' decode steps)
+            x = y
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, cache, i)
         cache.end_forward()
         if rows is not None:
             x = x.index_select(1, rows)

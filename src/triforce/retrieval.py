@@ -274,6 +274,11 @@ class RetrievalCache(KVCache):
         is_gen = slot >= first_gen_slot
         self._mask = torch.where(is_gen[None, :], gen_pos[None, :] <= q_pos, (slot < self.n_selected)[None, :].expand(t, -1))
 
+    def one_query_rows(self):
+        if self._t != 1 or self._mask is not None or self.k.shape[1] != 1:
+            return None  # one query over every slot only (what attend gives the kernel below)
+        return self.k, self.v, self.budget - 1 - (self._start - self.build_len), self.budget
+
     def attend(self, layer, q, k, v, q_pre):
         self.k[layer][:, :, self._slot_idx] = k.to(self.k.dtype)
         self.v[layer][:, :, self._slot_idx] = v.to(self.v.dtype)
