@@ -2,7 +2,7 @@
 
 The retrieval tier (TriForce, arXiv 2404.11912, Sec. 4.1) runs the target's int8 copy over a retrieval cache of
 ``--budget`` slots. Its decode step runs every layer in one call (``csrc/decode_step.c``,
-``kernels.int8_decode_layers``) unless ``TRIFORCE_DECODE_STEP_KERNEL=0``. This script times, interleaved over
+``decode_step.int8_decode_layers``) unless ``TRIFORCE_DECODE_STEP_KERNEL=0``. This script times, interleaved over
 ``--reps`` in one process (medians, ms), on the embedded SmolLM2 (or ``--model``) at ``--context`` tokens
 (caches filled with random KV, no prefill; rolled back after each step):
 
@@ -38,7 +38,7 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from triforce import kernels
+    from triforce import decode_step as kernels, kernels as base_kernels
     from triforce.caches import FullKVCache
     from triforce.lab.synthetic import fill_random_kv
     from triforce.loading import load_model
@@ -76,8 +76,8 @@ def main() -> int:
         full.rollback(n)
 
     kinds = {"one_call": lambda: step(one_call), "python": lambda: step(None),
-             "int8_products": lambda: [kernels.int8_linear(x, lin.q, lin.scale_f32) for lin, x in zip(linears, xs)],
-             "attention": lambda: [kernels.gqa_attention_kernel(q, ret.k[i], ret.v[i], ret.budget)
+             "int8_products": lambda: [base_kernels.int8_linear(x, lin.q, lin.scale_f32) for lin, x in zip(linears, xs)],
+             "attention": lambda: [base_kernels.gqa_attention_kernel(q, ret.k[i], ret.v[i], ret.budget)
                                    for i in range(cfg.num_hidden_layers)],
              "decode_fp32": decode_fp32}
     ids = torch.randint(0, cfg.vocab_size, (1, 1), generator=gen)

@@ -147,7 +147,7 @@ def test_int8_lower_tiers_with_bf16_caches_match_exact_distribution(models):
 def test_int8_retrieval_tier_in_one_kernel_call_matches_exact_distribution(models, monkeypatch):
     """The int8 retrieval tier with fp32 caches, whose decode steps run every layer in one call
     (``csrc/decode_step.c``), under the fp32 verifier: the exact distribution (same bound as above)."""
-    from triforce import kernels
+    from triforce import decode_step as kernels
 
     hf, target, draft, prompt = models
     steps = []

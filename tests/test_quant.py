@@ -7,7 +7,7 @@ from tiny import hf_model, ours, pair
 from triforce.caches import FullKVCache
 from triforce.engine import Engine, SpeculationConfig
 from triforce.model import Linear
-from triforce import kernels
+from triforce import decode_step as kernels
 from triforce.quant import BF16Linear, Int8Linear, lower_precision_copy
 from triforce.retrieval import RetrievalCache
 from triforce.sampling import SamplingParams

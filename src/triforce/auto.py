@@ -15,7 +15,7 @@ hierarchy only changes how many tokens each verification emits, never their dist
     project's CPU (SmolLM2, T = 0.6, docs/benchmarks.md): at 8K tokens, where the KV cache is 0.69x the weights,
     ``auto`` with a 1,000-slot retrieval tier ran at 1.18-1.43x plain decoding on three books, and the retrieval tier
     alone at 1.39x with 1,000 slots and 1.34x with 4,096 (``bench/results/budget_sweep``, ``speed_default``); at 4K (0.34x) it
-    ran at 0.83-0.91x before the decode step of the int8 tier ran in one kernel call (``kernels.int8_decode_layers``),
+    ran at 0.83-0.91x before the decode step of the int8 tier ran in one kernel call (``decode_step.int8_decode_layers``),
     and at 1.54-1.66x with it in one process (pg1342, pg2701), so 4K now takes the tier; at 1K (0.09x) it ran at
     1.22x once, too little evidence against the 0.86x measured before: 1K decodes plainly;
   - the same tier also goes under the target, whatever the KV share, when the step is bound by the weights' bytes:

@@ -101,7 +101,7 @@ class KVCache(ABC):
 
         For a forward of one token (batch 1) whose query sees every row of ``k, v`` below ``n_keys``: returns
         ``(k, v, slot, n_keys)``, the (L, 1, nkv, capacity, hs) tensors the token's key and value are written into at
-        row ``slot`` and attended over in rows [0, n_keys) (``kernels.int8_decode_layers``). None (the default): the
+        row ``slot`` and attended over in rows [0, n_keys) (``decode_step.int8_decode_layers``). None (the default): the
         model calls :meth:`attend` layer by layer.
         """
         return None

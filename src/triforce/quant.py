@@ -29,7 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .defaults import LOWER_WEIGHTS
-from .kernels import Int8LayerTable, int8_decode_layers, int8_linear
+from .decode_step import Int8LayerTable, int8_decode_layers
+from .kernels import int8_linear
 from .model import Linear, Transformer
 
 #: inputs per int4 quantization group (a projection whose input size it does not divide keeps int8)
@@ -163,8 +164,8 @@ class BF16Linear(nn.Module):
 
 
 class Int8DecodeStep:
-    """A decode step of an int8 copy in one kernel call: :func:`~triforce.kernels.int8_decode_layers` over the
-    model's :class:`~triforce.kernels.Int8LayerTable`, for the forwards whose cache offers it
+    """A decode step of an int8 copy in one kernel call: :func:`~triforce.decode_step.int8_decode_layers` over the
+    model's :class:`~triforce.decode_step.Int8LayerTable`, for the forwards whose cache offers it
     (:meth:`~triforce.caches.KVCache.one_query_rows`: the retrieval tier's steps). Set as the copy's
     ``decode_step`` by :func:`lower_precision_copy`; :meth:`~triforce.model.Transformer.forward` calls it.
 
@@ -172,7 +173,7 @@ class Int8DecodeStep:
         model: an int8 copy (every projection an :class:`Int8Linear`), fp32 norms, no tensor parallelism.
 
     Raises:
-        ValueError: a model the kernel does not take (see :class:`~triforce.kernels.Int8LayerTable`).
+        ValueError: a model the kernel does not take (see :class:`~triforce.decode_step.Int8LayerTable`).
     """
 
     def __init__(self, model: Transformer) -> None:
