@@ -38,7 +38,7 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from triforce import decode_step as kernels, kernels as base_kernels
+    from triforce import decode_step, kernels
     from triforce.caches import FullKVCache
     from triforce.lab.synthetic import fill_random_kv
     from triforce.loading import load_model
@@ -47,8 +47,8 @@ def main() -> int:
     model = load_model(args.model).model
     model.pack_weights()
     low = lower_precision_copy(model, "int8")
-    if low.decode_step is None or not kernels.decode_step_status().startswith("on"):
-        print(f"the one-call decode step does not apply here ({kernels.decode_step_status()})", file=sys.stderr)
+    if low.decode_step is None or not decode_step.decode_step_status().startswith("on"):
+        print(f"the one-call decode step does not apply here ({decode_step.decode_step_status()})", file=sys.stderr)
         return 1
     cfg, n = model.cfg, args.context
     for m in (model, low):
@@ -76,8 +76,8 @@ def main() -> int:
         full.rollback(n)
 
     kinds = {"one_call": lambda: step(one_call), "python": lambda: step(None),
-             "int8_products": lambda: [base_kernels.int8_linear(x, lin.q, lin.scale_f32) for lin, x in zip(linears, xs)],
-             "attention": lambda: [base_kernels.gqa_attention_kernel(q, ret.k[i], ret.v[i], ret.budget)
+             "int8_products": lambda: [kernels.int8_linear(x, lin.q, lin.scale_f32) for lin, x in zip(linears, xs)],
+             "attention": lambda: [kernels.gqa_attention_kernel(q, ret.k[i], ret.v[i], ret.budget)
                                    for i in range(cfg.num_hidden_layers)],
              "decode_fp32": decode_fp32}
     ids = torch.randint(0, cfg.vocab_size, (1, 1), generator=gen)
@@ -96,7 +96,7 @@ def main() -> int:
     weight_bytes = sum(lin.q.numel() for lin in linears)
     out = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "context": n, "budget": args.budget,
            "threads": args.threads, "reps": args.reps, "interleaved": True,
-           "decode_step_kernel": kernels.decode_step_status(), "ms": ms,
+           "decode_step_kernel": decode_step.decode_step_status(), "ms": ms,
            "python_over_one_call": round(ms["python"] / ms["one_call"], 2),
            "decode_fp32_over_one_call": round(ms["decode_fp32"] / ms["one_call"], 2),
            "int8_weight_bytes": weight_bytes,

@@ -147,15 +147,15 @@ def test_int8_lower_tiers_with_bf16_caches_match_exact_distribution(models):
 def test_int8_retrieval_tier_in_one_kernel_call_matches_exact_distribution(models, monkeypatch):
     """The int8 retrieval tier with fp32 caches, whose decode steps run every layer in one call
     (``csrc/decode_step.c``), under the fp32 verifier: the exact distribution (same bound as above)."""
-    from triforce import decode_step as kernels
+    from triforce import decode_step
 
     hf, target, draft, prompt = models
     steps = []
-    real = kernels.int8_decode_layers
+    real = decode_step.int8_decode_layers
     monkeypatch.setattr("triforce.quant.int8_decode_layers", lambda *a: (r := real(*a), steps.append(r is not None))[0])
     params = SETTINGS["T0.6-p0.9-k5"]
     spec = SpeculationConfig(mode="retrieval", budget=8, chunk_size=2, gamma2=3, lower_weights="int8")
     counts = empirical(Engine(target, draft), prompt, params, spec, N_FAST, seed=83)
     assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
-    if kernels.decode_step_status().startswith("on"):
+    if decode_step.decode_step_status().startswith("on"):
         assert steps and all(steps)

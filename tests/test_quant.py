@@ -7,7 +7,7 @@ from tiny import hf_model, ours, pair
 from triforce.caches import FullKVCache
 from triforce.engine import Engine, SpeculationConfig
 from triforce.model import Linear
-from triforce import decode_step as kernels
+from triforce import decode_step
 from triforce.quant import BF16Linear, Int8Linear, lower_precision_copy
 from triforce.retrieval import RetrievalCache
 from triforce.sampling import SamplingParams
@@ -123,8 +123,8 @@ def test_int8_decode_step_in_one_call_is_the_python_layers(family, heads, kv_hea
     """csrc/decode_step.c runs an int8 copy's decode step over a retrieval cache as Block.forward does layer by layer
     (qwen2: projections with bias; GQA groups of 2 and 4, and none): the same logits and the same keys and values
     written, to float rounding (only SiLU's exp is PyTorch's on one side, our libm's on the other)."""
-    if kernels.decode_step_status().split(" ")[0] != "on":
-        pytest.skip(f"decode step kernel {kernels.decode_step_status()}")
+    if decode_step.decode_step_status().split(" ")[0] != "on":
+        pytest.skip(f"decode step kernel {decode_step.decode_step_status()}")
     hf = hf_model(8, vocab=96, layers=3, family=family, heads=heads, kv_heads=kv_heads)
     with torch.no_grad():  # transformers initialises biases to 0: give them values the kernel must add
         for name, p in hf.named_parameters():
@@ -168,19 +168,19 @@ def test_int8_decode_step_declines_what_it_does_not_take():
     ret = RetrievalCache(target.cfg, full, 16, 4)
     x = torch.zeros(1, 1, 48)
     cos = sin = torch.zeros(1, 12)
-    assert low.decode_step is None or kernels.int8_decode_layers(low.decode_step.table, x, ret.k, ret.v, 0, 16, cos,
+    assert low.decode_step is None or decode_step.int8_decode_layers(low.decode_step.table, x, ret.k, ret.v, 0, 16, cos,
                                                                  sin) is None
     target, _ = pair(seed=9)
     low = lower_precision_copy(target, "int8")
     table = low.decode_step.table
     x, cos = torch.zeros(1, 1, 64), torch.zeros(1, 16)
     k = torch.zeros(3, 1, 2, 16, 16)
-    assert kernels.int8_decode_layers(table, x, k.bfloat16(), k.bfloat16(), 0, 16, cos, cos) is None
-    assert kernels.int8_decode_layers(table, x.double(), k, k, 0, 16, cos, cos) is None
-    assert kernels.int8_decode_layers(table, x, k, k, 16, 16, cos, cos) is None  # slot outside the rows
+    assert decode_step.int8_decode_layers(table, x, k.bfloat16(), k.bfloat16(), 0, 16, cos, cos) is None
+    assert decode_step.int8_decode_layers(table, x.double(), k, k, 0, 16, cos, cos) is None
+    assert decode_step.int8_decode_layers(table, x, k, k, 16, 16, cos, cos) is None  # slot outside the rows
     assert lower_precision_copy(target, "bfloat16").decode_step is None
     with pytest.raises(ValueError, match="norms"):
-        kernels.Int8LayerTable(table._keep[0][:1], *table._keep[1:], table.dims, table.eps)
+        decode_step.Int8LayerTable(table._keep[0][:1], *table._keep[1:], table.dims, table.eps)
 
 
 def test_int8_retrieval_tier_in_one_call_is_lossless_greedy(monkeypatch):
@@ -188,7 +188,7 @@ def test_int8_retrieval_tier_in_one_call_is_lossless_greedy(monkeypatch):
     target, draft = pair(seed=5)
     engine = Engine(target, draft)
     steps = []
-    real = kernels.int8_decode_layers
+    real = decode_step.int8_decode_layers
     monkeypatch.setattr("triforce.quant.int8_decode_layers", lambda *a: steps.append(real(*a)) or steps[-1])
     g = torch.Generator().manual_seed(11)
     for _ in range(3):
@@ -196,5 +196,5 @@ def test_int8_retrieval_tier_in_one_call_is_lossless_greedy(monkeypatch):
         ref, _ = engine.generate(prompt, max_new_tokens=24, sampling=GREEDY)
         spec = SpeculationConfig(mode="retrieval", budget=24, chunk_size=4, gamma2=4, lower_weights="int8")
         assert engine.generate(prompt, max_new_tokens=24, sampling=GREEDY, spec=spec)[0] == ref
-    if kernels.decode_step_status().startswith("on"):
+    if decode_step.decode_step_status().startswith("on"):
         assert steps and all(s is not None for s in steps)

@@ -16,8 +16,8 @@ hierarchy only changes how many tokens each verification emits, never their dist
     ``auto`` with a 1,000-slot retrieval tier ran at 1.18-1.43x plain decoding on three books, and the retrieval tier
     alone at 1.39x with 1,000 slots and 1.34x with 4,096 (``bench/results/budget_sweep``, ``speed_default``); at 4K (0.34x) it
     ran at 0.83-0.91x before the decode step of the int8 tier ran in one kernel call (``decode_step.int8_decode_layers``),
-    and at 1.54-1.66x with it in one process (pg1342, pg2701), so 4K now takes the tier; at 1K (0.09x) it ran at
-    1.22x once, too little evidence against the 0.86x measured before: 1K decodes plainly;
+    and at 1.44-1.59x with it on three books (``bench/results/speed_decode_step_2026-12-03``), so 4K now takes the
+    tier; 1K (0.09x) was not measured again with it and decodes plainly;
   - the same tier also goes under the target, whatever the KV share, when the step is bound by the weights' bytes:
     on a CPU, a target whose layers hold at least :data:`WEIGHT_BOUND_LAYER_BYTES` each, so that a step's fixed
     per-layer costs are small next to the bytes the int8 copy saves. Its budget is then the largest
@@ -57,7 +57,7 @@ from .sampling import SamplingParams
 
 #: a retrieval tier goes into the hierarchy when the full KV cache is at least this share of the weights' bytes
 RETRIEVAL_MIN_KV_SHARE = 0.25
-#: the same under sampling, where fewer proposals are accepted (module docstring: measured at 0.69, 0.34 and 0.09)
+#: the same under sampling, where fewer proposals are accepted (module docstring: measured at 0.69 and 0.34)
 RETRIEVAL_MIN_KV_SHARE_SAMPLING = 0.3
 #: retrieval budget of the auto plan: this share of the prompt, between the bounds below (paper: 4096 of 120K)
 RETRIEVAL_BUDGET_SHARE = 1 / 4

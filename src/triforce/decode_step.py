@@ -17,7 +17,7 @@ from .kernels import (_F, _I, _I64, _P, CHUNK, DECODE_STEP_CFLAGS, DECODE_STEP_E
 _decode_step = _Library("decode_step.c", DECODE_STEP_ENV_SWITCH, (), lambda: (DECODE_STEP_CFLAGS, "C"), {
     "triforce_int8_decode_layers": (_I, [_P, _P] + [_I] * 6 + [_F] + [_P] * 6 + [_I64] * 2 + [_I] * 2 + [_P] * 2
                                     + [_I, _F, _I, _P, _P])})
-
+_fn_table = None  # the kernels' addresses in the order csrc/decode_step.c takes them, built on first use
 
 
 def decode_step_status() -> str:
@@ -81,7 +81,8 @@ def int8_decode_layers(table: Int8LayerTable, x: torch.Tensor, k: torch.Tensor, 
 
     Computes what :class:`~triforce.model.Block` computes layer after layer for one token (RMSNorm, int8 products,
     RoPE, the key and value written to row ``slot``, attention over rows [0, n_keys), SwiGLU, residuals) with the same
-    kernels (:func:`int8_linear`, :func:`rms_norm`, :func:`rope`, :func:`gqa_attention_kernel`), without a Python
+    kernels (:func:`~triforce.kernels.int8_linear`, :func:`~triforce.kernels.rms_norm`, :func:`~triforce.kernels.rope`,
+    :func:`~triforce.kernels.gqa_attention_kernel`), without a Python
     call between them; only SiLU's exponential may round differently from PyTorch's.
 
     Args:
@@ -94,7 +95,7 @@ def int8_decode_layers(table: Int8LayerTable, x: torch.Tensor, k: torch.Tensor, 
 
     Returns:
         (1, 1, d) fp32, the hidden state after the last layer (before the final norm); or None when the kernels do not
-        apply (shapes, dtypes, layouts; head size not a multiple of 8 or over :data:`MAX_HEAD_DIM`; a kernel
+        apply (shapes, dtypes, layouts; head size not a multiple of 8 or over :data:`~triforce.kernels.MAX_HEAD_DIM`; a kernel
         unavailable): the caller then runs the layers in Python.
     """
     d, nh, nkv, hs, inter = table.dims
@@ -109,16 +110,18 @@ def int8_decode_layers(table: Int8LayerTable, x: torch.Tensor, k: torch.Tensor, 
     libs = [lib.load() for lib in (_linear, _norm_rope, _attention, _decode_step)]
     if any(fns is None for fns in libs):
         return None
-    fns = _decode_step.pointers = getattr(_decode_step, "pointers", None) or (ctypes.c_void_p * 4)(*[
-        ctypes.cast(f, ctypes.c_void_p).value for f in (libs[0]["triforce_int8_linear"], libs[1]["triforce_rms_norm"],
-                                                        libs[1]["triforce_rope"], libs[2]["triforce_gqa_attention"])])
+    global _fn_table
+    if _fn_table is None:
+        _fn_table = (ctypes.c_void_p * 4)(*[ctypes.cast(f, ctypes.c_void_p).value for f in (
+            libs[0]["triforce_int8_linear"], libs[1]["triforce_rms_norm"], libs[1]["triforce_rope"],
+            libs[2]["triforce_gqa_attention"])])
     threads = torch.get_num_threads()
     rows = nh // nkv
     scratch = torch.empty(nkv * -(-n_keys // CHUNK) * rows * (hs + 2) + threads * rows * CHUNK, dtype=torch.float32)
     out = x.clone()
     cap = k.shape[3]
     rc = libs[3]["triforce_int8_decode_layers"](
-        fns, out.data_ptr(), L, d, nh, nkv, hs, inter, table.eps, table.norms, table.qs, table.scales, table.biases,
+        _fn_table, out.data_ptr(), L, d, nh, nkv, hs, inter, table.eps, table.norms, table.qs, table.scales, table.biases,
         k.data_ptr(), v.data_ptr(), nkv * cap * hs, cap * hs, slot, n_keys, cos.data_ptr(), sin.data_ptr(), CHUNK,
         1.0 / math.sqrt(hs), threads, table.work.data_ptr(), scratch.data_ptr())
     return out if rc == 0 else None

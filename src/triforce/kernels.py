@@ -33,7 +33,7 @@ where the model has them (:func:`f32_beats_onednn`), else our kernel for 2-64 ro
 
 A decode step of an int8 lower tier over the retrieval cache runs every layer in one call
 (:func:`triforce.decode_step.int8_decode_layers`, ``csrc/decode_step.c``): the same kernels back to back from C, without a Python call
-between them, so the OpenMP threads never fall asleep between two products (1.75x faster than one Python call per
+between them, so the gaps between two products stay shorter than OpenMP's spin (1.75x faster than one Python call per
 operation for SmolLM2 at 8K tokens, ``bench/decode_step.py``); ``TRIFORCE_DECODE_STEP_KERNEL=0`` turns it off.
 """
 
@@ -478,4 +478,3 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     fns["triforce_rope"](x.data_ptr(), x.stride(0), x.stride(1), x.stride(2), y.data_ptr(), cos.data_ptr(),
                          sin.data_ptr(), b, h, t, hs)
     return y
-

@@ -4,8 +4,8 @@
  * retrieval cache; here its int8 weight-only copy, triforce/quant.py) is 30 layers of about 15 small operations each
  * on SmolLM2. Called from Python one at a time, each pays its dispatch (a few microseconds to tens), and the gaps
  * between the OpenMP regions of the matrix products outlast the threads' spin, so every product also pays a thread
- * wake-up: on this project's 2-core AVX2 machine the step took 24-45 ms where its int8 products and attention alone
- * took 15-26 ms (bench/decode_step.py). This driver runs the same layer as triforce/model.py Block.forward, with the
+ * wake-up: at 8K tokens on this project's 2-core AVX2 machine the step took 26.3 ms where its int8 products and
+ * attention alone took 16.2 ms (bench/decode_step.py, bench/results/decode_step_8000_avx2_2026-12-03.json). This driver runs the same layer as triforce/model.py Block.forward, with the
  * same kernels, back to back:
  *
  *     h = rms_norm(x) ;  [q k v] = h (s_qkv * Q_qkv)^T + b_qkv
@@ -15,8 +15,8 @@
  *
  * silu(g) = g / (1 + exp(-g)), as PyTorch's (which may round its exp differently: the tier only proposes tokens, the
  * verifier decides them, so this changes acceptance at most, never the output). The kernels are the other csrc/
- * files' exported functions, passed as pointers (each keeps its own build flags and OpenMP regions; between two of
- * them the threads are still spinning). Plain C, no intrinsics: built with -O3.
+ * files' exported functions, passed as pointers (each keeps its own build flags and OpenMP regions; the gaps between
+ * two of them are now shorter than the threads' spin). Plain C, no intrinsics: built with -O3.
  */
 #include <math.h>
 #include <stdint.h>
