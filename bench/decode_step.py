@@ -2,7 +2,7 @@
 
 The retrieval tier (TriForce, arXiv 2404.11912, Sec. 4.1) runs the target's int8 copy over a retrieval cache of
 ``--budget`` slots. Its decode step runs every layer in one call (``csrc/decode_step.c``,
-``decode_step.int8_decode_layers``) unless ``TRIFORCE_DECODE_STEP_KERNEL=0``. This script times, interleaved over
+``decode_step.decode_layers``) unless ``TRIFORCE_DECODE_STEP_KERNEL=0``. This script times, interleaved over
 ``--reps`` in one process (medians, ms), on the embedded SmolLM2 (or ``--model``) at ``--context`` tokens
 (caches filled with random KV, no prefill; rolled back after each step):
 

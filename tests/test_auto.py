@@ -204,3 +204,28 @@ def test_auto_matches_exact_distribution_through_bypasses(models):  # noqa: F811
                                                        gamma2=2, chunk_size=2, max_budget=8)
     counts = empirical(engine, prompt, params, spec, 4000, seed=95)
     assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
+
+
+def test_plan_leaves_out_a_retrieval_tier_that_reads_too_much_next_to_a_verifier_on_block_codes():
+    """SmolLM2's shape at 4K and 8K tokens: with fp32 weights both take the int8 retrieval tier. With the verifier
+    reading its block codes (a fifth of the bytes), the tier on those codes would read 0.46x the verifier's step at
+    4K and 0.33x at 8K under sampling (both above the sampling bound: plain decoding); greedy, with twice the budget,
+    0.53x at 4K (the n-gram drafter alone) and 0.42x at 8K (kept)."""
+    from triforce.auto import RETRIEVAL_MAX_STEP_BYTES_SHARE, RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING
+    from triforce.config import ModelConfig
+
+    cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                      rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True)
+    w, codes = 538_090_000, 111_600_000  # fp32 bytes; Q4_1 codes of the layers and the Q8_0 LM head
+    t06 = SamplingParams(0.6, 0.9)
+    for n in (4000, 8000):
+        fp32 = plan_hierarchy(cfg, w, torch.float32, n, None, t06)
+        assert fp32.tiers == "retrieval:6" and fp32.lower_weights == "int8"
+        plain = plan_hierarchy(cfg, w, torch.float32, n, None, t06, step_weight_bytes=codes)
+        assert plain.tiers == "" and f"> {RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING}" in plain.reason
+    short = plan_hierarchy(cfg, w, torch.float32, 4000, None, GREEDY, step_weight_bytes=codes)
+    assert short.tiers == "ngram:6" and f"> {RETRIEVAL_MAX_STEP_BYTES_SHARE}" in short.reason
+    coded = plan_hierarchy(cfg, w, torch.float32, 8000, None, GREEDY, step_weight_bytes=codes)
+    # the tier reads the verifier's own codes (fewer bytes than an int8 copy, and the exact weights)
+    assert coded.tiers == "ngram:4,retrieval:6" and coded.lower_weights is None and "block codes" in coded.reason

@@ -72,12 +72,14 @@ def test_json_records_the_cpu_and_the_kernels_that_ran(bench_result):
     """The machine entry names the ISA the kernels were built for and each kernel's status, as this process sees
     them (figures differ between an AVX-512 and an AVX2 machine)."""
     from triforce import kernels
+    from triforce.blockcodes import blockcodes_status
 
     machine = bench_result[0]["machine"]
     assert {k: machine[k] for k in ("cpu", "cores", "isa")} == kernels.cpu()
     assert machine["isa"] in ("AVX-512", "AVX2", "other")
     assert machine["attention_kernel"] == kernels.status()
     assert machine["linear_kernels"] == kernels.linear_status()
+    assert machine["block_code_kernel"] == blockcodes_status()
 
 
 def test_cost_model_prediction_is_reported(bench_result):

@@ -133,6 +133,7 @@ def _smol_worker(rank: int, world: int, port: int, folder: str, prompt: list, qu
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 75 s of three ranks on a 2-core CI machine; test_tp2_equals_tp1_in_every_mode covers TP in CI
 @pytest.mark.realmodel
 def test_tp3_smollm2_equals_tp1(smollm2, book_text):
     from triforce.loading import load_model

@@ -168,19 +168,20 @@ def test_int8_decode_step_declines_what_it_does_not_take():
     ret = RetrievalCache(target.cfg, full, 16, 4)
     x = torch.zeros(1, 1, 48)
     cos = sin = torch.zeros(1, 12)
-    assert low.decode_step is None or decode_step.int8_decode_layers(low.decode_step.table, x, ret.k, ret.v, 0, 16, cos,
+    assert low.decode_step is None or decode_step.decode_layers(low.decode_step.table, x, ret.k, ret.v, 0, 16, cos,
                                                                  sin) is None
     target, _ = pair(seed=9)
     low = lower_precision_copy(target, "int8")
     table = low.decode_step.table
     x, cos = torch.zeros(1, 1, 64), torch.zeros(1, 16)
     k = torch.zeros(3, 1, 2, 16, 16)
-    assert decode_step.int8_decode_layers(table, x, k.bfloat16(), k.bfloat16(), 0, 16, cos, cos) is None
-    assert decode_step.int8_decode_layers(table, x.double(), k, k, 0, 16, cos, cos) is None
-    assert decode_step.int8_decode_layers(table, x, k, k, 16, 16, cos, cos) is None  # slot outside the rows
+    assert decode_step.decode_layers(table, x, k.bfloat16(), k.bfloat16(), 0, 16, cos, cos) is None
+    assert decode_step.decode_layers(table, x.double(), k, k, 0, 16, cos, cos) is None
+    assert decode_step.decode_layers(table, x, k, k, 16, 16, cos, cos) is None  # slot outside the rows
     assert lower_precision_copy(target, "bfloat16").decode_step is None
     with pytest.raises(ValueError, match="norms"):
-        decode_step.Int8LayerTable(table._keep[0][:1], *table._keep[1:], table.dims, table.eps)
+        decode_step.LayerTable(table._keep[0][:1], list(zip(table._keep[1], table._keep[2])), table._keep[4],
+                               table.dims, table.eps)
 
 
 def test_int8_retrieval_tier_in_one_call_is_lossless_greedy(monkeypatch):
@@ -188,8 +189,8 @@ def test_int8_retrieval_tier_in_one_call_is_lossless_greedy(monkeypatch):
     target, draft = pair(seed=5)
     engine = Engine(target, draft)
     steps = []
-    real = decode_step.int8_decode_layers
-    monkeypatch.setattr("triforce.quant.int8_decode_layers", lambda *a: steps.append(real(*a)) or steps[-1])
+    real = decode_step.decode_layers
+    monkeypatch.setattr("triforce.decode_step.decode_layers", lambda *a: steps.append(real(*a)) or steps[-1])
     g = torch.Generator().manual_seed(11)
     for _ in range(3):
         prompt = torch.randint(3, 96, (int(torch.randint(40, 90, (1,), generator=g)),), generator=g).tolist()

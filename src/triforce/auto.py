@@ -15,9 +15,13 @@ hierarchy only changes how many tokens each verification emits, never their dist
     project's CPU (SmolLM2, T = 0.6, docs/benchmarks.md): at 8K tokens, where the KV cache is 0.69x the weights,
     ``auto`` with a 1,000-slot retrieval tier ran at 1.18-1.43x plain decoding on three books, and the retrieval tier
     alone at 1.39x with 1,000 slots and 1.34x with 4,096 (``bench/results/budget_sweep``, ``speed_default``); at 4K (0.34x) it
-    ran at 0.83-0.91x before the decode step of the int8 tier ran in one kernel call (``decode_step.int8_decode_layers``),
+    ran at 0.83-0.91x before the decode step of the int8 tier ran in one kernel call (``decode_step.decode_layers``),
     and at 1.44-1.59x with it on three books (``bench/results/speed_decode_step_2026-12-03``), so 4K now takes the
     tier; 1K (0.09x) was not measured again with it and decodes plainly;
+  - either way only where its step reads at most :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE` (greedy) or
+    :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING` of what the verifier's decode step reads: with a GGUF model's
+    block codes (``blockcodes.py``) the verifier reads a fifth of its fp32 weights' bytes, so the tier pays later; and
+    it then reads the target's own codes rather than an int8 copy (fewer bytes, and the exact weights);
   - the same tier also goes under the target, whatever the KV share, when the step is bound by the weights' bytes:
     on a CPU, a target whose layers hold at least :data:`WEIGHT_BOUND_LAYER_BYTES` each, so that a step's fixed
     per-layer costs are small next to the bytes the int8 copy saves. Its budget is then the largest
@@ -64,6 +68,16 @@ RETRIEVAL_BUDGET_SHARE = 1 / 4
 #: the same under sampling: a smaller cache, since each proposal's step reads it (module docstring)
 RETRIEVAL_BUDGET_SHARE_SAMPLING = 1 / 8
 RETRIEVAL_BUDGET_BOUNDS = (256, 4096)
+#: ... and only where its step reads at most this share of the bytes of the verifier's decode step (weights as the
+#: verifier reads them, block codes included, plus the full KV cache) under greedy decoding. With a GGUF model's block
+#: codes the verifier reads 106 MiB of SmolLM2's weights, not 513, and its decode steps and verification blocks run
+#: in one call: greedy, `auto` with the tier on the codes ran at 1.13x plain decoding at 8K (a share of 0.42) and at
+#: 0.82x at 4K (0.53; the bench's `retrieval` method, the same tier, 1.22x in another run)
+#: (bench/results/speed_block_codes_2026-12-03). fp32 verifiers are at 0.2-0.25 from 1K tokens on
+RETRIEVAL_MAX_STEP_BYTES_SHARE = 0.45
+#: the same under sampling, where fewer proposals are accepted: at 8K tokens (0.33) the tier on the codes ran at 0.94x
+#: plain decoding (same runs), so a model on block codes decodes plainly there
+RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING = 0.3
 #: on a CPU, the int8 retrieval tier goes under a target with at least this many weight bytes per layer whatever
 #: the KV share (module docstring: 254 MB per layer paid 3.22x, 18 MB did not pay)
 WEIGHT_BOUND_LAYER_BYTES = 64 * 2**20
@@ -77,7 +91,8 @@ class AutoPlan:
         tiers: the hierarchy under the target, bottom first (``SpeculationConfig.tiers`` syntax), e.g.
             ``"ngram:4,retrieval:6"``; empty: plain autoregressive decoding.
         budget: retrieval cache slots (when a retrieval tier is in ``tiers``).
-        lower_weights: weights of the tiers below the verifier (``int8``).
+        lower_weights: weights of the tiers below the verifier: ``int8``, or None (the target's own, where it reads
+            its block codes: fewer bytes than an int8 copy, and exact).
         reason: one sentence: the figures the choice rests on.
     """
 
@@ -90,7 +105,8 @@ class AutoPlan:
 def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, prompt_tokens: int, bottom: str | None,
                    sampling: SamplingParams, gamma1: int = DEFAULTS["gamma1"], gamma2: int = DEFAULTS["gamma2"],
                    chunk_size: int = DEFAULTS["chunk_size"], max_budget: int = DEFAULTS["budget"],
-                   device_type: str = "cpu", draft_weight_bytes: int | None = None) -> AutoPlan:
+                   device_type: str = "cpu", draft_weight_bytes: int | None = None,
+                   step_weight_bytes: int | None = None) -> AutoPlan:
     """Choose the hierarchy for a request of ``prompt_tokens`` (rules in the module docstring).
 
     Args:
@@ -110,6 +126,11 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
         device_type: where the target runs (``"cpu"``, ``"cuda"``): the weight-bound rule is measured on CPUs only,
             where our int8 kernel runs.
         draft_weight_bytes: bytes of the named draft model's weights (``bottom == "draft"``), or None.
+        step_weight_bytes: bytes of weights the verifier's decode step reads
+            (:meth:`~triforce.model.Transformer.step_weight_bytes`: block codes where it has them); None: ``weight_bytes``.
+            A retrieval tier whose step would read more than :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE` (greedy) or
+            :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING` of the verifier's step (weights and full KV cache) is
+            left out; where these bytes are fewer than an int8 copy's, the tier reads the target's own weights.
 
     Returns:
         :class:`AutoPlan`.
@@ -133,18 +154,30 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
                     and layer_bytes >= WEIGHT_BOUND_LAYER_BYTES)
     if weight_bound:
         budget = max(int(min(hi, max_budget)), chunk_size + gamma2 + 3)  # the whole prompt where it fits
-        int8_bytes = weight_bytes // torch.empty((), dtype=kv_dtype).element_size()  # the weights' dtype, as a rule
+    int8_bytes = weight_bytes // torch.empty((), dtype=kv_dtype).element_size()  # the weights' dtype, as a rule
+    verifier_bytes = weight_bytes if step_weight_bytes is None else step_weight_bytes
+    # the tier reads the target's own weights where the verifier reads fewer bytes than an int8 copy (block codes)
+    lower_weights, lower_bytes = ("int8", int8_bytes) if int8_bytes <= verifier_bytes else (None, verifier_bytes)
+    lower = "int8 weights" if lower_weights else "the target's own block codes"
+    step_share = (lower_bytes + kv_bytes(cfg, budget, kv_dtype)) / max(1, verifier_bytes + kv)
+    max_step_share = RETRIEVAL_MAX_STEP_BYTES_SHARE if sampling.greedy else RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING
+    if weight_bound:  # measured at 0.25 (fp32 weights); a tier reading as much as the verifier cannot pay
+        max_step_share = 1.0
+    if (weight_bound or retrieval) and step_share > max_step_share:
+        weight_bound = retrieval = False
+        sizes += f"; a retrieval step would read {step_share:.2f} x the verifier's decode step > {max_step_share}"
+    if weight_bound:
         why = (f"{sizes}, {layer_bytes / 2**20:.0f} MiB of weights per layer >= "
                f"{WEIGHT_BOUND_LAYER_BYTES / 2**20:.0f}: steps bound by the weights' bytes, a {budget}-slot "
-               f"retrieval tier with int8 weights")
-        if bottom == "draft" and draft_weight_bytes is not None and draft_weight_bytes >= int8_bytes:
-            why += (f"; the draft model ({draft_weight_bytes / 2**20:.0f} MiB) reads more per step than the int8 "
-                    f"copy ({int8_bytes / 2**20:.0f} MiB), so it is left out")
+               f"retrieval tier with {lower}")
+        if bottom == "draft" and draft_weight_bytes is not None and draft_weight_bytes >= lower_bytes:
+            why += (f"; the draft model ({draft_weight_bytes / 2**20:.0f} MiB) reads more per step than the tier's "
+                    f"{lower} ({lower_bytes / 2**20:.0f} MiB), so it is left out")
             bottom = None
         elif bottom:
             why += f"; {who}"
     elif retrieval:
-        why = f"{sizes} >= {threshold}: a {budget}-slot retrieval tier with int8 weights; {who}"
+        why = f"{sizes} >= {threshold}: a {budget}-slot retrieval tier with {lower}; {who}"
     if weight_bound or retrieval:
         tiers = f"{bottom}:{gamma1},retrieval:{gamma2}" if bottom else f"retrieval:{gamma2}"
     else:
@@ -152,7 +185,7 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
         why = (f"{sizes}: no retrieval tier" + ("" if bottom == "self" else
                f" (below {threshold}{'' if sampling.greedy else ' under sampling'} or the prompt fits the budget)")
            + f"; {who}")
-    return AutoPlan(tiers=tiers, budget=budget, lower_weights="int8", reason=why)
+    return AutoPlan(tiers=tiers, budget=budget, lower_weights=lower_weights, reason=why)
 
 
 @dataclass

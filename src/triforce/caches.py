@@ -99,11 +99,17 @@ class KVCache(ABC):
     def one_query_rows(self) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
         """Where the forward begun by :meth:`begin_forward` may run every layer in one kernel call, or None.
 
-        For a forward of one token (batch 1) whose query sees every row of ``k, v`` below ``n_keys``: returns
-        ``(k, v, slot, n_keys)``, the (L, 1, nkv, capacity, hs) tensors the token's key and value are written into at
-        row ``slot`` and attended over in rows [0, n_keys) (``decode_step.int8_decode_layers``). None (the default): the
-        model calls :meth:`attend` layer by layer.
+        For a forward of one token (batch 1) whose query sees every row of ``k, v`` below ``n_keys``, or of a block
+        of T tokens written at rows ``slot .. slot + T - 1`` whose token i sees rows ``j <= n_keys - T + i`` (the
+        full cache's causal block, ``n_keys = slot + T``): returns ``(k, v, slot, n_keys)``, the
+        (L, 1, nkv, capacity, hs) tensors the keys and values are written into and attended over
+        (``decode_step.decode_layers``). None (the default): the model calls :meth:`attend` layer by layer.
         """
+        return None
+
+    def query_buffer(self) -> torch.Tensor | None:
+        """Where a one-call forward (:meth:`one_query_rows`) writes every layer's rotated query, or None (the
+        default: this cache keeps no queries)."""
         return None
 
     @abstractmethod
@@ -240,6 +246,8 @@ class FullKVCache(KVCache):
         self.record_queries = record_queries
         self.queries: list[torch.Tensor | None] = [None] * L  # each (B, nh, T, hs)
         self.query_start = -1  # absolute position of queries[l][:, :, 0]
+        self.n_heads = cfg.num_attention_heads
+        self._qbuf: torch.Tensor | None = None  # the queries of a one-call decode step (query_buffer)
         self._mask: torch.Tensor | None = None
         self.kernel_max_block = KERNEL_MAX_BLOCK
 
@@ -283,6 +291,20 @@ class FullKVCache(KVCache):
             self._prefetch(layer + 1)  # overlaps with this layer's attention
         buf = (layer - self.on_chip_layers) % 2
         return self._buf_k[buf], self._buf_v[buf]
+
+    def one_query_rows(self):
+        if self._t > self.kernel_max_block or self.offload or self.k.shape[1] != 1:
+            return None  # a decode step or a verification block of one sequence, every layer in memory
+        return self.k, self.v, self._start, self._start + self._t
+
+    def query_buffer(self):
+        if not self.record_queries:
+            return None
+        shape = (self.k.shape[0], 1, self.n_heads, self._t, self.k.shape[4])  # (L, 1, nh, T, hs)
+        if self._qbuf is None or self._qbuf.shape != shape:
+            self._qbuf = torch.empty(shape)
+        self.queries = list(self._qbuf)  # each (1, nh, T, hs), filled by the call
+        return self._qbuf
 
     def attend(self, layer, q, k, v, q_pre):
         s, t = self._start, self._t

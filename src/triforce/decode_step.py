@@ -1,8 +1,11 @@
-"""An int8 lower tier's decode step in one C call (``csrc/decode_step.c``): every decoder layer of one token over a
-retrieval cache, with the kernels of :mod:`triforce.kernels` called back to back from C, so that neither Python nor
-sleeping OpenMP threads sit between two products (1.75x faster than one Python call per operation for SmolLM2 at
-8K tokens on this project's 2-core AVX2 CPU, ``bench/decode_step.py``). ``TRIFORCE_DECODE_STEP_KERNEL=0`` turns it
-off; feature detection with a fallback (None: the model runs its layers in Python)."""
+"""A decode step in one C call (``csrc/decode_step.c``): every decoder layer of one token, with the kernels of
+:mod:`triforce.kernels` (and :mod:`triforce.blockcodes`) called back to back from C, so that neither Python nor
+sleeping OpenMP threads sit between two products. Models whose projections are all int8 (the lower tiers' copies,
+``quant.py``) or all block codes (a GGUF model's verifier, ``blockcodes.py``) get a :class:`DecodeStep`; the cache
+says where it applies (:meth:`~triforce.caches.KVCache.one_query_rows`: a retrieval step, a full-cache decode step).
+For the int8 retrieval tier of SmolLM2 at 8K tokens on this project's 2-core AVX2 CPU it was 1.75x faster than one
+Python call per operation (``bench/decode_step.py``). ``TRIFORCE_DECODE_STEP_KERNEL=0`` turns it off; feature
+detection with a fallback (None: the model runs its layers in Python)."""
 
 from __future__ import annotations
 
@@ -15,14 +18,16 @@ from .kernels import (_F, _I, _I64, _P, CHUNK, DECODE_STEP_CFLAGS, DECODE_STEP_E
                       _Library, _linear, _norm_rope)
 
 _decode_step = _Library("decode_step.c", DECODE_STEP_ENV_SWITCH, (), lambda: (DECODE_STEP_CFLAGS, "C"), {
-    "triforce_int8_decode_layers": (_I, [_P, _P] + [_I] * 6 + [_F] + [_P] * 6 + [_I64] * 2 + [_I] * 2 + [_P] * 2
-                                    + [_I, _F, _I, _P, _P])})
+    "triforce_decode_layers": (_I, [_P, _P] + [_I] * 7 + [_F] + [_P] * 9 + [_I64] * 2 + [_I] * 2 + [_P] * 2
+                               + [_I, _F, _I, _P, _P])})
 _fn_table = None  # the kernels' addresses in the order csrc/decode_step.c takes them, built on first use
+#: most tokens of one call (csrc/decode_step.c's MAX_T): decode steps and verification blocks (gamma + 1)
+MAX_BLOCK = 16
 
 
 def decode_step_status() -> str:
-    """'on (...)', 'off (...)' or 'unavailable: <reason>' for the one-call decode step of int8 lower tiers (loads it
-    and the kernels it calls if nobody has yet)."""
+    """'on (...)', 'off (...)' or 'unavailable: <reason>' for the one-call decode step (loads it and the kernels it
+    calls if nobody has yet)."""
     for lib in (_linear, _norm_rope, _attention):
         if lib.load() is None:
             return f"unavailable: it calls csrc/{lib.source}, {lib.status}"
@@ -30,15 +35,16 @@ def decode_step_status() -> str:
     return _decode_step.status
 
 
-class Int8LayerTable:
-    """Every decoder layer's weights of an int8 model as the pointer tables of :func:`int8_decode_layers`.
+class LayerTable:
+    """Every decoder layer's weights as the pointer tables of :func:`decode_layers`.
 
     Built once per model (the tensors are kept here, so the pointers stay valid); see ``csrc/decode_step.c``.
 
     Args:
         norms: 2 per layer, (d,) fp32 contiguous: the input and post-attention RMSNorm weights, layer by layer.
-        qs: 4 per layer (qkv, o, gate_up, down): (out, in) int8 contiguous weights.
-        scales: 4 per layer: (out,) fp32 contiguous per-channel scales.
+        weights: 4 per layer (qkv, o, gate_up, down), each either ``(q, scale)``: (out, in) int8 and (out,) fp32
+            per-channel scales, contiguous (:class:`~triforce.quant.Int8Linear`), or a
+            :class:`~triforce.blockcodes.BlockCodes` of the (in, out) matrix.
         biases: 4 per layer: (out,) fp32 contiguous, or None.
         dims: (d, nh, nkv, hs, inter) of the model; ``eps`` its RMSNorm epsilon.
 
@@ -46,82 +52,154 @@ class Int8LayerTable:
         ValueError: tables whose lengths, shapes, dtypes or layouts do not match (the parameter is named).
     """
 
-    def __init__(self, norms: list, qs: list, scales: list, biases: list, dims: tuple[int, int, int, int, int],
+    def __init__(self, norms: list, weights: list, biases: list, dims: tuple[int, int, int, int, int],
                  eps: float) -> None:
+        from .blockcodes import BlockCodes
+
         d, nh, nkv, hs, inter = dims
-        n_layers = len(qs) // 4
-        if len(norms) != 2 * n_layers or len(scales) != 4 * n_layers or len(biases) != 4 * n_layers or len(qs) % 4:
-            raise ValueError(f"Int8LayerTable: norms, qs, scales, biases must hold 2, 4, 4, 4 entries per layer, got "
-                             f"{len(norms)}, {len(qs)}, {len(scales)}, {len(biases)}")
-        shapes = [(nh * hs + 2 * nkv * hs, d), (d, nh * hs), (2 * inter, d), (d, inter)]
-        for i, (q, s, b) in enumerate(zip(qs, scales, biases)):
+        n_layers = len(weights) // 4
+        if len(norms) != 2 * n_layers or len(biases) != 4 * n_layers or len(weights) % 4:
+            raise ValueError(f"LayerTable: norms, weights, biases must hold 2, 4, 4 entries per layer, got "
+                             f"{len(norms)}, {len(weights)}, {len(biases)}")
+        shapes = [(nh * hs + 2 * nkv * hs, d), (d, nh * hs), (2 * inter, d), (d, inter)]  # (out, in)
+        qs, scales, mins, bits = [], [], [], []
+        for i, (w, b) in enumerate(zip(weights, biases)):
             want = shapes[i % 4]
-            ok = (q.dtype == torch.int8 and tuple(q.shape) == want and q.is_contiguous() and q.device.type == "cpu"
-                  and s.dtype == torch.float32 and tuple(s.shape) == want[:1] and s.is_contiguous())
+            if isinstance(w, BlockCodes):
+                ok = (w.out_features, w.in_features) == want
+                if ok:
+                    qs.append(w.codes), scales.append(w.d), mins.append(w.m), bits.append(w.bits)
+            else:
+                q, s = w
+                ok = (q.dtype == torch.int8 and tuple(q.shape) == want and q.is_contiguous() and q.device.type == "cpu"
+                      and s.dtype == torch.float32 and tuple(s.shape) == want[:1] and s.is_contiguous())
+                if ok:
+                    qs.append(q), scales.append(s), mins.append(None), bits.append(0)
             ok = ok and (b is None or (b.dtype == torch.float32 and tuple(b.shape) == want[:1] and b.is_contiguous()))
             if not ok:
-                raise ValueError(f"Int8LayerTable: qs/scales/biases[{i}] must be int8 {want} with fp32 ({want[0]},) "
-                                 f"scales and bias, contiguous on the CPU")
+                raise ValueError(f"LayerTable: weights/biases[{i}] must be int8 {want} with fp32 ({want[0]},) scales, "
+                                 f"or block codes of that matrix, and an fp32 ({want[0]},) bias, contiguous on the CPU")
         for i, w in enumerate(norms):
             if w.dtype != torch.float32 or tuple(w.shape) != (d,) or not w.is_contiguous():
-                raise ValueError(f"Int8LayerTable: norms[{i}] must be fp32 ({d},) contiguous")
+                raise ValueError(f"LayerTable: norms[{i}] must be fp32 ({d},) contiguous")
         self.dims, self.eps, self.n_layers = dims, float(eps), n_layers
-        self._keep = (norms, qs, scales, biases)
+        self.codes = any(bits)  # the block-code kernel is needed
+        self._keep = (norms, qs, scales, mins, biases)
 
         def table(ts):
             return (ctypes.c_void_p * len(ts))(*[None if t is None else t.data_ptr() for t in ts])
 
-        self.norms, self.qs, self.scales, self.biases = table(norms), table(qs), table(scales), table(biases)
-        self.work = torch.empty(3 * nh * hs + 3 * nkv * hs + 2 * d + 3 * inter, dtype=torch.float32)
+        self.norms, self.qs, self.scales, self.mins, self.biases = (table(norms), table(qs), table(scales),
+                                                                    table(mins), table(biases))
+        self.bits = (ctypes.c_int * len(bits))(*bits)
+        self.work = torch.empty(MAX_BLOCK * (4 * nh * hs + 3 * nkv * hs + 2 * d + 3 * inter), dtype=torch.float32)
 
 
-def int8_decode_layers(table: Int8LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int,
-                       n_keys: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """Every decoder layer of one decode step of an int8 model in one call (``csrc/decode_step.c``), or None.
+def decode_layers(table: LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int,
+                  n_keys: int, cos: torch.Tensor, sin: torch.Tensor,
+                  queries: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Every decoder layer of a decode step or a short block in one call (``csrc/decode_step.c``), or None.
 
-    Computes what :class:`~triforce.model.Block` computes layer after layer for one token (RMSNorm, int8 products,
-    RoPE, the key and value written to row ``slot``, attention over rows [0, n_keys), SwiGLU, residuals) with the same
-    kernels (:func:`~triforce.kernels.int8_linear`, :func:`~triforce.kernels.rms_norm`, :func:`~triforce.kernels.rope`,
-    :func:`~triforce.kernels.gqa_attention_kernel`), without a Python
-    call between them; only SiLU's exponential may round differently from PyTorch's.
+    Computes what :class:`~triforce.model.Block` computes layer after layer for a block of T tokens (RMSNorm, the
+    products, RoPE, the keys and values written to rows ``slot .. slot + T - 1``, causal attention over rows
+    [0, n_keys), SwiGLU, residuals) with the same
+    kernels (:func:`~triforce.kernels.int8_linear` or :func:`~triforce.blockcodes.blockcode_linear`,
+    :func:`~triforce.kernels.rms_norm`, :func:`~triforce.kernels.rope`, :func:`~triforce.kernels.gqa_attention_kernel`),
+    without a Python call between them; only SiLU's exponential may round differently from PyTorch's.
 
     Args:
-        table: the model's weights (:class:`Int8LayerTable`).
-        x: (1, 1, d) fp32, the embedded token (not modified).
-        k, v: (L, 1, nkv, capacity, hs) fp32 contiguous CPU caches; row ``slot`` of every layer and head is written.
-        slot: the row this token's key and value go to, 0 <= slot < n_keys.
-        n_keys: the rows [0, n_keys) the query attends over (all of them visible to it), n_keys <= capacity.
-        cos, sin: (1, hs) fp32 contiguous, this position's rotation.
+        table: the model's weights (:class:`LayerTable`).
+        x: (1, T, d) fp32, the embedded tokens, 1 <= T <= :data:`MAX_BLOCK` (not modified).
+        k, v: (L, 1, nkv, capacity, hs) fp32 contiguous CPU caches; rows ``slot .. slot + T - 1`` of every layer and
+            head are written.
+        slot: the row of the block's first key and value, 0 <= slot, slot + T <= n_keys.
+        n_keys: the rows [0, n_keys) the queries attend over, n_keys <= capacity: token i of the block sees rows
+            j <= n_keys - T + i (T > 1 needs n_keys = slot + T, the full cache's causal block).
+        cos, sin: (T, hs) fp32 contiguous, the positions' rotations.
+        queries: None, or (L, 1, nh, T, hs) fp32 contiguous: receives every layer's rotated queries (what
+            :class:`~triforce.caches.FullKVCache` records for the retrieval cache's chunk selection).
 
     Returns:
-        (1, 1, d) fp32, the hidden state after the last layer (before the final norm); or None when the kernels do not
+        (1, T, d) fp32, the hidden states after the last layer (before the final norm); or None when the kernels do not
         apply (shapes, dtypes, layouts; head size not a multiple of 8 or over :data:`~triforce.kernels.MAX_HEAD_DIM`; a kernel
         unavailable): the caller then runs the layers in Python.
     """
+    from .blockcodes import _blockcodes
+
     d, nh, nkv, hs, inter = table.dims
     L = table.n_layers
-    if (x.shape != (1, 1, d) or x.dtype != torch.float32 or x.device.type != "cpu" or k.shape != v.shape
+    T = x.shape[1] if x.dim() == 3 else 0
+    if (x.shape != (1, T, d) or not 1 <= T <= MAX_BLOCK or (T > 1 and n_keys != slot + T) or x.dtype != torch.float32 or x.device.type != "cpu" or k.shape != v.shape
             or k.dim() != 5 or tuple(k.shape[:3]) != (L, 1, nkv) or k.shape[4] != hs or k.dtype != torch.float32
             or v.dtype != torch.float32 or k.device.type != "cpu" or v.device.type != "cpu" or not k.is_contiguous()
-            or not v.is_contiguous() or not 0 <= slot < n_keys <= k.shape[3] or hs % 8 or hs > MAX_HEAD_DIM
-            or nh % nkv or cos.shape != (1, hs) or sin.shape != (1, hs) or cos.dtype != torch.float32
-            or sin.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous()):
+            or not v.is_contiguous() or not 0 <= slot <= n_keys - T or n_keys > k.shape[3] or hs % 8
+            or hs > MAX_HEAD_DIM or nh % nkv or cos.shape != (T, hs) or sin.shape != (T, hs)
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32 or not cos.is_contiguous()
+            or not sin.is_contiguous()
+            or (queries is not None and (queries.shape != (L, 1, nh, T, hs) or queries.dtype != torch.float32
+                                         or not queries.is_contiguous()))):
         return None
     libs = [lib.load() for lib in (_linear, _norm_rope, _attention, _decode_step)]
     if any(fns is None for fns in libs):
         return None
+    codes = _blockcodes.load()
+    if table.codes and codes is None:
+        return None
     global _fn_table
     if _fn_table is None:
-        _fn_table = (ctypes.c_void_p * 4)(*[ctypes.cast(f, ctypes.c_void_p).value for f in (
-            libs[0]["triforce_int8_linear"], libs[1]["triforce_rms_norm"], libs[1]["triforce_rope"],
-            libs[2]["triforce_gqa_attention"])])
+        fns = [libs[0]["triforce_int8_linear"], libs[1]["triforce_rms_norm"], libs[1]["triforce_rope"],
+               libs[2]["triforce_gqa_attention"]] + ([codes["triforce_blockcode_linear"]] if codes else [])
+        _fn_table = (ctypes.c_void_p * 5)(*[ctypes.cast(f, ctypes.c_void_p).value for f in fns])
     threads = torch.get_num_threads()
-    rows = nh // nkv
+    rows = nh // nkv * T
     scratch = torch.empty(nkv * -(-n_keys // CHUNK) * rows * (hs + 2) + threads * rows * CHUNK, dtype=torch.float32)
-    out = x.clone()
+    out = x.contiguous().clone()
     cap = k.shape[3]
-    rc = libs[3]["triforce_int8_decode_layers"](
-        _fn_table, out.data_ptr(), L, d, nh, nkv, hs, inter, table.eps, table.norms, table.qs, table.scales, table.biases,
-        k.data_ptr(), v.data_ptr(), nkv * cap * hs, cap * hs, slot, n_keys, cos.data_ptr(), sin.data_ptr(), CHUNK,
-        1.0 / math.sqrt(hs), threads, table.work.data_ptr(), scratch.data_ptr())
+    rc = libs[3]["triforce_decode_layers"](
+        _fn_table, out.data_ptr(), T, L, d, nh, nkv, hs, inter, table.eps, table.norms, table.qs, table.scales,
+        table.mins, table.bits, table.biases, k.data_ptr(), v.data_ptr(),
+        None if queries is None else queries.data_ptr(), nkv * cap * hs, cap * hs, slot, n_keys,
+        cos.data_ptr(), sin.data_ptr(), CHUNK, 1.0 / math.sqrt(hs), threads, table.work.data_ptr(), scratch.data_ptr())
     return out if rc == 0 else None
+
+
+class DecodeStep:
+    """A model's decode step in one kernel call: :func:`decode_layers` over its :class:`LayerTable`, for the
+    forwards whose cache offers it (:meth:`~triforce.caches.KVCache.one_query_rows`). Set as the model's
+    ``decode_step`` by :func:`~triforce.quant.lower_precision_copy` (int8 copies) and
+    :meth:`~triforce.model.Transformer.attach_block_codes` (block codes); :meth:`~triforce.model.Transformer.forward` calls
+    it.
+
+    Args:
+        model: a :class:`~triforce.model.Transformer` whose every layer projection is int8 (``q``, ``scale_f32``:
+            :class:`~triforce.quant.Int8Linear`) or has block codes (``codes``), fp32 norms, no tensor parallelism.
+
+    Raises:
+        ValueError: a model the kernel does not take (see :class:`LayerTable`).
+    """
+
+    def __init__(self, model) -> None:
+        cfg = model.cfg
+        norms, weights, biases = [], [], []
+        for block in model.layers:
+            norms += [block.input_layernorm.weight.detach(), block.post_attention_layernorm.weight.detach()]
+            for lin in (block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj):
+                if getattr(lin, "codes", None) is not None:
+                    weights.append(lin.codes)
+                elif hasattr(lin, "q") and hasattr(lin, "scale_f32"):
+                    weights.append((lin.q.detach(), lin.scale_f32.detach()))
+                else:
+                    raise ValueError(f"DecodeStep: every projection must be int8 or block codes, got "
+                                     f"{type(lin).__name__}")
+                biases.append(None if lin.bias is None else lin.bias.detach())
+        self.table = LayerTable(norms, weights, biases, (cfg.hidden_size, cfg.num_attention_heads,
+                                cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size), cfg.rms_norm_eps)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor | None:
+        """(1, T, d) fp32 embedded tokens, their (T, hs) rotations and the cache -> (1, T, d) after the last layer,
+        or None (a block the cache offers no rows for, or the kernels do not apply)."""
+        rows = cache.one_query_rows() if x.shape[0] == 1 and x.shape[1] <= MAX_BLOCK else None
+        if rows is None:
+            return None
+        k, v, slot, n_keys = rows
+        return decode_layers(self.table, x, k, v, slot, n_keys, cos, sin, cache.query_buffer())

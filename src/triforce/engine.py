@@ -208,7 +208,8 @@ class Engine:
         return plan_hierarchy(self.target.cfg, self.target.weight_bytes(), self.kv_dtype, prompt_tokens, bottom,
                               sampling, gamma1=spec.gamma1, gamma2=spec.gamma2, chunk_size=spec.chunk_size,
                               max_budget=spec.budget, device_type=self.target.device.type,
-                              draft_weight_bytes=self.draft.weight_bytes() if self.draft is not None else None)
+                              draft_weight_bytes=self.draft.weight_bytes() if self.draft is not None else None,
+                              step_weight_bytes=self.target.step_weight_bytes())
 
     def plan(self, prompt_ids: list[int], max_new_tokens: int, spec: SpeculationConfig) -> RequestPlan:
         """Check a request before any heavy work and size and place it once (:class:`~triforce.plan.RequestPlan`).

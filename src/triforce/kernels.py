@@ -29,10 +29,11 @@ VL) where the CPU has it, and otherwise for AVX2 and FMA (8-lane versions of the
 row-independence); where the CPU has neither, or ``TRIFORCE_LINEAR_KERNEL=0`` is set, they return None
 (``linear_status()`` says why). Which product a model's fp32 projection runs is decided per build: with AVX-512 our
 kernel for 2-64 rows and for decode steps (:func:`f32_one_row_pays`), with AVX2 oneDNN's product over packed weights
-where the model has them (:func:`f32_beats_onednn`), else our kernel for 2-64 rows, and MKL's GEMV for one row.
+where the model has them (:func:`f32_beats_onednn`), else our kernel for 2-64 rows, and MKL's GEMV for one row; a
+GGUF model's projections with exact block codes read those instead (:mod:`triforce.blockcodes`, ``csrc/blockcodes.c``).
 
-A decode step of an int8 lower tier over the retrieval cache runs every layer in one call
-(:func:`triforce.decode_step.int8_decode_layers`, ``csrc/decode_step.c``): the same kernels back to back from C, without a Python call
+A decode step of an int8 lower tier or of a model on block codes runs every layer in one call
+(:func:`triforce.decode_step.decode_layers`, ``csrc/decode_step.c``): the same kernels back to back from C, without a Python call
 between them, so the gaps between two products stay shorter than OpenMP's spin (1.75x faster than one Python call per
 operation for SmolLM2 at 8K tokens, ``bench/decode_step.py``); ``TRIFORCE_DECODE_STEP_KERNEL=0`` turns it off.
 """
@@ -73,6 +74,10 @@ NORM_ROPE_CFLAGS = ("-O3", "-mavx2", "-ffp-contract=off", "-shared", "-fPIC")
 DECODE_STEP_ENV_SWITCH = "TRIFORCE_DECODE_STEP_KERNEL"
 #: its flags: plain C that calls the other kernels through pointers
 DECODE_STEP_CFLAGS = ("-O3", "-shared", "-fPIC")
+#: environment variable: "0" keeps a GGUF model's weights fp32 only (no exact block codes, ``blockcodes.py``)
+BLOCKCODES_ENV_SWITCH = "TRIFORCE_BLOCK_CODES"
+#: their flags: no FMA contraction, so d * q + m rounds twice, as the check of every weight in blockcodes.py does
+BLOCKCODES_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 #: most activation rows of one linear kernel call: a decode step, a verification block, a batch of them (8 sequences
 #: verifying 7 tokens each are 56 rows, where MKL's product is 2.6x slower than ours, bench/qlinear.py); prefill
 #: chunks take PyTorch's op

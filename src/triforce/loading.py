@@ -201,4 +201,5 @@ def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype
     cfg = ModelConfig.from_hf(hf_config)
     model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=device if tp is None else tp.device, tp=tp,
                                         consume=True)
+    model.attach_block_codes()  # a GGUF model's exact 4/8-bit codes: the same fp32 products from fewer bytes
     return LoadedModel(model, tokenizer, hf_config, source)

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .blockcodes import blockcode_linear
 from .caches import KVCache, RaggedCache
 from .config import ModelConfig
 from .kernels import LINEAR_MAX_ROWS, f32_beats_onednn, f32_linear, f32_one_row_pays, rms_norm
@@ -39,9 +40,15 @@ class Linear(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))  # (in, out)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed = None  # oneDNN-prepacked copy for multi-row products on CPU (see Transformer.pack_weights)
+        self.codes = None  # the weights' exact GGUF block codes (blockcodes.py), read instead of weight_t for <= 64 rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         rows = x.numel() // x.shape[-1]
+        if self.codes is not None and rows <= LINEAR_MAX_ROWS:  # the same fp32 weights, a fifth of the bytes
+            y = blockcode_linear(x.reshape(-1, x.shape[-1]), self.codes)  # None where it does not apply
+            if y is not None:
+                y = y.reshape(*x.shape[:-1], -1)
+                return y + self.bias if self.bias is not None else y
         # a verification block or a batched step (and a decode step where the kernel beats MKL's GEMV): our kernel,
         # unless oneDNN's product over packed weights is faster on this CPU (the AVX2 build)
         if ((1 < rows <= LINEAR_MAX_ROWS and (self.packed is None or f32_beats_onednn()))
@@ -338,6 +345,33 @@ class Transformer(nn.Module):
         model.eval()
         return model
 
+    def attach_block_codes(self) -> int:
+        """Give every projection whose fp32 weights are a GGUF file's exact block codes its
+        :class:`~triforce.blockcodes.BlockCodes` (``Linear.codes``; the fp32 ``weight_t`` stays for prefill and for
+        the lower tiers' copies), and, where every layer has them, a one-call decode step
+        (:class:`~triforce.decode_step.DecodeStep`: decode steps and verification blocks over the full cache).
+
+        Returns:
+            how many projections got codes: 0 off the CPU, for dtypes other than fp32, under tensor parallelism,
+            where the kernel is off or unavailable (``blockcodes_status()``), or where no matrix is block codes.
+        """
+        from .blockcodes import blockcodes_status, find_block_codes
+        from .decode_step import DecodeStep
+
+        if (self.device.type != "cpu" or self.dtype != torch.float32 or self.tp is not None
+                or not blockcodes_status().startswith("on")):
+            return 0
+        count = 0
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.codes = find_block_codes(module.weight_t)
+                count += module.codes is not None
+        try:  # every layer on codes: its decode steps and verification blocks in one call where the cache offers it
+            self.decode_step = DecodeStep(self)
+        except ValueError:
+            self.decode_step = None
+        return count
+
     def pack_weights(self) -> bool:
         """Add a oneDNN-prepacked copy of every projection, used for products of several rows on the CPU.
 
@@ -369,12 +403,14 @@ class Transformer(nn.Module):
         cannot run or is slower than oneDNN's packed product (the AVX2 build, :func:`~triforce.kernels.f32_beats_onednn`).
         Where the AVX-512 build runs it is about as fast as oneDNN's packed product for 2-64 rows
         (``bench/qlinear.py``), and prefill (more rows) is as fast with MKL's product over the (in, out) weights, so
-        the copy would only cost memory."""
+        the copy would only cost memory. Nor where the weights are block codes (``blockcodes.py``): 2-64 rows read
+        the codes."""
         from .kernels import f32_beats_onednn
         from .memory import available_bytes
 
         return (self.device.type == "cpu" and self.dtype == torch.float32 and isinstance(self.lm_head, Linear)
-                and not f32_beats_onednn() and 4 * self.weight_bytes() <= available_bytes("cpu"))
+                and self.lm_head.codes is None and not f32_beats_onednn()
+                and 4 * self.weight_bytes() <= available_bytes("cpu"))
 
     COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
@@ -401,3 +437,10 @@ class Transformer(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters (tied weights counted once)."""
         return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def step_weight_bytes(self) -> int:
+        """Bytes of weights a decode step reads: a projection's block codes where it has them (``blockcodes.py``),
+        else its parameters (:meth:`weight_bytes` without the codes' fp32 copies; the embedding row is not counted
+        apart from the tied LM head)."""
+        coded = [m for m in self.modules() if isinstance(m, Linear) and m.codes is not None]
+        return self.weight_bytes() - sum(m.weight_t.numel() * m.weight_t.element_size() - m.codes.nbytes for m in coded)

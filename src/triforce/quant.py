@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .defaults import LOWER_WEIGHTS
-from .decode_step import Int8LayerTable, int8_decode_layers
+from .decode_step import DecodeStep
 from .kernels import int8_linear
 from .model import Linear, Transformer
 
@@ -163,43 +163,6 @@ class BF16Linear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-class Int8DecodeStep:
-    """A decode step of an int8 copy in one kernel call: :func:`~triforce.decode_step.int8_decode_layers` over the
-    model's :class:`~triforce.decode_step.Int8LayerTable`, for the forwards whose cache offers it
-    (:meth:`~triforce.caches.KVCache.one_query_rows`: the retrieval tier's steps). Set as the copy's
-    ``decode_step`` by :func:`lower_precision_copy`; :meth:`~triforce.model.Transformer.forward` calls it.
-
-    Args:
-        model: an int8 copy (every projection an :class:`Int8Linear`), fp32 norms, no tensor parallelism.
-
-    Raises:
-        ValueError: a model the kernel does not take (see :class:`~triforce.decode_step.Int8LayerTable`).
-    """
-
-    def __init__(self, model: Transformer) -> None:
-        cfg = model.cfg
-        norms, qs, scales, biases = [], [], [], []
-        for block in model.layers:
-            norms += [block.input_layernorm.weight.detach(), block.post_attention_layernorm.weight.detach()]
-            for lin in (block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj):
-                if not isinstance(lin, Int8Linear):
-                    raise ValueError(f"Int8DecodeStep: every projection must be int8, got {type(lin).__name__}")
-                qs.append(lin.q.detach())
-                scales.append(lin.scale_f32.detach())
-                biases.append(None if lin.bias is None else lin.bias.detach())
-        self.table = Int8LayerTable(norms, qs, scales, biases, (cfg.hidden_size, cfg.num_attention_heads,
-                                    cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size), cfg.rms_norm_eps)
-
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor | None:
-        """(1, 1, d) fp32 embedded token, its (1, hs) rotation and the cache -> (1, 1, d) after the last layer, or
-        None (not one token over rows the cache offers, or the kernels do not apply)."""
-        rows = cache.one_query_rows() if x.shape[:2] == (1, 1) else None
-        if rows is None:
-            return None
-        k, v, slot, n_keys = rows
-        return int8_decode_layers(self.table, x, k, v, slot, n_keys, cos, sin)
-
-
 def lower_precision_copy(model: Transformer, weights: str) -> Transformer:
     """A copy of ``model`` whose projections and LM head use ``weights`` (``int8`` or ``bfloat16``).
 
@@ -253,7 +216,7 @@ def lower_precision_copy(model: Transformer, weights: str) -> Transformer:
     out.decode_step = None
     if weights == "int8" and model.tp is None and model.dtype == torch.float32 and model.device.type == "cpu":
         try:
-            out.decode_step = Int8DecodeStep(out)
+            out.decode_step = DecodeStep(out)
         except ValueError:
             pass  # a layout the kernel does not take: the layers run in Python
     return out

@@ -186,12 +186,13 @@ def _generate(args: argparse.Namespace, out) -> int:
             bar.close()
     import torch
 
+    from ..blockcodes import blockcodes_status
     from ..kernels import linear_status, norm_rope_status, status as kernel_status
 
     threads = torch.get_num_threads()
     if args.json:
         kernels = dict(attention_kernel=kernel_status(), linear_kernel=linear_status(),
-                       norm_rope_kernel=norm_rope_status())
+                       norm_rope_kernel=norm_rope_status(), block_code_kernel=blockcodes_status())
         out.write(json.dumps(dict(result.to_dict(), threads=threads, **kernels), indent=2) + "\n")
         out.flush()
     else:

@@ -1,4 +1,6 @@
-/* Every decoder layer of one decode step of an int8 lower tier, in one call (one token, batch 1, fp32 activations).
+/* Every decoder layer of one decode step (or a verification block of a few tokens) in one call (batch 1, fp32
+ * activations): an int8 lower tier's, or a model whose projections read their GGUF block codes (csrc/blockcodes.c:
+ * the verifier's decode steps and verification blocks over the full cache, the retrieval tier over the same weights).
  *
  * A decode step of the retrieval tier (TriForce, arXiv 2404.11912, Sec. 4.1: the target's weights over a small
  * retrieval cache; here its int8 weight-only copy, triforce/quant.py) is 30 layers of about 15 small operations each
@@ -24,6 +26,8 @@
 
 typedef int (*int8_linear_fn)(const float* x, const int8_t* w, const float* scale, float* y, int M, int in, int out,
                               int nthreads);
+typedef int (*blockcode_linear_fn)(const float* x, const void* codes, int bits, const float* d, const float* m,
+                                   float* y, int M, int in, int out, int nthreads);
 typedef void (*rms_norm_fn)(const float* x, const float* w, float* y, int64_t rows, int d, float eps);
 typedef void (*rope_fn)(const float* x, int64_t sb, int64_t sh, int64_t st, float* y, const float* cos,
                         const float* sin, int B, int H, int T, int hs);
@@ -36,65 +40,88 @@ static void add_bias(float* y, const float* b, int n) {
         for (int i = 0; i < n; ++i) y[i] += b[i];
 }
 
-/* fns: {int8_linear, rms_norm, rope, attention}. x: (d,) the hidden state, updated in place.
- * norm_w: 2 per layer (input, post-attention). q, scale, bias: 4 per layer (qkv, o, gate_up, down): (out, in) int8,
- * (out,) fp32, (out,) fp32 or NULL. k_cache, v_cache: (L, 1, nkv, capacity, hs) fp32 contiguous, layer_stride =
- * nkv * capacity * hs, head_stride = capacity * hs; this token's key and value go to row `slot` and the query attends
- * over rows [0, n_keys) (all of them visible to it). cos, sin: (hs,) this position's rotation. work: at least
- * (nh + 2 nkv) hs + 2 nh hs + nkv hs + 2 d + 3 inter floats; attn_scratch: what triforce_gqa_attention needs for
- * one row block of nh / nkv rows over n_keys keys. Returns 0, or the first kernel's nonzero return code. */
-int triforce_int8_decode_layers(void* const* fns, float* x, int L, int d, int nh, int nkv, int hs, int inter,
-                                float eps, const float* const* norm_w, const int8_t* const* q,
-                                const float* const* scale, const float* const* bias, float* k_cache, float* v_cache,
-                                int64_t layer_stride, int64_t head_stride, int slot, int n_keys, const float* cos,
-                                const float* sin, int chunk, float attn_scale, int nthreads, float* work,
-                                float* attn_scratch) {
-    const int8_linear_fn linear = (int8_linear_fn)fns[0];
+/* y = x W^T for M rows: bits 0 the int8 kernel (w: (out, in) int8, s: per-channel scales), 4 or 8 the block-code
+ * kernel (w: codes, s: the blocks' scales, mn: their minima or NULL) */
+static int project(void* const* fns, int bits, const void* w, const float* s, const float* mn, const float* x,
+                   float* y, int M, int in, int out, int nthreads) {
+    if (bits == 0) return ((int8_linear_fn)fns[0])(x, (const int8_t*)w, s, y, M, in, out, nthreads);
+    if (!fns[4]) return -1;
+    return ((blockcode_linear_fn)fns[4])(x, w, bits, s, mn, y, M, in, out, nthreads);
+}
+
+/* fns: {int8_linear, rms_norm, rope, attention, blockcode_linear or NULL}. x: (T, d) the hidden states of a block of
+ * T tokens (1 <= T <= MAX_T: a decode step, or a verification block over the full cache), updated in place.
+ * norm_w: 2 per layer (input, post-attention). q, scale, mins, bits, bias: 4 per layer (qkv, o, gate_up, down): with
+ * bits 0, (out, in) int8, (out,) fp32, unused; with bits 4 or 8, the block codes, scales and minima (or NULL) of
+ * csrc/blockcodes.c's layout; bias (out,) fp32 or NULL. k_cache, v_cache: (L, 1, nkv, capacity, hs) fp32 contiguous,
+ * layer_stride = nkv * capacity * hs, head_stride = capacity * hs; the block's keys and values go to rows
+ * slot .. slot + T - 1 and its queries attend over rows [0, n_keys), token i of the block seeing rows
+ * j <= n_keys - T + i (T > 1 needs n_keys = slot + T: the full cache's causal block). cos, sin: (T, hs) the block's
+ * rotations. work: at least T ((nh + 2 nkv) hs + 3 nh hs + nkv hs + 2 d + 3 inter) floats; attn_scratch: what
+ * triforce_gqa_attention needs for T nh / nkv rows over n_keys keys; q_out: NULL, or (L, nh, T, hs) floats that
+ * receive every layer's rotated queries (the full cache keeps them for the retrieval cache's chunk selection).
+ * Returns 0, -1 for a block it does not take, or the first kernel's nonzero return code. */
+#define MAX_T 16
+int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int nh, int nkv, int hs, int inter,
+                           float eps, const float* const* norm_w, const void* const* q, const float* const* scale,
+                           const float* const* mins, const int* bits, const float* const* bias, float* k_cache,
+                           float* v_cache, float* q_out, int64_t layer_stride, int64_t head_stride, int slot,
+                           int n_keys, const float* cos, const float* sin, int chunk, float attn_scale, int nthreads,
+                           float* work, float* attn_scratch) {
+    if (T < 1 || T > MAX_T || (T > 1 && n_keys != slot + T)) return -1;
     const rms_norm_fn norm = (rms_norm_fn)fns[1];
     const rope_fn rope = (rope_fn)fns[2];
     const attention_fn attention = (attention_fn)fns[3];
     const int nq = nh * hs, nk = nkv * hs, nqkv = nq + 2 * nk;
-    float* const qkv = work;               /* (nqkv,) */
-    float* const q_rot = qkv + nqkv;       /* (nh, hs) */
-    float* const k_rot = q_rot + nq;       /* (nkv, hs) */
-    float* const attn = k_rot + nk;        /* (nh, hs) */
-    float* const h = attn + nq;            /* (d,) */
-    float* const y = h + d;                /* (d,) */
-    float* const gu = y + d;               /* (2 inter,) */
-    float* const act = gu + 2 * inter;     /* (inter,) */
+    float* const qkv = work;                   /* (T, nqkv) */
+    float* const q_rot = qkv + T * nqkv;       /* (nh, T, hs): rows (g, T) per KV head, as the attention takes them */
+    float* const k_rot = q_rot + T * nq;       /* (nkv, T, hs) */
+    float* const attn = k_rot + T * nk;        /* (nh, T, hs) */
+    float* const attn_t = attn + T * nq;       /* (T, nh hs) */
+    float* const h = attn_t + T * nq;          /* (T, d) */
+    float* const y = h + T * d;                /* (T, d) */
+    float* const gu = y + T * d;               /* (T, 2 inter) */
+    float* const act = gu + 2 * T * inter;     /* (T, inter) */
     int rc;
     for (int l = 0; l < L; ++l) {
-        const int8_t* const* wq = q + 4 * l;
+        const void* const* wq = q + 4 * l;
         const float* const* ws = scale + 4 * l;
+        const float* const* wm = mins + 4 * l;
+        const int* wbits = bits + 4 * l;
         const float* const* wb = bias + 4 * l;
         float* const kl = k_cache + l * layer_stride;
         float* const vl = v_cache + l * layer_stride;
         /* attention */
-        norm(x, norm_w[2 * l], h, 1, d, eps);
-        if ((rc = linear(h, wq[0], ws[0], qkv, 1, d, nqkv, nthreads))) return rc;
-        add_bias(qkv, wb[0], nqkv);
-        rope(qkv, 0, hs, hs, q_rot, cos, sin, 1, nh, 1, hs);
-        rope(qkv + nq, 0, hs, hs, k_rot, cos, sin, 1, nkv, 1, hs);
-        for (int j = 0; j < nkv; ++j) {
-            memcpy(kl + j * head_stride + (int64_t)slot * hs, k_rot + j * hs, sizeof(float) * hs);
-            memcpy(vl + j * head_stride + (int64_t)slot * hs, qkv + nq + nk + j * hs, sizeof(float) * hs);
-        }
-        if ((rc = attention(q_rot, kl, vl, attn, attn_scratch, 1, nkv, nh / nkv, 1, hs, layer_stride, head_stride,
-                            n_keys, chunk, attn_scale, nthreads, 0))) return rc;
-        if ((rc = linear(attn, wq[1], ws[1], y, 1, nq, d, nthreads))) return rc;
-        add_bias(y, wb[1], d);
-        for (int i = 0; i < d; ++i) x[i] = x[i] + y[i];
+        norm(x, norm_w[2 * l], h, T, d, eps);
+        if ((rc = project(fns, wbits[0], wq[0], ws[0], wm[0], h, qkv, T, d, nqkv, nthreads))) return rc;
+        for (int t = 0; t < T; ++t) add_bias(qkv + t * nqkv, wb[0], nqkv);
+        rope(qkv, 0, hs, nqkv, q_rot, cos, sin, 1, nh, T, hs);
+        rope(qkv + nq, 0, hs, nqkv, k_rot, cos, sin, 1, nkv, T, hs);
+        if (q_out) memcpy(q_out + (int64_t)l * T * nq, q_rot, sizeof(float) * T * nq);
+        for (int j = 0; j < nkv; ++j)
+            for (int t = 0; t < T; ++t) {
+                memcpy(kl + j * head_stride + (int64_t)(slot + t) * hs, k_rot + (j * T + t) * hs, sizeof(float) * hs);
+                memcpy(vl + j * head_stride + (int64_t)(slot + t) * hs, qkv + t * nqkv + nq + nk + j * hs,
+                       sizeof(float) * hs);
+            }
+        if ((rc = attention(q_rot, kl, vl, attn, attn_scratch, 1, nkv, nh / nkv * T, T, hs, layer_stride,
+                            head_stride, n_keys, chunk, attn_scale, nthreads, 0))) return rc;
+        for (int j = 0; j < nh; ++j)  /* (nh, T, hs) -> (T, nh hs) */
+            for (int t = 0; t < T; ++t) memcpy(attn_t + t * nq + j * hs, attn + (j * T + t) * hs, sizeof(float) * hs);
+        if ((rc = project(fns, wbits[1], wq[1], ws[1], wm[1], attn_t, y, T, nq, d, nthreads))) return rc;
+        for (int t = 0; t < T; ++t) add_bias(y + t * d, wb[1], d);
+        for (int i = 0; i < T * d; ++i) x[i] = x[i] + y[i];
         /* SwiGLU MLP */
-        norm(x, norm_w[2 * l + 1], h, 1, d, eps);
-        if ((rc = linear(h, wq[2], ws[2], gu, 1, d, 2 * inter, nthreads))) return rc;
-        add_bias(gu, wb[2], 2 * inter);
-        for (int i = 0; i < inter; ++i) {
-            const float g = gu[i];
-            act[i] = g / (1.0f + expf(-g)) * gu[inter + i];
+        norm(x, norm_w[2 * l + 1], h, T, d, eps);
+        if ((rc = project(fns, wbits[2], wq[2], ws[2], wm[2], h, gu, T, d, 2 * inter, nthreads))) return rc;
+        for (int t = 0; t < T; ++t) {
+            float* g = gu + (int64_t)t * 2 * inter;
+            add_bias(g, wb[2], 2 * inter);
+            for (int i = 0; i < inter; ++i) act[t * inter + i] = g[i] / (1.0f + expf(-g[i])) * g[inter + i];
         }
-        if ((rc = linear(act, wq[3], ws[3], y, 1, inter, d, nthreads))) return rc;
-        add_bias(y, wb[3], d);
-        for (int i = 0; i < d; ++i) x[i] = x[i] + y[i];
+        if ((rc = project(fns, wbits[3], wq[3], ws[3], wm[3], act, y, T, inter, d, nthreads))) return rc;
+        for (int t = 0; t < T; ++t) add_bias(y + t * d, wb[3], d);
+        for (int i = 0; i < T * d; ++i) x[i] = x[i] + y[i];
     }
     return 0;
 }

@@ -68,8 +68,10 @@ def _machine() -> dict:
     import transformers
 
     from ... import kernels
+    from ...blockcodes import blockcodes_status
 
     info = {**kernels.cpu(), "attention_kernel": kernels.status(), "linear_kernels": kernels.linear_status(),
+            "block_code_kernel": blockcodes_status(),
             "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__,

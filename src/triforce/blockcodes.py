@@ -1,0 +1,153 @@
+"""Exact block codes: a GGUF model's fp32 weights kept as their 4- or 8-bit block codes, multiplied in fp32.
+
+A model read from a GGUF file holds fp32 weights that are exactly the dequantized blocks of the file: for ggml's
+Q4_1 format ``w = fl(fl(d * q) + m)`` per block of 32 inputs with a 4-bit code ``q`` in [0, 15] and the block's fp16
+scale ``d`` and minimum ``m``; for Q8_0 ``w = fl(d * q)`` with ``q`` in [-128, 127] (ggml's block formats,
+llama.cpp ``ggml-quants.c``; gguf-py's ``dequantize``, which transformers' GGUF reader calls). The embedded default
+model (SmolLM2-135M-Instruct, Q4_1 with a Q8_0 embedding) is such a model. :func:`find_block_codes` recovers the
+codes from the fp32 weights and checks that every weight is reproduced exactly; ``csrc/blockcodes.c`` then
+dequantizes them in registers and computes what the fp32 weights compute, bitwise as our fp32 kernel
+(``kernels.f32_linear``) does over them, while reading 0.75 (4-bit) or 1.25 (8-bit) bytes per weight instead of 4.
+A decode step of the verifier is bound by those bytes, and the verifier alone defines the output distribution, so
+this changes no token, only the time (the lossless rule of TriForce, arXiv 2404.11912, Sec. 4, holds as with fp32
+weights; tests/test_blockcodes.py checks the products bitwise and greedy equality).
+
+Weights from other sources (bf16 or fp32 checkpoints, GGUF k-quants) are not block codes of these two formats:
+the check fails on the first blocks and they stay fp32 only. ``TRIFORCE_BLOCK_CODES=0`` turns the codes off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kernels import _I, _P, BLOCKCODES_CFLAGS, BLOCKCODES_ENV_SWITCH, LINEAR_MAX_ROWS, _Library
+
+#: inputs per block (ggml's QK4_1 = QK8_0 = 32)
+GROUP = 32
+#: blocks checked before the whole matrix (the first inputs of the first 32 outputs): a matrix that is not block
+#: codes costs one small check
+_PROBE_BLOCKS = 32
+
+_blockcodes = _Library("blockcodes.c", BLOCKCODES_ENV_SWITCH, ("avx2", "fma", "f16c"),
+                       lambda: (BLOCKCODES_CFLAGS, "AVX2"), {
+                           "triforce_blockcode_linear": (_I, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I]),
+                           "triforce_blockcode_fit": (_I, [_P, _I, _I, _I, _P, _P, _P])})
+
+
+def blockcodes_status() -> str:
+    """'on (...)', 'off (...)' or 'unavailable: <reason>' for the block-code kernel (loads it if nobody has yet)."""
+    _blockcodes.load()
+    return _blockcodes.status
+
+
+@dataclass
+class BlockCodes:
+    """One (in, out) weight matrix as block codes, in the layout of ``csrc/blockcodes.c``.
+
+    Attributes:
+        bits: 4 (Q4_1: ``w = d * q + m``) or 8 (Q8_0: ``w = d * q``).
+        codes: bits 4: (out / 8, in) int32, nibble k the code of output 8c + k; bits 8: (out / 8, in, 8) int8.
+        d: (out / 8, in / 32, 8) fp32 scales per block of 32 inputs; m: the same shape, the minima (bits 4), or None.
+        in_features, out_features: the matrix's shape, (in, out).
+    """
+
+    bits: int
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+    in_features: int
+    out_features: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a product reads: codes, scales and minima."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m) if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        """The (in, out) fp32 weights the codes stand for, computed as the check in :func:`find_block_codes` does."""
+        n_in, n_out = self.in_features, self.out_features
+        if self.bits == 4:
+            shifts = 4 * torch.arange(8, dtype=torch.int64)
+            q = ((self.codes.to(torch.int64)[..., None] & 0xFFFFFFFF) >> shifts) & 15  # (out/8, in, 8)
+        else:
+            q = self.codes.to(torch.int64)
+        d = self.d.repeat_interleave(GROUP, dim=1)  # (out/8, in, 8)
+        w = d * q.float()
+        if self.m is not None:
+            w = w + self.m.repeat_interleave(GROUP, dim=1)
+        return w.permute(1, 0, 2).reshape(n_in, n_out)
+
+
+def find_block_codes(weight_t: torch.Tensor) -> BlockCodes | None:
+    """The exact Q4_1 or Q8_0 block codes of an (in, out) fp32 weight matrix, or None where it has none.
+
+    ``csrc/blockcodes.c`` (``triforce_blockcode_fit``, one pass over the matrix) takes each block's scale as
+    (max - min) / 15 (Q4_1) or max |w| / 127 (Q8_0) rounded to fp16, or an fp16 value up to 2 steps from it, and checks
+    that every weight's ``d * q + m`` (two roundings, as the product kernel computes it) equals the weight; one block
+    that no candidate reproduces makes the answer None (a matrix that is not block codes fails on its first
+    :data:`_PROBE_BLOCKS` blocks, at little cost).
+
+    Args:
+        weight_t: (in, out) fp32 on the CPU (a :class:`~triforce.model.Linear`'s ``weight_t``), in and out multiples
+            of 32 (ggml's blocks; the kernel's 4 column blocks of 8).
+
+    Returns:
+        :class:`BlockCodes`, or None (another dtype, device or shape, weights that are not block codes, or the
+        kernel unavailable: ``blockcodes_status()`` says why).
+    """
+    if (weight_t.dtype != torch.float32 or weight_t.device.type != "cpu" or weight_t.dim() != 2
+            or weight_t.shape[0] % GROUP or weight_t.shape[1] % 32 or weight_t.numel() == 0):
+        return None
+    fns = _blockcodes.load()
+    if fns is None:
+        return None
+    fit = fns["triforce_blockcode_fit"]
+    w = weight_t.detach().contiguous()
+    n_in, n_out = w.shape
+    for bits in (4, 8):
+        def outputs(n_in: int, n_out: int):  # codes, d, m for an (n_in, n_out) matrix
+            codes = (torch.empty(n_out // 8, n_in, dtype=torch.int32) if bits == 4
+                     else torch.empty(n_out // 8, n_in, 8, dtype=torch.int8))
+            d = torch.empty(n_out // 8, n_in // GROUP, 8)
+            return codes, d, torch.empty_like(d) if bits == 4 else None
+
+        def fits(x: torch.Tensor, out) -> bool:
+            ptrs = [None if t is None else t.data_ptr() for t in out]
+            return fit(x.data_ptr(), x.shape[0], x.shape[1], bits, *ptrs) == 0
+
+        probe = w[:GROUP, :_PROBE_BLOCKS].contiguous()
+        if not fits(probe, outputs(GROUP, _PROBE_BLOCKS)):
+            continue
+        out = outputs(n_in, n_out)
+        if fits(w, out):
+            return BlockCodes(bits, *out, n_in, n_out)
+    return None
+
+
+def blockcode_linear(x: torch.Tensor, codes: BlockCodes) -> torch.Tensor | None:
+    """``y = x W`` for the fp32 weights W that ``codes`` stand for, or None where the kernel does not apply.
+
+    Bitwise the product :func:`~triforce.kernels.f32_linear` computes over ``codes.dequantize()`` (one chain of FMAs
+    over the inputs per output), so a row's result does not depend on the rows beside it.
+
+    Args:
+        x: (M, in) fp32 contiguous CPU activations, 1 <= M <= :data:`~triforce.kernels.LINEAR_MAX_ROWS`.
+        codes: the weights (:class:`BlockCodes`).
+
+    Returns:
+        (M, out) fp32, or None (other dtypes, devices or shapes; more rows; the kernel unavailable).
+    """
+    if (x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != codes.in_features
+            or not 1 <= x.shape[0] <= LINEAR_MAX_ROWS):
+        return None
+    fns = _blockcodes.load()
+    if fns is None:
+        return None
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], codes.out_features)
+    rc = fns["triforce_blockcode_linear"](x.data_ptr(), codes.codes.data_ptr(), codes.bits, codes.d.data_ptr(),
+                                          None if codes.m is None else codes.m.data_ptr(), y.data_ptr(), x.shape[0],
+                                          codes.in_features, codes.out_features, torch.get_num_threads())
+    return y if rc == 0 else None

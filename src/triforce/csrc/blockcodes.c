@@ -1,0 +1,199 @@
+/* fp32 matrix products over weights stored as their GGUF block codes, dequantized exactly in registers.
+ *
+ * A model read from a GGUF file (the default SmolLM2 is Q4_1, its embedding Q8_0) has fp32 weights that are exactly
+ * w = fl(fl(d * q) + m) per block of 32 inputs: q a 4-bit code in [0, 15] with the block's scale d and minimum m
+ * (Q4_1), or an 8-bit code in [-127, 127] with m = 0 (Q8_0) (ggml's block formats, as gguf-py dequantizes them).
+ * triforce/blockcodes.py finds the codes from the fp32 weights and checks every weight's reconstruction exactly, so
+ * this kernel multiplies by the very fp32 weights the model holds, reading 0.75 (4-bit) or 1.25 (8-bit) bytes per
+ * weight instead of 4: a decode step is bound by those bytes. Each y[m, o] is one chain of FMAs over i = 0 .. in-1 in
+ * a lane, the same chain as triforce_f32_linear's (csrc/qlinear.c) over the dequantized (in, out) weights, so the
+ * two give bitwise the same products, whatever M and the other rows (a row alone and in a block agree).
+ *
+ * Layout (one 8-output column block c = o / 8 after another, so each block streams from memory):
+ *     bits 4: codes (out / 8, in) uint32, nibble k (bits 4k .. 4k + 3) the code of output 8c + k at input i
+ *     bits 8: codes (out / 8, in, 8) int8
+ *     d, m:   (out / 8, in / 32, 8) fp32 per block of 32 inputs; m NULL for m = 0 (the add is skipped: d * q exactly)
+ *
+ * triforce_blockcode_fit finds the codes of an fp32 (in, out) matrix in this layout, one pass over it (8 outputs per
+ * vector, a block's 32 inputs down the lanes): the block's scale is max - min over 15 (Q4_1) or max |w| over 127
+ * (Q8_0) rounded to fp16 (GGUF stores it so), or a neighbouring fp16 value, and every weight's d * q + m must come back
+ * exactly; it answers 1 (nothing usable written) at the first block no candidate reproduces.
+ *
+ * Built with -ffp-contract=off (d * q + m rounds twice, as PyTorch's elementwise ops and gguf-py's numpy do) and
+ * -mavx2 -mfma -fopenmp by triforce/kernels.py's builder; the Python side checks every precondition before calling.
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+
+#define MAX_ROWS 64
+#define GROUP 32
+
+/* 8 weights of column block c at input i, exactly as fp32 */
+static inline __attribute__((always_inline)) __m256 weights8(const void* codes, const int BITS, int64_t c, int in,
+                                                             int i, __m256 dv, __m256 mv, const int HAS_M) {
+    __m256i q;
+    if (BITS == 4) {
+        const uint32_t word = ((const uint32_t*)codes)[c * in + i];
+        q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                             _mm256_set1_epi32(15));
+    } else {
+        q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)((const int8_t*)codes + (c * in + i) * 8)));
+    }
+    const __m256 w = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(q));
+    return HAS_M ? _mm256_add_ps(w, mv) : w;
+}
+
+/* y[m, 8 (c0 + u) : ... + 8) for R rows (constants after inlining) and NC column blocks c0 .. c0 + NC - 1 */
+static inline __attribute__((always_inline)) void tile(const float* x, const int R, int in, const void* codes,
+                                                       const int BITS, const float* d, const float* m, const int HAS_M,
+                                                       int64_t c0, const int NC, int out, float* y) {
+    __m256 acc[8];  /* R * NC <= 8 */
+    for (int a = 0; a < R * NC; ++a) acc[a] = _mm256_setzero_ps();
+    const int groups = in / GROUP;
+    for (int g = 0; g < groups; ++g) {
+        __m256 dv[4], mv[4];
+        for (int u = 0; u < NC; ++u) {
+            dv[u] = _mm256_loadu_ps(d + ((c0 + u) * groups + g) * 8);
+            mv[u] = HAS_M ? _mm256_loadu_ps(m + ((c0 + u) * groups + g) * 8) : _mm256_setzero_ps();
+        }
+        for (int i = g * GROUP; i < (g + 1) * GROUP; ++i) {
+            __m256 w[4];
+            for (int u = 0; u < NC; ++u) w[u] = weights8(codes, BITS, c0 + u, in, i, dv[u], mv[u], HAS_M);
+            for (int r = 0; r < R; ++r) {
+                const __m256 xb = _mm256_broadcast_ss(x + (int64_t)r * in + i);
+                for (int u = 0; u < NC; ++u) acc[r * NC + u] = _mm256_fmadd_ps(xb, w[u], acc[r * NC + u]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int u = 0; u < NC; ++u) _mm256_storeu_ps(y + (int64_t)r * out + 8 * (c0 + u), acc[r * NC + u]);
+}
+
+/* All rows over column blocks [c0, c1): passes of R rows, NC blocks at a time (one row: 4 independent FMA chains, so
+ * a one-row product is not bound by FMA latency) */
+#define PASS(BITS, HAS_M, R, NC)                                                                                   \
+    for (int64_t c = c0; c < c1; c += NC) tile(xm, R, in, codes, BITS, d, m, HAS_M, c, NC, out, ym);
+#define ROWS(BITS, HAS_M)                                                                                          \
+    switch (rows) {                                                                                                \
+        case 1: PASS(BITS, HAS_M, 1, 4) break;                                                                     \
+        case 2: PASS(BITS, HAS_M, 2, 4) break;                                                                     \
+        case 3: PASS(BITS, HAS_M, 3, 2) break;                                                                     \
+        case 4: PASS(BITS, HAS_M, 4, 2) break;                                                                     \
+        case 5: PASS(BITS, HAS_M, 5, 1) break;                                                                     \
+        case 6: PASS(BITS, HAS_M, 6, 1) break;                                                                     \
+        case 7: PASS(BITS, HAS_M, 7, 1) break;                                                                     \
+        default: PASS(BITS, HAS_M, 8, 1) break;                                                                    \
+    }
+
+/* x: (M, in) fp32 contiguous, y: (M, out) fp32; codes, d, m as above; in a multiple of 32, out of 32 (4 column
+ * blocks per one-row step). Returns 0, or -1 for arguments outside what the kernel handles (nothing written). */
+int triforce_blockcode_linear(const float* x, const void* codes, int bits, const float* d, const float* m, float* y,
+                              int M, int in, int out, int nthreads) {
+    if (M < 1 || M > MAX_ROWS || in < GROUP || in % GROUP || out < 32 || out % 32 || (bits != 4 && bits != 8)
+        || nthreads < 1)
+        return -1;
+    const int64_t quads = out / 32;  /* 4 column blocks each: the threads' work items */
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t qd = 0; qd < quads; ++qd) {
+        const int64_t c0 = 4 * qd, c1 = c0 + 4;
+        for (int m0 = 0; m0 < M; m0 += 8) {
+            const int rows = M - m0 < 8 ? M - m0 : 8;
+            const float* xm = x + (int64_t)m0 * in;
+            float* ym = y + (int64_t)m0 * out;
+            if (bits == 4 && m) { ROWS(4, 1) }
+            else if (bits == 4) { ROWS(4, 0) }
+            else if (m) { ROWS(8, 1) }
+            else { ROWS(8, 0) }
+        }
+    }
+    return 0;
+}
+
+
+/* the fp16 value k steps from h (positive halves are ordered as their bits), as fp32 */
+static inline __m256 half_step(__m128i h, int k) {
+    return _mm256_cvtph_ps(_mm_add_epi16(h, _mm_set1_epi16((short)k)));
+}
+
+/* w: (in, out) fp32 contiguous; codes, d, m: outputs in the layout above (m ignored for bits 8). Returns 0 when every
+ * weight is reproduced exactly, 1 when some block is not (the outputs then hold nothing usable), -1 for bad sizes. */
+int triforce_blockcode_fit(const float* w, int in, int out, int bits, void* codes, float* d, float* m) {
+    if (in < GROUP || in % GROUP || out < 32 || out % 32 || (bits != 4 && bits != 8))
+        return -1;
+    const int groups = in / GROUP;
+    const int64_t items = (int64_t)(out / 8) * groups;
+    int bad = 0;
+    #pragma omp parallel for schedule(static) reduction(| : bad)
+    for (int64_t it = 0; it < items; ++it) {
+        if (bad) continue;
+        const int64_t c = it / groups;
+        const int g = (int)(it % groups);
+        __m256 col[GROUP];  /* the block's 32 inputs for 8 outputs */
+        for (int j = 0; j < GROUP; ++j) col[j] = _mm256_loadu_ps(w + (int64_t)(g * GROUP + j) * out + 8 * c);
+        __m256 lo = col[0], hi = col[0];
+        for (int j = 1; j < GROUP; ++j) {
+            lo = _mm256_min_ps(lo, col[j]);
+            hi = _mm256_max_ps(hi, col[j]);
+        }
+        const __m256 absmax = _mm256_max_ps(hi, _mm256_sub_ps(_mm256_setzero_ps(), lo));
+        const __m256 base = bits == 4 ? _mm256_div_ps(_mm256_sub_ps(hi, lo), _mm256_set1_ps(15.f))
+                                      : _mm256_div_ps(absmax, _mm256_set1_ps(127.f));
+        const __m256 mv = bits == 4 ? lo : _mm256_setzero_ps();
+        const __m128i h = _mm256_cvtps_ph(base, _MM_FROUND_TO_NEAREST_INT);
+        const float qlo = bits == 4 ? 0.f : -128.f, qhi = bits == 4 ? 15.f : 127.f;
+        __m256 dv = _mm256_setzero_ps();
+        int done = 0;  /* lanes reproduced exactly */
+        __m256 qs[GROUP];
+        static const int steps[5] = {0, 1, -1, 2, -2};
+        for (int s = 0; s < 5 && done != 0xFF; ++s) {
+            const __m256 cand = half_step(h, steps[s]);
+            const __m256 pos = _mm256_cmp_ps(cand, _mm256_setzero_ps(), _CMP_GT_OQ);
+            const __m256 safe = _mm256_blendv_ps(_mm256_set1_ps(1.f), cand, pos);
+            int ok = 0xFF & _mm256_movemask_ps(_mm256_cmp_ps(cand, cand, _CMP_ORD_Q));  /* not NaN */
+            __m256 q[GROUP];
+            for (int j = 0; j < GROUP && ok; ++j) {
+                __m256 x = bits == 4 ? _mm256_sub_ps(col[j], mv) : col[j];
+                x = _mm256_round_ps(_mm256_div_ps(x, safe), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                x = _mm256_and_ps(x, pos);  /* a zero scale: code 0 */
+                q[j] = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(qlo)), _mm256_set1_ps(qhi));
+                __m256 rec = _mm256_mul_ps(cand, q[j]);
+                if (bits == 4) rec = _mm256_add_ps(rec, mv);
+                ok &= _mm256_movemask_ps(_mm256_cmp_ps(rec, col[j], _CMP_EQ_OQ));
+            }
+            const int take = ok & ~done;  /* lanes this candidate reproduces, not yet taken */
+            if (take) {
+                const __m256 sel = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                    _mm256_and_si256(_mm256_set1_epi32(take), _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128)),
+                    _mm256_setzero_si256()));
+                dv = _mm256_blendv_ps(dv, cand, sel);
+                for (int j = 0; j < GROUP; ++j) qs[j] = s == 0 ? q[j] : _mm256_blendv_ps(qs[j], q[j], sel);
+                done |= take;
+            }
+        }
+        if (done != 0xFF) {
+            bad = 1;
+            continue;
+        }
+        _mm256_storeu_ps(d + it * 8, dv);  /* (c, g) -> (c * groups + g) * 8 */
+        if (bits == 4) {
+            _mm256_storeu_ps(m + it * 8, mv);
+            uint32_t* cw = (uint32_t*)codes + c * in + g * GROUP;
+            for (int j = 0; j < GROUP; ++j) {
+                const __m256i qi = _mm256_sllv_epi32(_mm256_cvtps_epi32(qs[j]), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+                __m128i s4 = _mm_or_si128(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+                s4 = _mm_or_si128(s4, _mm_shuffle_epi32(s4, 0x4E));
+                s4 = _mm_or_si128(s4, _mm_shuffle_epi32(s4, 0xB1));
+                cw[j] = (uint32_t)_mm_cvtsi128_si32(s4);
+            }
+        } else {
+            int8_t* cb = (int8_t*)codes + (c * in + g * GROUP) * 8;
+            for (int j = 0; j < GROUP; ++j) {
+                int32_t lanes[8];
+                _mm256_storeu_si256((__m256i*)lanes, _mm256_cvtps_epi32(qs[j]));
+                for (int k = 0; k < 8; ++k) cb[j * 8 + k] = (int8_t)lanes[k];
+            }
+        }
+    }
+    return bad;
+}

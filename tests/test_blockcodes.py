@@ -1,0 +1,205 @@
+"""Exact block codes (blockcodes.py, csrc/blockcodes.c): a GGUF model's fp32 weights as their Q4_1 / Q8_0 codes.
+
+The codes must reproduce every weight exactly, the product must be bitwise our fp32 kernel's over the same weights
+(and agree with PyTorch's matmul to fp32 rounding), weights that are not block codes must be refused, and a model
+whose verifier reads the codes must keep greedy equality with autoregressive decoding and the exact distribution.
+"""
+
+import pytest
+import torch
+
+from test_distribution import NEW, SETTINGS, V, chi2_pvalue, empirical, exact_distribution
+from tiny import hf_model, ours, pair
+from triforce import blockcodes
+from triforce.blockcodes import blockcode_linear, find_block_codes
+from triforce.caches import FullKVCache
+from triforce.engine import Engine, SpeculationConfig
+from triforce.kernels import LINEAR_MAX_ROWS, f32_linear
+from triforce.model import Linear
+from triforce.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not blockcodes.blockcodes_status().startswith("on"),
+                                reason=f"block-code kernel: {blockcodes.blockcodes_status()}")
+
+
+def q4_1(w: torch.Tensor) -> torch.Tensor:
+    """ggml's Q4_1 round trip of an (out, in) matrix along in (llama.cpp quantize_row_q4_1_ref, gguf-py dequantize):
+    fp16 scale (max - min) / 15 and fp16 minimum per block of 32; returns the dequantized fp32 weights."""
+    b = w.float().reshape(w.shape[0], -1, 32)
+    lo, hi = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
+    d = (hi - lo) / 15
+    q = torch.where(d > 0, ((b - lo) / torch.where(d > 0, d, 1) + 0.5).floor(), 0).clamp(0, 15)
+    return (d.half().float() * q + lo.half().float()).reshape(w.shape)
+
+
+def q8_0(w: torch.Tensor) -> torch.Tensor:
+    """ggml's Q8_0 round trip (quantize_row_q8_0_ref): fp16 scale max |w| / 127 per block of 32."""
+    b = w.float().reshape(w.shape[0], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(b / torch.where(d > 0, d, 1)).clamp(-127, 127)
+    return (d.half().float() * q).reshape(w.shape)
+
+
+def gguf_like(hf, embed=q8_0, proj=q4_1):
+    """Replace a transformers model's matrices by their GGUF round trips, as a Q4_1 file with a Q8_0 embedding."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 2 and p.shape[1] % 32 == 0:
+                p.copy_(embed(p) if "embed" in name else proj(p))
+    return hf
+
+
+@pytest.mark.parametrize("fmt,bits", [(q4_1, 4), (q8_0, 8)])
+@pytest.mark.parametrize("n_in,n_out", [(64, 96), (576, 960), (1536, 576)])
+def test_codes_reproduce_every_weight_and_the_fp32_product_bitwise(fmt, bits, n_in, n_out):
+    torch.manual_seed(n_in + n_out + bits)
+    w_t = fmt(torch.randn(n_out, n_in) * 0.05).T.contiguous()  # (in, out), as Linear stores it
+    codes = find_block_codes(w_t)
+    assert codes is not None and codes.bits == bits
+    assert torch.equal(codes.dequantize(), w_t)
+    assert codes.nbytes <= w_t.numel() * (0.75 if bits == 4 else 1.25)
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 17, LINEAR_MAX_ROWS):
+        x = torch.randn(rows, n_in)
+        y = blockcode_linear(x, codes)
+        ref = f32_linear(x, w_t)
+        if ref is not None:  # our fp32 kernel: the same chain of FMAs, so bitwise equal
+            assert torch.equal(y, ref), rows
+        torch.testing.assert_close(y, x @ w_t, rtol=1e-5, atol=1e-5)
+        assert torch.equal(blockcode_linear(x[:1], codes), y[:1])  # a row alone = the row in a block
+
+
+def test_weights_that_are_not_block_codes_are_refused():
+    torch.manual_seed(0)
+    w = torch.randn(576, 960) * 0.05
+    assert find_block_codes(w) is None  # plain fp32
+    assert find_block_codes(w.bfloat16().float()) is None  # a bf16 checkpoint
+    exact = q4_1(w.T).T.contiguous()
+    assert find_block_codes(exact) is not None
+    off_by_one_ulp = exact.clone()
+    off_by_one_ulp[300, 700] = torch.nextafter(off_by_one_ulp[300, 700], torch.tensor(1.0))
+    assert find_block_codes(off_by_one_ulp) is None  # one weight in a late block: the whole matrix stays fp32
+    assert find_block_codes(exact[:, :48]) is None  # out not a multiple of 32
+    assert find_block_codes(exact.double()) is None
+    codes = find_block_codes(exact)
+    assert blockcode_linear(torch.randn(LINEAR_MAX_ROWS + 1, 576), codes) is None  # prefill: PyTorch's product
+    assert blockcode_linear(torch.randn(2, 575), codes) is None
+    assert blockcode_linear(torch.randn(2, 576, dtype=torch.float64), codes) is None
+
+
+def test_model_with_codes_matches_transformers_and_its_fp32_self():
+    hf = gguf_like(hf_model(seed=3, vocab=96, layers=2))
+    plain, coded = ours(hf), ours(hf)
+    n = coded.attach_block_codes()
+    linears = [m for m in coded.modules() if isinstance(m, Linear)]
+    assert n == len(linears) == 2 * 4 + 1  # qkv, o, gate_up, down per layer and the LM head
+    ids = torch.randint(3, 96, (1, 80), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    steps = {}
+    for name, model in (("plain", plain), ("coded", coded)):
+        cache = FullKVCache(model.cfg, 96)
+        first = model(ids[:, :72], torch.arange(72), cache)  # prefill (72 rows): the fp32 weights
+        block = model(ids[:, 72:79], torch.arange(72, 79), cache)  # a verification block: the codes
+        step = model(ids[:, 79:80], torch.tensor([79]), cache)  # a decode step: the codes
+        torch.testing.assert_close(torch.cat([first, block, step], 1), ref, rtol=1e-4, atol=1e-4)
+        steps[name] = step
+    torch.testing.assert_close(steps["coded"], steps["plain"], rtol=1e-5, atol=1e-5)
+    assert ours(hf_model(seed=3, vocab=96, layers=2)).attach_block_codes() == 0  # random fp32 weights: none
+
+
+def test_codes_keep_every_mode_equal_to_autoregressive_greedy(monkeypatch):
+    """Autoregressive decoding on codes (its decode steps in one call) against every mode: the retrieval tier on the
+    target's own codes (one call too) or its int8 copy, the draft, TriForce."""
+    from triforce import decode_step
+
+    _, draft = pair(seed=5)
+    target = ours(gguf_like(hf_model(5, vocab=96, layers=3)))
+    assert target.attach_block_codes() == 3 * 4 + 1
+    ran = []
+    real = decode_step.decode_layers
+    monkeypatch.setattr("triforce.decode_step.decode_layers", lambda *a: (r := real(*a), ran.append(r is not None))[0])
+    engine = Engine(target, draft)
+    g = torch.Generator().manual_seed(5)
+    greedy = SamplingParams(temperature=0)
+    accepted = 0
+    for _ in range(8):
+        prompt = torch.randint(3, 96, (int(torch.randint(8, 80, (1,), generator=g)),), generator=g).tolist()
+        ref, _ = engine.generate(prompt, max_new_tokens=20, sampling=greedy)
+        for mode, lower in (("retrieval", None), ("retrieval", "int8"), ("draft", None), ("triforce", None)):
+            spec = SpeculationConfig(mode=mode, budget=24, chunk_size=4, gamma1=3, gamma2=5, draft_sink=2,
+                                     draft_window=8, lower_weights=lower)
+            out, stats = engine.generate(prompt, max_new_tokens=20, sampling=greedy, spec=spec)
+            assert out == ref, (mode, lower)
+            accepted += stats.tiers["target"]["accepted"]
+    assert accepted > 0
+    if decode_step.decode_step_status().startswith("on"):
+        assert ran and all(ran)
+
+
+def test_verifier_on_codes_matches_exact_distribution():
+    """TriForce with the verifier on block codes (V = 5: the LM head stays fp32, every layer reads codes) at
+    T = 0.6 / top-p 0.9 / top-k 5: the chi-square bound of test_distribution.py (p > 1e-3)."""
+    target_hf = gguf_like(hf_model(seed=21, vocab=V, layers=2, hidden=32, init=0.15))
+    draft = ours(hf_model(seed=22, vocab=V, layers=1, hidden=16, heads=2, kv_heads=1, init=0.5))
+    target = ours(target_hf)
+    assert target.attach_block_codes() == 2 * 4
+    prompt = torch.randint(0, V, (20,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SETTINGS["T0.6-p0.9-k5"]
+    spec = SpeculationConfig(mode="triforce", budget=8, chunk_size=2, gamma1=2, gamma2=2, draft_sink=2, draft_window=4)
+    counts = empirical(Engine(target, draft), prompt, params, spec, 2000, seed=91)
+    assert counts.sum() == 2000 and NEW == 3
+    assert chi2_pvalue(counts, exact_distribution(target_hf, prompt, params)) > 1e-3
+
+
+@pytest.mark.parametrize("family,heads,kv_heads", [("llama", 4, 2), ("qwen2", 4, 1)])
+def test_decode_step_on_codes_in_one_call_is_the_python_layers(family, heads, kv_heads, monkeypatch):
+    """csrc/decode_step.c over block codes: a full-cache decode step and a 7-token verification block (the
+    verifier's) and a retrieval step (the target over its retrieval cache) give the Python layers' logits, keys and
+    recorded queries to float rounding (SiLU's exp is our libm's on one side), with the same argmax; qwen2:
+    projections with random biases the kernel must add."""
+    from triforce import decode_step
+    from triforce.retrieval import RetrievalCache
+
+    if not decode_step.decode_step_status().startswith("on"):
+        pytest.skip(f"decode step kernel {decode_step.decode_step_status()}")
+    hf = gguf_like(hf_model(8, vocab=96, layers=3, family=family, heads=heads, kv_heads=kv_heads))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    target = ours(hf)
+    target.attach_block_codes()
+    assert target.decode_step is not None
+    n = 40
+    prompt = torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(3))
+    full = FullKVCache(target.cfg, 64, record_queries=True)
+    target(prompt[None], torch.arange(n), full)
+    ret = RetrievalCache(target.cfg, full, 16, 4)
+    ret.build_from_full(n - 1)
+    target(prompt[None, -1:], torch.tensor([n - 1]), ret)  # a generated slot too
+    full.record_queries = False
+    ran = []
+    real = decode_step.decode_layers
+    monkeypatch.setattr("triforce.decode_step.decode_layers", lambda *a: (r := real(*a), ran.append(r is not None))[0])
+    step = target.decode_step
+    block = torch.tensor([[7, 50, 3, 9, 9, 61, 20]])  # a verification block over the full cache
+    for cache, length, ids in ((full, n, block[:, :1]), (ret, n, block[:, :1]), (full, n, block)):
+        outs = []
+        for fused in (True, False):
+            target.decode_step = step if fused else None
+            logits = target(ids, torch.arange(length, length + ids.shape[1]), cache)
+            outs.append((logits, cache.k.clone(), cache.v.clone()))
+            cache.rollback(length)
+        assert ran.pop() is True
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+        assert torch.equal(outs[0][0].argmax(-1), outs[1][0].argmax(-1))
+    full.record_queries = True  # the queries are kept (the retrieval cache's chunk selection): the call writes them
+    queries = []
+    for fused in (True, False):
+        target.decode_step = step if fused else None
+        target(block, torch.arange(n, n + 7), full)
+        queries.append(torch.stack([full.query_at(n + i) for i in range(7)]))  # (7, L, 1, nh, hs)
+        full.rollback(n)
+    assert ran == [True]
+    torch.testing.assert_close(queries[0], queries[1], rtol=1e-5, atol=1e-5)
