@@ -73,10 +73,12 @@ def _spec(mode):
 MODES = ["autoregressive", "retrieval", "draft", "triforce"]
 
 
-# pure sampling (T1) for the two-tier modes runs with the slow 20k test below (CI time): the warped setting and the
-# three-tier T1 stay in every run
-_FAST_CASES = [pytest.param(mode, setting, marks=pytest.mark.slow) if setting == "T1" and mode in ("retrieval", "draft")
-               else (mode, setting) for mode in MODES for setting in SETTINGS]
+# CI time: the speculative modes with the warped setting, autoregressive in both, in every run; the rest runs with
+# the slow 20k test below (and pure sampling through the 4-tier hierarchy, test_depth_4_..., in every run)
+_FAST = {("autoregressive", "T1"), ("autoregressive", "T0.6-p0.9-k5"), ("retrieval", "T0.6-p0.9-k5"),
+         ("triforce", "T0.6-p0.9-k5")}
+_FAST_CASES = [(mode, setting) if (mode, setting) in _FAST else pytest.param(mode, setting, marks=pytest.mark.slow)
+               for mode in MODES for setting in SETTINGS]
 
 
 @pytest.mark.parametrize("mode,setting", _FAST_CASES)
@@ -149,6 +151,7 @@ def test_int8_lower_tiers_with_bf16_caches_match_exact_distribution(models):
     assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
 
 
+@pytest.mark.slow  # CI time: the same driver runs the block-code verifier's test in every run (test_blockcodes.py)
 def test_int8_retrieval_tier_in_one_kernel_call_matches_exact_distribution(models, monkeypatch):
     """The int8 retrieval tier with fp32 caches, whose decode steps run every layer in one call
     (``csrc/decode_step.c``), under the fp32 verifier: the exact distribution (same bound as above)."""
