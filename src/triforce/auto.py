@@ -163,13 +163,15 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
     max_step_share = RETRIEVAL_MAX_STEP_BYTES_SHARE if sampling.greedy else RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING
     if weight_bound:  # measured at 0.25 (fp32 weights); a tier reading as much as the verifier cannot pay
         max_step_share = 1.0
-    if (weight_bound or retrieval) and step_share > max_step_share:
+    steps = (f"the verifier's step reads {verifier_bytes / 2**20:.0f} MiB of weights, a retrieval step "
+             f"{step_share:.2f} x its bytes")
+    too_heavy = (weight_bound or retrieval) and step_share > max_step_share
+    if too_heavy:
         weight_bound = retrieval = False
-        sizes += f"; a retrieval step would read {step_share:.2f} x the verifier's decode step > {max_step_share}"
     if weight_bound:
         why = (f"{sizes}, {layer_bytes / 2**20:.0f} MiB of weights per layer >= "
                f"{WEIGHT_BOUND_LAYER_BYTES / 2**20:.0f}: steps bound by the weights' bytes, a {budget}-slot "
-               f"retrieval tier with {lower}")
+               f"retrieval tier with {lower} ({steps})")
         if bottom == "draft" and draft_weight_bytes is not None and draft_weight_bytes >= lower_bytes:
             why += (f"; the draft model ({draft_weight_bytes / 2**20:.0f} MiB) reads more per step than the tier's "
                     f"{lower} ({lower_bytes / 2**20:.0f} MiB), so it is left out")
@@ -177,14 +179,15 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
         elif bottom:
             why += f"; {who}"
     elif retrieval:
-        why = f"{sizes} >= {threshold}: a {budget}-slot retrieval tier with {lower}; {who}"
+        why = f"{sizes} >= {threshold}: a {budget}-slot retrieval tier with {lower} ({steps}); {who}"
     if weight_bound or retrieval:
         tiers = f"{bottom}:{gamma1},retrieval:{gamma2}" if bottom else f"retrieval:{gamma2}"
     else:
         tiers = f"{bottom}:{gamma1 if bottom == 'self' else gamma2}" if bottom else ""
-        why = (f"{sizes}: no retrieval tier" + ("" if bottom == "self" else
-               f" (below {threshold}{'' if sampling.greedy else ' under sampling'} or the prompt fits the budget)")
-           + f"; {who}")
+        why = (f"{sizes}; {steps} > {max_step_share}: no retrieval tier" if too_heavy
+               else f"{sizes}: no retrieval tier" + ("" if bottom == "self" else
+                    f" (below {threshold}{'' if sampling.greedy else ' under sampling'} or the prompt fits the budget)"))
+        why += f"; {who}"
     return AutoPlan(tiers=tiers, budget=budget, lower_weights=lower_weights, reason=why)
 
 

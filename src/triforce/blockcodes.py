@@ -103,27 +103,26 @@ def find_block_codes(weight_t: torch.Tensor) -> BlockCodes | None:
     fns = _blockcodes.load()
     if fns is None:
         return None
-    fit = fns["triforce_blockcode_fit"]
     w = weight_t.detach().contiguous()
-    n_in, n_out = w.shape
+    probe = w[:GROUP, :_PROBE_BLOCKS].contiguous()
     for bits in (4, 8):
-        def outputs(n_in: int, n_out: int):  # codes, d, m for an (n_in, n_out) matrix
-            codes = (torch.empty(n_out // 8, n_in, dtype=torch.int32) if bits == 4
-                     else torch.empty(n_out // 8, n_in, 8, dtype=torch.int8))
-            d = torch.empty(n_out // 8, n_in // GROUP, 8)
-            return codes, d, torch.empty_like(d) if bits == 4 else None
-
-        def fits(x: torch.Tensor, out) -> bool:
-            ptrs = [None if t is None else t.data_ptr() for t in out]
-            return fit(x.data_ptr(), x.shape[0], x.shape[1], bits, *ptrs) == 0
-
-        probe = w[:GROUP, :_PROBE_BLOCKS].contiguous()
-        if not fits(probe, outputs(GROUP, _PROBE_BLOCKS)):
-            continue
-        out = outputs(n_in, n_out)
-        if fits(w, out):
-            return BlockCodes(bits, *out, n_in, n_out)
+        if _fit(fns, probe, bits) is not None:
+            codes = _fit(fns, w, bits)
+            if codes is not None:
+                return codes
     return None
+
+
+def _fit(fns: dict, w: torch.Tensor, bits: int) -> BlockCodes | None:
+    """``triforce_blockcode_fit`` over a contiguous (in, out) fp32 matrix: its codes, or None."""
+    n_in, n_out = w.shape
+    codes = (torch.empty(n_out // 8, n_in, dtype=torch.int32) if bits == 4
+             else torch.empty(n_out // 8, n_in, 8, dtype=torch.int8))
+    d = torch.empty(n_out // 8, n_in // GROUP, 8)
+    m = torch.empty_like(d) if bits == 4 else None
+    rc = fns["triforce_blockcode_fit"](w.data_ptr(), n_in, n_out, bits, codes.data_ptr(), d.data_ptr(),
+                                       None if m is None else m.data_ptr())
+    return BlockCodes(bits, codes, d, m, n_in, n_out) if rc == 0 else None
 
 
 def blockcode_linear(x: torch.Tensor, codes: BlockCodes) -> torch.Tensor | None:

@@ -247,7 +247,7 @@ class FullKVCache(KVCache):
         self.queries: list[torch.Tensor | None] = [None] * L  # each (B, nh, T, hs)
         self.query_start = -1  # absolute position of queries[l][:, :, 0]
         self.n_heads = cfg.num_attention_heads
-        self._qbuf: torch.Tensor | None = None  # the queries of a one-call decode step (query_buffer)
+        self._qbufs: dict[int, torch.Tensor] = {}  # the queries of one-call forwards, per block length (query_buffer)
         self._mask: torch.Tensor | None = None
         self.kernel_max_block = KERNEL_MAX_BLOCK
 
@@ -300,11 +300,11 @@ class FullKVCache(KVCache):
     def query_buffer(self):
         if not self.record_queries:
             return None
-        shape = (self.k.shape[0], 1, self.n_heads, self._t, self.k.shape[4])  # (L, 1, nh, T, hs)
-        if self._qbuf is None or self._qbuf.shape != shape:
-            self._qbuf = torch.empty(shape)
-        self.queries = list(self._qbuf)  # each (1, nh, T, hs), filled by the call
-        return self._qbuf
+        buf = self._qbufs.get(self._t)
+        if buf is None:  # (L, 1, nh, T, hs), one per block length (decode steps and verification blocks alternate)
+            buf = self._qbufs[self._t] = torch.empty(self.k.shape[0], 1, self.n_heads, self._t, self.k.shape[4])
+        self.queries = list(buf)  # each (1, nh, T, hs), filled by the call
+        return buf
 
     def attend(self, layer, q, k, v, q_pre):
         s, t = self._start, self._t

@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from .blockcodes import BlockCodes, _blockcodes
 from .kernels import (_F, _I, _I64, _P, CHUNK, DECODE_STEP_CFLAGS, DECODE_STEP_ENV_SWITCH, MAX_HEAD_DIM, _attention,
                       _Library, _linear, _norm_rope)
 
@@ -54,8 +55,6 @@ class LayerTable:
 
     def __init__(self, norms: list, weights: list, biases: list, dims: tuple[int, int, int, int, int],
                  eps: float) -> None:
-        from .blockcodes import BlockCodes
-
         d, nh, nkv, hs, inter = dims
         n_layers = len(weights) // 4
         if len(norms) != 2 * n_layers or len(biases) != 4 * n_layers or len(weights) % 4:
@@ -124,8 +123,6 @@ def decode_layers(table: LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.
         apply (shapes, dtypes, layouts; head size not a multiple of 8 or over :data:`~triforce.kernels.MAX_HEAD_DIM`; a kernel
         unavailable): the caller then runs the layers in Python.
     """
-    from .blockcodes import _blockcodes
-
     d, nh, nkv, hs, inter = table.dims
     L = table.n_layers
     T = x.shape[1] if x.dim() == 3 else 0

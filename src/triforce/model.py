@@ -44,19 +44,17 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         rows = x.numel() // x.shape[-1]
+        y = None  # our kernels' product where one applies (each gives None where it does not)
         if self.codes is not None and rows <= LINEAR_MAX_ROWS:  # the same fp32 weights, a fifth of the bytes
-            y = blockcode_linear(x.reshape(-1, x.shape[-1]), self.codes)  # None where it does not apply
-            if y is not None:
-                y = y.reshape(*x.shape[:-1], -1)
-                return y + self.bias if self.bias is not None else y
+            y = blockcode_linear(x.reshape(-1, x.shape[-1]), self.codes)
         # a verification block or a batched step (and a decode step where the kernel beats MKL's GEMV): our kernel,
         # unless oneDNN's product over packed weights is faster on this CPU (the AVX2 build)
-        if ((1 < rows <= LINEAR_MAX_ROWS and (self.packed is None or f32_beats_onednn()))
-                or (rows == 1 and f32_one_row_pays())):
-            y = f32_linear(x.reshape(-1, x.shape[-1]), self.weight_t)  # None where it does not apply
-            if y is not None:
-                y = y.reshape(*x.shape[:-1], -1)
-                return y + self.bias if self.bias is not None else y
+        if y is None and ((1 < rows <= LINEAR_MAX_ROWS and (self.packed is None or f32_beats_onednn()))
+                          or (rows == 1 and f32_one_row_pays())):
+            y = f32_linear(x.reshape(-1, x.shape[-1]), self.weight_t)
+        if y is not None:
+            y = y.reshape(*x.shape[:-1], -1)
+            return y + self.bias if self.bias is not None else y
         if self.packed is not None and x.numel() > x.shape[-1]:  # several rows: a verification block or prefill
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], "")
             return y.reshape(*x.shape[:-1], -1)
