@@ -154,7 +154,8 @@ def test_verifier_on_codes_matches_exact_distribution():
 @pytest.mark.parametrize("family,heads,kv_heads", [("llama", 4, 2), ("qwen2", 4, 1)])
 def test_decode_step_on_codes_in_one_call_is_the_python_layers(family, heads, kv_heads, monkeypatch):
     """csrc/decode_step.c over block codes: a full-cache decode step and a 7-token verification block (the
-    verifier's) and a retrieval step (the target over its retrieval cache) give the Python layers' logits, keys and
+    verifier's), a retrieval step (the target over its retrieval cache) and blocks of 2-5 tokens over it (its own
+    layout: generated tokens from the end; full slots or empty ones) give the Python layers' logits, keys and
     recorded queries to float rounding (SiLU's exp is our libm's on one side), with the same argmax; qwen2:
     projections with random biases the kernel must add."""
     from triforce import decode_step
@@ -177,13 +178,20 @@ def test_decode_step_on_codes_in_one_call_is_the_python_layers(family, heads, kv
     ret = RetrievalCache(target.cfg, full, 16, 4)
     ret.build_from_full(n - 1)
     target(prompt[None, -1:], torch.tensor([n - 1]), ret)  # a generated slot too
+    roomy = RetrievalCache(target.cfg, full, 48, 4)  # more slots than the prompt: empty ones between
+    roomy.build_from_full(n - 1)
+    target(prompt[None, -1:], torch.tensor([n - 1]), roomy)
     full.record_queries = False
     ran = []
     real = decode_step.decode_layers
     monkeypatch.setattr("triforce.decode_step.decode_layers", lambda *a: (r := real(*a), ran.append(r is not None))[0])
     step = target.decode_step
     block = torch.tensor([[7, 50, 3, 9, 9, 61, 20]])  # a verification block over the full cache
-    for cache, length, ids in ((full, n, block[:, :1]), (ret, n, block[:, :1]), (full, n, block)):
+    # a decode step, a retrieval step, a verification block; the retrieval tier's blocks (verifying an n-gram
+    # drafter's tokens, catching up after a verification) over full slots and over a cache with empty ones
+    for cache, length, ids in ((full, n, block[:, :1]), (ret, n, block[:, :1]), (full, n, block),
+                               (ret, n, block[:, :5]), (ret, n, block[:, :2]), (roomy, n, block[:, :1]),
+                               (roomy, n, block[:, :4])):
         outs = []
         for fused in (True, False):
             target.decode_step = step if fused else None

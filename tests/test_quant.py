@@ -121,8 +121,8 @@ def _int8_step(low, ret, token, n):
 @pytest.mark.parametrize("family,heads,kv_heads", [("llama", 4, 2), ("qwen2", 4, 1), ("llama", 8, 8)])
 def test_int8_decode_step_in_one_call_is_the_python_layers(family, heads, kv_heads, monkeypatch):
     """csrc/decode_step.c runs an int8 copy's decode step over a retrieval cache as Block.forward does layer by layer
-    (qwen2: projections with bias; GQA groups of 2 and 4, and none): the same logits and the same keys and values
-    written, to float rounding (only SiLU's exp is PyTorch's on one side, our libm's on the other)."""
+    (qwen2: projections with bias; GQA groups of 2 and 4, and none), and a block of 3 tokens over it: the same logits
+    and the same keys and values written, to float rounding (only SiLU's exp is PyTorch's on one side, our libm's on the other)."""
     if decode_step.decode_step_status().split(" ")[0] != "on":
         pytest.skip(f"decode step kernel {decode_step.decode_step_status()}")
     hf = hf_model(8, vocab=96, layers=3, family=family, heads=heads, kv_heads=kv_heads)
@@ -153,10 +153,19 @@ def test_int8_decode_step_in_one_call_is_the_python_layers(family, heads, kv_hea
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
         assert fused[0].argmax() == python[0].argmax()
         assert not torch.equal(fused[1], ret.k)  # this step's keys were written (and rolled back after)
-    # a cache that offers no rows (a verification block, a full cache) runs the layers in Python
+    # a block over the retrieval cache (the tier verifying an n-gram drafter's tokens, or catching up with a
+    # verification) runs in one call too, its tokens written below the block's first slot
     calls.clear()
-    low(torch.tensor([[7, 8]]), torch.tensor([n, n + 1]), ret)
-    assert calls == [None]
+    ids, pos = torch.tensor([[7, 8, 9]]), torch.tensor([n, n + 1, n + 2])
+    fused = (low(ids, pos, ret), ret.k.clone(), ret.v.clone())
+    ret.rollback(n)
+    assert len(calls) == 1 and calls[0] is not None
+    monkeypatch.setattr(low, "decode_step", None)
+    python = (low(ids, pos, ret), ret.k.clone(), ret.v.clone())
+    ret.rollback(n)
+    for a, b in zip(fused, python):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+    assert torch.equal(fused[0].argmax(-1), python[0].argmax(-1))
 
 
 def test_int8_decode_step_declines_what_it_does_not_take():

@@ -96,14 +96,16 @@ class KVCache(ABC):
     def end_forward(self) -> None:
         """Finish the forward: the cache now holds the block's tokens too."""
 
-    def one_query_rows(self) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+    def one_query_rows(self) -> tuple[torch.Tensor, torch.Tensor, int, int, int | None] | None:
         """Where the forward begun by :meth:`begin_forward` may run every layer in one kernel call, or None.
 
         For a forward of one token (batch 1) whose query sees every row of ``k, v`` below ``n_keys``, or of a block
         of T tokens written at rows ``slot .. slot + T - 1`` whose token i sees rows ``j <= n_keys - T + i`` (the
-        full cache's causal block, ``n_keys = slot + T``): returns ``(k, v, slot, n_keys)``, the
+        full cache's causal block, ``n_keys = slot + T``): returns ``(k, v, slot, n_keys, None)``, the
         (L, 1, nkv, capacity, hs) tensors the keys and values are written into and attended over
-        (``decode_step.decode_layers``). None (the default): the model calls :meth:`attend` layer by layer.
+        (``decode_step.decode_layers``); ``(k, v, slot, n_keys, shared)`` for the retrieval cache's layout (token t
+        at row ``slot - t``, rows [0, shared) and [slot + 1, n_keys) seen by every token; see ``decode_layers``).
+        None (the default): the model calls :meth:`attend` layer by layer.
         """
         return None
 
@@ -295,7 +297,7 @@ class FullKVCache(KVCache):
     def one_query_rows(self):
         if self._t > self.kernel_max_block or self.offload or self.k.shape[1] != 1:
             return None  # a decode step or a verification block of one sequence, every layer in memory
-        return self.k, self.v, self._start, self._start + self._t
+        return self.k, self.v, self._start, self._start + self._t, None
 
     def query_buffer(self):
         if not self.record_queries:

@@ -19,7 +19,7 @@ from .kernels import (_F, _I, _I64, _P, CHUNK, DECODE_STEP_CFLAGS, DECODE_STEP_E
                       _Library, _linear, _norm_rope)
 
 _decode_step = _Library("decode_step.c", DECODE_STEP_ENV_SWITCH, (), lambda: (DECODE_STEP_CFLAGS, "C"), {
-    "triforce_decode_layers": (_I, [_P, _P] + [_I] * 7 + [_F] + [_P] * 9 + [_I64] * 2 + [_I] * 2 + [_P] * 2
+    "triforce_decode_layers": (_I, [_P, _P] + [_I] * 7 + [_F] + [_P] * 9 + [_I64] * 2 + [_I] * 3 + [_P] * 2
                                + [_I, _F, _I, _P, _P])})
 _fn_table = None  # the kernels' addresses in the order csrc/decode_step.c takes them, built on first use
 #: most tokens of one call (csrc/decode_step.c's MAX_T): decode steps and verification blocks (gamma + 1)
@@ -91,12 +91,13 @@ class LayerTable:
         self.norms, self.qs, self.scales, self.mins, self.biases = (table(norms), table(qs), table(scales),
                                                                     table(mins), table(biases))
         self.bits = (ctypes.c_int * len(bits))(*bits)
-        self.work = torch.empty(MAX_BLOCK * (4 * nh * hs + 3 * nkv * hs + 2 * d + 3 * inter), dtype=torch.float32)
+        self.work = torch.empty(MAX_BLOCK * (6 * nh * hs + 4 * nkv * hs + 2 * d + 3 * inter + 3 * nh),
+                                dtype=torch.float32)  # csrc/decode_step.c's work
 
 
 def decode_layers(table: LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int,
                   n_keys: int, cos: torch.Tensor, sin: torch.Tensor,
-                  queries: torch.Tensor | None = None) -> torch.Tensor | None:
+                  queries: torch.Tensor | None = None, shared: int | None = None) -> torch.Tensor | None:
     """Every decoder layer of a decode step or a short block in one call (``csrc/decode_step.c``), or None.
 
     Computes what :class:`~triforce.model.Block` computes layer after layer for a block of T tokens (RMSNorm, the
@@ -117,6 +118,10 @@ def decode_layers(table: LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.
         cos, sin: (T, hs) fp32 contiguous, the positions' rotations.
         queries: None, or (L, 1, nh, T, hs) fp32 contiguous: receives every layer's rotated queries (what
             :class:`~triforce.caches.FullKVCache` records for the retrieval cache's chunk selection).
+        shared: None for the layout above; an int for :class:`~triforce.retrieval.RetrievalCache`'s (generated tokens
+            from the end, newest lowest): token t is written to row ``slot - t``, rows [0, shared) and
+            [slot + 1, n_keys) are seen by every token of the block, and token i sees the block's tokens 0 .. i
+            (0 <= shared <= slot - T + 1, slot < n_keys).
 
     Returns:
         (1, T, d) fp32, the hidden states after the last layer (before the final norm); or None when the kernels do not
@@ -126,10 +131,15 @@ def decode_layers(table: LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.
     d, nh, nkv, hs, inter = table.dims
     L = table.n_layers
     T = x.shape[1] if x.dim() == 3 else 0
-    if (x.shape != (1, T, d) or not 1 <= T <= MAX_BLOCK or (T > 1 and n_keys != slot + T) or x.dtype != torch.float32 or x.device.type != "cpu" or k.shape != v.shape
+    if shared is None:
+        rows_ok = (T == 1 or n_keys == slot + T) and 0 <= slot <= n_keys - T
+    else:
+        rows_ok = 0 <= shared <= slot - T + 1 and slot < n_keys
+    if (x.shape != (1, T, d) or not 1 <= T <= MAX_BLOCK or not rows_ok or x.dtype != torch.float32
+            or x.device.type != "cpu" or k.shape != v.shape
             or k.dim() != 5 or tuple(k.shape[:3]) != (L, 1, nkv) or k.shape[4] != hs or k.dtype != torch.float32
             or v.dtype != torch.float32 or k.device.type != "cpu" or v.device.type != "cpu" or not k.is_contiguous()
-            or not v.is_contiguous() or not 0 <= slot <= n_keys - T or n_keys > k.shape[3] or hs % 8
+            or not v.is_contiguous() or n_keys > k.shape[3] or hs % 8
             or hs > MAX_HEAD_DIM or nh % nkv or cos.shape != (T, hs) or sin.shape != (T, hs)
             or cos.dtype != torch.float32 or sin.dtype != torch.float32 or not cos.is_contiguous()
             or not sin.is_contiguous()
@@ -156,7 +166,7 @@ def decode_layers(table: LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.
         _fn_table, out.data_ptr(), T, L, d, nh, nkv, hs, inter, table.eps, table.norms, table.qs, table.scales,
         table.mins, table.bits, table.biases, k.data_ptr(), v.data_ptr(),
         None if queries is None else queries.data_ptr(), nkv * cap * hs, cap * hs, slot, n_keys,
-        cos.data_ptr(), sin.data_ptr(), CHUNK, 1.0 / math.sqrt(hs), threads, table.work.data_ptr(), scratch.data_ptr())
+        -1 if shared is None else shared, cos.data_ptr(), sin.data_ptr(), CHUNK, 1.0 / math.sqrt(hs), threads, table.work.data_ptr(), scratch.data_ptr())
     return out if rc == 0 else None
 
 
@@ -198,5 +208,5 @@ class DecodeStep:
         rows = cache.one_query_rows() if x.shape[0] == 1 and x.shape[1] <= MAX_BLOCK else None
         if rows is None:
             return None
-        k, v, slot, n_keys = rows
-        return decode_layers(self.table, x, k, v, slot, n_keys, cos, sin, cache.query_buffer())
+        k, v, slot, n_keys, shared = rows
+        return decode_layers(self.table, x, k, v, slot, n_keys, cos, sin, cache.query_buffer(), shared)

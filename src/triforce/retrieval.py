@@ -275,9 +275,14 @@ class RetrievalCache(KVCache):
         self._mask = torch.where(is_gen[None, :], gen_pos[None, :] <= q_pos, (slot < self.n_selected)[None, :].expand(t, -1))
 
     def one_query_rows(self):
-        if self._t != 1 or self._mask is not None or self.k.shape[1] != 1:
-            return None  # one query over every slot only (what attend gives the kernel below)
-        return self.k, self.v, self.budget - 1 - (self._start - self.build_len), self.budget
+        if self.k.shape[1] != 1:
+            return None  # one sequence
+        slot = self.budget - 1 - (self._start - self.build_len)  # the block's first token; the others below it
+        if self._t == 1 and self._mask is None:  # one query over every slot: one range (what attend does)
+            return self.k, self.v, slot, self.budget, None
+        # a block (or empty slots between the selected and the generated ones): the selected slots every token
+        # sees, the ones generated before the block, and the block's own causally (the mask of begin_forward)
+        return self.k, self.v, slot, self.budget, min(self.n_selected, self._gen_from)
 
     def attend(self, layer, q, k, v, q_pre):
         self.k[layer][:, :, self._slot_idx] = k.to(self.k.dtype)

@@ -57,18 +57,51 @@ static int project(void* const* fns, int bits, const void* w, const float* s, co
  * layer_stride = nkv * capacity * hs, head_stride = capacity * hs; the block's keys and values go to rows
  * slot .. slot + T - 1 and its queries attend over rows [0, n_keys), token i of the block seeing rows
  * j <= n_keys - T + i (T > 1 needs n_keys = slot + T: the full cache's causal block). cos, sin: (T, hs) the block's
- * rotations. work: at least T ((nh + 2 nkv) hs + 3 nh hs + nkv hs + 2 d + 3 inter) floats; attn_scratch: what
- * triforce_gqa_attention needs for T nh / nkv rows over n_keys keys; q_out: NULL, or (L, nh, T, hs) floats that
+ * rotations. work: at least T (6 nh hs + 4 nkv hs + 2 d + 3 inter + 3 nh) floats; attn_scratch:
+ * what triforce_gqa_attention needs for T nh / nkv rows over n_keys keys; q_out: NULL, or (L, nh, T, hs) floats that
  * receive every layer's rotated queries (the full cache keeps them for the retrieval cache's chunk selection).
+ *
+ * n_shared >= 0: the retrieval cache's layout instead (triforce/retrieval.py RetrievalCache: generated tokens take
+ * rows from the end, newest lowest): token t of the block goes to row slot - t; rows [0, n_shared) (selected tokens)
+ * and [slot + 1, n_keys) (tokens generated before the block) are seen by every token, and token i sees the block's
+ * tokens 0 .. i. The attention is then three calls of the kernel (the two shared ranges, and the block's own keys in
+ * token order with its causal mask), merged by their log-sum-exps as flash-decoding merges chunks: one pass over T
+ * tokens instead of T decode steps that would each read the weights (a retrieval tier verifying an n-gram drafter's
+ * block, or catching up with the tokens a verification accepted).
  * Returns 0, -1 for a block it does not take, or the first kernel's nonzero return code. */
 #define MAX_T 16
+
+/* out[r] = sum_c w_c o_c[r] / sum_c w_c, w_c = exp(lse_c[r] - max_c lse_c[r]) over the nc (<= 3) partial attentions
+ * of every row (lse -INFINITY: a range with no keys, skipped) */
+static void merge_partials(float* out, float* const* o, float* const* lse, int nc, int rows, int hs) {
+    for (int r = 0; r < rows; ++r) {
+        float M = -INFINITY, L = 0.f;
+        for (int c = 0; c < nc; ++c) M = lse[c][r] > M ? lse[c][r] : M;
+        float w[3];
+        for (int c = 0; c < nc; ++c) {
+            w[c] = lse[c][r] == -INFINITY ? 0.f : expf(lse[c][r] - M);
+            L += w[c];
+        }
+        float* y = out + (int64_t)r * hs;
+        for (int e = 0; e < hs; ++e) {
+            float a = 0.f;
+            for (int c = 0; c < nc; ++c)
+                if (w[c] != 0.f) a += w[c] * o[c][(int64_t)r * hs + e];
+            y[e] = a / L;
+        }
+    }
+}
+
 int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int nh, int nkv, int hs, int inter,
                            float eps, const float* const* norm_w, const void* const* q, const float* const* scale,
                            const float* const* mins, const int* bits, const float* const* bias, float* k_cache,
                            float* v_cache, float* q_out, int64_t layer_stride, int64_t head_stride, int slot,
-                           int n_keys, const float* cos, const float* sin, int chunk, float attn_scale, int nthreads,
-                           float* work, float* attn_scratch) {
-    if (T < 1 || T > MAX_T || (T > 1 && n_keys != slot + T)) return -1;
+                           int n_keys, int n_shared, const float* cos, const float* sin, int chunk, float attn_scale,
+                           int nthreads, float* work, float* attn_scratch) {
+    const int retrieval = n_shared >= 0;
+    if (T < 1 || T > MAX_T) return -1;
+    if (!retrieval && T > 1 && n_keys != slot + T) return -1;
+    if (retrieval && (slot - T + 1 < n_shared || slot >= n_keys)) return -1;
     const rms_norm_fn norm = (rms_norm_fn)fns[1];
     const rope_fn rope = (rope_fn)fns[2];
     const attention_fn attention = (attention_fn)fns[3];
@@ -82,6 +115,13 @@ int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int 
     float* const y = h + T * d;                /* (T, d) */
     float* const gu = y + T * d;               /* (T, 2 inter) */
     float* const act = gu + 2 * T * inter;     /* (T, inter) */
+    float* const part1 = act + T * inter;      /* (nh, T, hs) x 2: the retrieval layout's partial attentions */
+    float* const part2 = part1 + T * nq;
+    float* const v_blk = part2 + T * nq;       /* (nkv, T, hs): the block's values in token order */
+    float* const lse0 = v_blk + T * nk;        /* (nh T) x 3: their log-sum-exps */
+    float* const lse1 = lse0 + T * nh;
+    float* const lse2 = lse1 + T * nh;
+    const int rows = nh / nkv * T;
     int rc;
     for (int l = 0; l < L; ++l) {
         const void* const* wq = q + 4 * l;
@@ -100,12 +140,35 @@ int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int 
         if (q_out) memcpy(q_out + (int64_t)l * T * nq, q_rot, sizeof(float) * T * nq);
         for (int j = 0; j < nkv; ++j)
             for (int t = 0; t < T; ++t) {
-                memcpy(kl + j * head_stride + (int64_t)(slot + t) * hs, k_rot + (j * T + t) * hs, sizeof(float) * hs);
-                memcpy(vl + j * head_stride + (int64_t)(slot + t) * hs, qkv + t * nqkv + nq + nk + j * hs,
-                       sizeof(float) * hs);
+                const int64_t row = retrieval ? slot - t : slot + t;
+                memcpy(kl + j * head_stride + row * hs, k_rot + (j * T + t) * hs, sizeof(float) * hs);
+                memcpy(vl + j * head_stride + row * hs, qkv + t * nqkv + nq + nk + j * hs, sizeof(float) * hs);
+                if (retrieval) memcpy(v_blk + (j * T + t) * hs, qkv + t * nqkv + nq + nk + j * hs, sizeof(float) * hs);
             }
-        if ((rc = attention(q_rot, kl, vl, attn, attn_scratch, 1, nkv, nh / nkv * T, T, hs, layer_stride,
-                            head_stride, n_keys, chunk, attn_scale, nthreads, 0))) return rc;
+        if (!retrieval) {
+            if ((rc = attention(q_rot, kl, vl, attn, attn_scratch, 1, nkv, rows, T, hs, layer_stride, head_stride,
+                                n_keys, chunk, attn_scale, nthreads, 0))) return rc;
+        } else {
+            /* the block's own keys, causal (token order: k_rot, v_blk), then the rows every token sees (T = 1 in
+             * the kernel's terms: no mask over them) */
+            if ((rc = attention(q_rot, k_rot, v_blk, attn, attn_scratch, 1, nkv, rows, T, hs, (int64_t)nk, (int64_t)T * hs,
+                                T, chunk, attn_scale, nthreads, lse0))) return rc;
+            float* parts[3] = {attn, part1, part2};
+            float* lses[3] = {lse0, lse1, lse2};
+            int nc = 1;
+            if (n_shared > 0) {
+                if ((rc = attention(q_rot, kl, vl, parts[nc], attn_scratch, 1, nkv, rows, 1, hs, layer_stride,
+                                    head_stride, n_shared, chunk, attn_scale, nthreads, lses[nc]))) return rc;
+                ++nc;
+            }
+            if (slot + 1 < n_keys) {
+                if ((rc = attention(q_rot, kl + (int64_t)(slot + 1) * hs, vl + (int64_t)(slot + 1) * hs, parts[nc],
+                                    attn_scratch, 1, nkv, rows, 1, hs, layer_stride, head_stride, n_keys - slot - 1,
+                                    chunk, attn_scale, nthreads, lses[nc]))) return rc;
+                ++nc;
+            }
+            if (nc > 1) merge_partials(attn, parts, lses, nc, nh * T, hs);  /* in place: each element read first */
+        }
         for (int j = 0; j < nh; ++j)  /* (nh, T, hs) -> (T, nh hs) */
             for (int t = 0; t < T; ++t) memcpy(attn_t + t * nq + j * hs, attn + (j * T + t) * hs, sizeof(float) * hs);
         if ((rc = project(fns, wbits[1], wq[1], ws[1], wm[1], attn_t, y, T, nq, d, nthreads))) return rc;
