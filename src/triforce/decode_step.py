@@ -166,7 +166,8 @@ def decode_layers(table: LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.
         _fn_table, out.data_ptr(), T, L, d, nh, nkv, hs, inter, table.eps, table.norms, table.qs, table.scales,
         table.mins, table.bits, table.biases, k.data_ptr(), v.data_ptr(),
         None if queries is None else queries.data_ptr(), nkv * cap * hs, cap * hs, slot, n_keys,
-        -1 if shared is None else shared, cos.data_ptr(), sin.data_ptr(), CHUNK, 1.0 / math.sqrt(hs), threads, table.work.data_ptr(), scratch.data_ptr())
+        -1 if shared is None else shared, cos.data_ptr(), sin.data_ptr(), CHUNK, 1.0 / math.sqrt(hs), threads,
+        table.work.data_ptr(), scratch.data_ptr())
     return out if rc == 0 else None
 
 

@@ -151,8 +151,8 @@ int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int 
         } else {
             /* the block's own keys, causal (token order: k_rot, v_blk), then the rows every token sees (T = 1 in
              * the kernel's terms: no mask over them) */
-            if ((rc = attention(q_rot, k_rot, v_blk, attn, attn_scratch, 1, nkv, rows, T, hs, (int64_t)nk, (int64_t)T * hs,
-                                T, chunk, attn_scale, nthreads, lse0))) return rc;
+            if ((rc = attention(q_rot, k_rot, v_blk, attn, attn_scratch, 1, nkv, rows, T, hs, (int64_t)nk,
+                                (int64_t)T * hs, T, chunk, attn_scale, nthreads, lse0))) return rc;
             float* parts[3] = {attn, part1, part2};
             float* lses[3] = {lse0, lse1, lse2};
             int nc = 1;
