@@ -11,9 +11,13 @@
  *     chunk c: m_c = max_j s_j, l_c = sum_j exp(s_j - m_c), a_c = sum_j exp(s_j - m_c) v_j
  *     out = sum_c exp(m_c - M) a_c / sum_c exp(m_c - M) l_c,  M = max_c m_c
  *
- * While a thread computes one work item it prefetches the keys and values of its next one (static schedule: the next
- * chunk), so the memory stream does not pause while the scores and sums are computed (bench/attention_kernel.py
- * measures the kernel's bandwidth against the floor).
+ * While a thread computes one work item it prefetches into L2 the values it will weigh next and the keys of its next
+ * item (static schedule: the next chunk), spread over the item's passes: the scores' passes (one per 3 rows) each
+ * prefetch a share of this chunk's values, the weighted sums' passes a share of the next chunk's keys. So the memory
+ * stream does not pause while the scores and sums are computed, and a 7-token block's prefetches do not arrive in
+ * one burst that evicts the rows it is working on (prefetching the whole next item into L1 at its start, as before,
+ * left a decode step's attention at 8K 1.15-1.2x and a 7-token block's 1.1-1.3x slower on this project's AVX2
+ * machine, with bitwise the same outputs; bench/attention_kernel.py measures the kernel against the floor).
  *
  * Built at first use by triforce/kernels.py with -O3 -mavx2 -mfma -fopenmp; the Python side checks every
  * precondition below before calling. Causal mask: the row of token i (rows are ordered (g, T): row r is token r % T)
@@ -54,14 +58,28 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {  /* the
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
+/* L2 prefetch of rows [j, min(j + nk, end)) of hs floats from base. The P passes over a chunk share its prefetches:
+ * pass p takes the steps whose index is p mod P, so the requests spread evenly over the item's time (a counter
+ * counts the steps down: no division in the loops). */
+static inline __attribute__((always_inline)) void prefetch_rows(const char* base, int j, int nk, int end, int hs) {
+    for (int64_t o = (int64_t)j * hs * 4; o < (int64_t)(j + nk < end ? j + nk : end) * hs * 4; o += 64)
+        _mm_prefetch(base + o, _MM_HINT_T1);
+}
+
 /* s[i * ld + j] = scale * q_i . k_j for NR (<= 3) query rows and keys [0, n): 4 keys x NR rows per step. Every
  * score is summed in the same order whichever step computes it, so a query's output does not depend on the other
- * rows of its block (a verification computes what a decode step would). */
+ * rows of its block (a verification computes what a decode step would). Prefetches pf's rows of its share of the
+ * 4-key steps (prefetch_rows). */
 static inline __attribute__((always_inline)) void scores(const float* Q, const int NR, const float* K, int n,
-                                                         int hs, float scale, float* s, int ld) {
+                                                         int hs, float scale, float* s, int ld, const char* pf,
+                                                         int part, int parts) {
     const __m128 sc = _mm_set1_ps(scale);
     int j = 0;
-    for (; j + 4 <= n; j += 4) {
+    for (int wait = part; j + 4 <= n; j += 4, --wait) {
+        if (!wait) {
+            prefetch_rows(pf, j, 4, n, hs);
+            wait = parts;
+        }
         __m256 a[3][4];
         for (int i = 0; i < NR; ++i)
             for (int u = 0; u < 4; ++u) a[i][u] = _mm256_setzero_ps();
@@ -91,13 +109,18 @@ static inline __attribute__((always_inline)) void scores(const float* Q, const i
  * the 3 rows (12 accumulators, 4 values and a broadcast: AVX2's 16 registers; a 7-token block's 21 rows per KV head
  * are 7 passes, not 21 that each load every value vector: bench/attention_kernel.py, 1.17x on SmolLM2's shape,
  * 1.4x on Qwen2.5-1.5B's). Each output element is the same chain of FMAs over j in order whatever NB and NE, so a
- * row's result does not depend on the rows beside it. */
+ * row's result does not depend on the rows beside it. Prefetches pf's rows [0, npf) of its share of the keys. */
 static inline __attribute__((always_inline)) void pv(const float* P, int ldp, const int NB, const float* V, int n,
-                                                     int hs, const int NE, float* A, int lda) {
+                                                     int hs, const int NE, float* A, int lda, const char* pf,
+                                                     int npf, int part, int parts) {
     __m256 o[3][4];
     for (int b = 0; b < NB; ++b)
         for (int e = 0; e < NE; ++e) o[b][e] = _mm256_setzero_ps();
-    for (int j = 0; j < n; ++j) {
+    for (int j = 0, wait = pf ? part : -1; j < n; ++j, --wait) {
+        if (!wait) {
+            prefetch_rows(pf, j, 1, npf, hs);
+            wait = parts;
+        }
         __m256 vv[4];
         for (int e = 0; e < NE; ++e) vv[e] = _mm256_loadu_ps(V + (int64_t)j * hs + 8 * e);
         for (int b = 0; b < NB; ++b) {
@@ -109,16 +132,18 @@ static inline __attribute__((always_inline)) void pv(const float* P, int ldp, co
         for (int e = 0; e < NE; ++e) _mm256_storeu_ps(A + (int64_t)b * lda + 8 * e, o[b][e]);
 }
 
-/* pv() with NB and NE constants, so that the accumulators stay in registers */
+/* pv() with NB and NE constants, so that the accumulators stay in registers; pass (r0 / 3, e0 / 4) of the
+ * (R / 3) x (nv / 4) passes prefetches its share of the next item's keys */
 #define PV_ROWS(NB)                                                                                                \
     for (int e0 = 0; e0 < nv; e0 += 4) {                                                                           \
-        const int ne = nv - e0 < 4 ? nv - e0 : 4;                                                                  \
+        const int ne = nv - e0 < 4 ? nv - e0 : 4, epasses = (nv + 3) / 4, parts = (R + 2) / 3 * epasses;           \
+        const int part = r0 / 3 * epasses + e0 / 4;                                                                \
         const float* P = sbuf + (int64_t)r0 * n;                                                                   \
         float* A = acc + (int64_t)r0 * hs + 8 * e0;                                                                \
-        if (ne == 4) pv(P, n, NB, V + 8 * e0, kmax, hs, 4, A, hs);                                                 \
-        else if (ne == 3) pv(P, n, NB, V + 8 * e0, kmax, hs, 3, A, hs);                                            \
-        else if (ne == 2) pv(P, n, NB, V + 8 * e0, kmax, hs, 2, A, hs);                                            \
-        else pv(P, n, NB, V + 8 * e0, kmax, hs, 1, A, hs);                                                         \
+        if (ne == 4) pv(P, n, NB, V + 8 * e0, kmax, hs, 4, A, hs, knext, nnext, part, parts);                      \
+        else if (ne == 3) pv(P, n, NB, V + 8 * e0, kmax, hs, 3, A, hs, knext, nnext, part, parts);                 \
+        else if (ne == 2) pv(P, n, NB, V + 8 * e0, kmax, hs, 2, A, hs, knext, nnext, part, parts);                 \
+        else pv(P, n, NB, V + 8 * e0, kmax, hs, 1, A, hs, knext, nnext, part, parts);                              \
     }
 
 #ifdef __AVX512F__
@@ -289,15 +314,20 @@ static void chunk_item16(const float* Q, const float* K, const float* V, int R, 
 }
 #endif
 
-/* One (batch, head, chunk) work item: for every row, its chunk maximum m, sum l and unnormalised output a. */
+/* One (batch, head, chunk) work item: for every row, its chunk maximum m, sum l and unnormalised output a. The
+ * scores' passes prefetch this chunk's values, the weighted sums' passes the next item's nnext keys at knext (NULL:
+ * none). */
 static void chunk_item(const float* Q, const float* K, const float* V, int R, int T, int hs, int j0, int n,
-                       int last0, float scale, float* acc, float* mrow, float* lrow, float* sbuf) {
+                       int last0, float scale, float* acc, float* mrow, float* lrow, float* sbuf, const char* knext,
+                       int nnext) {
     const int nmax = last0 + T - j0 < n ? last0 + T - j0 : n;  /* keys the last token's rows see */
     for (int r0 = 0; nmax > 0 && r0 < R; r0 += 3) {
-        const int nr = R - r0 < 3 ? R - r0 : 3;
-        if (nr == 3) scores(Q + (int64_t)r0 * hs, 3, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n);
-        else if (nr == 2) scores(Q + (int64_t)r0 * hs, 2, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n);
-        else scores(Q + (int64_t)r0 * hs, 1, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n);
+        const int nr = R - r0 < 3 ? R - r0 : 3, part = r0 / 3, parts = (R + 2) / 3;
+        const float* q = Q + (int64_t)r0 * hs;
+        float* s = sbuf + (int64_t)r0 * n;
+        if (nr == 3) scores(q, 3, K, nmax, hs, scale, s, n, (const char*)V, part, parts);
+        else if (nr == 2) scores(q, 2, K, nmax, hs, scale, s, n, (const char*)V, part, parts);
+        else scores(q, 1, K, nmax, hs, scale, s, n, (const char*)V, part, parts);
     }
     for (int r = 0; r < R; ++r) {  /* softmax numerators in place; zeros past the row's last visible key */
         const int nvis = last0 + r % T - j0 + 1 < n ? last0 + r % T - j0 + 1 : n;  /* causal: keys <= last0 + i */
@@ -373,24 +403,26 @@ int triforce_gqa_attention(const float* q, const float* k, const float* v, float
             const int j0 = c * chunk, n = n_keys - j0 < chunk ? n_keys - j0 : chunk;
             const int64_t kv_off = b * bstride + h * hstride + (int64_t)j0 * hs;
             float* acc = scratch + it * item_floats;
-            if (it + 1 < items) {  /* the next item's keys and values on their way to L1 while this one computes */
+            const char* knext = 0;  /* the next item's keys (its values: at the same offset in v) */
+            int nnext = 0;
+            if (it + 1 < items) {
                 const int c1 = (it + 1) % nchunks, bh1 = (it + 1) / nchunks;
-                const int n1 = n_keys - c1 * chunk < chunk ? n_keys - c1 * chunk : chunk;
-                const int64_t off1 = (bh1 / nkv) * bstride + (bh1 % nkv) * hstride + (int64_t)c1 * chunk * hs;
-                const char *kn = (const char*)(k + off1), *vn = (const char*)(v + off1);
-                for (int64_t o = 0; o < (int64_t)n1 * hs * (int64_t)sizeof(float); o += 64) {
-                    _mm_prefetch(kn + o, _MM_HINT_T0);
-                    _mm_prefetch(vn + o, _MM_HINT_T0);
-                }
+                nnext = n_keys - c1 * chunk < chunk ? n_keys - c1 * chunk : chunk;
+                knext = (const char*)(k + (bh1 / nkv) * bstride + (bh1 % nkv) * hstride + (int64_t)c1 * chunk * hs);
             }
 #ifdef __AVX512F__
-            if (hs % 16 == 0)
+            if (hs % 16 == 0) {  /* the AVX-512 path: the next item's keys and values on their way to L1 at once */
+                const char* vnext = (const char*)v + (knext - (const char*)k);
+                for (int64_t o = 0; o < (int64_t)nnext * hs * (int64_t)sizeof(float); o += 64) {
+                    _mm_prefetch(knext + o, _MM_HINT_T0);
+                    _mm_prefetch(vnext + o, _MM_HINT_T0);
+                }
                 chunk_item16(q + (int64_t)bh * R * hs, k + kv_off, v + kv_off, R, T, hs, j0, n, last0, scale,
                              acc, acc + (int64_t)R * hs, acc + (int64_t)R * hs + R, sbuf);
-            else
+            } else
 #endif
             chunk_item(q + (int64_t)bh * R * hs, k + kv_off, v + kv_off, R, T, hs, j0, n, last0, scale,
-                       acc, acc + (int64_t)R * hs, acc + (int64_t)R * hs + R, sbuf);
+                       acc, acc + (int64_t)R * hs, acc + (int64_t)R * hs + R, sbuf, knext, nnext);
         }
         /* merge the chunks of every (batch, head, row) */
         #pragma omp for schedule(static)
