@@ -1,0 +1,97 @@
+"""The block-code products (csrc/blockcodes.c) over the embedded model's own codes, against an earlier build.
+
+    python bench/blockcodes.py --threads 2 --reps 15 --rows 1 7 \
+        --baseline-source <(git show HEAD~1:src/triforce/csrc/blockcodes.c) --out bench/results/blockcodes.json
+
+For every projection of SmolLM2-135M-Instruct (30 layers of Q4_1 codes, and its Q8_0 LM head: the weights a decode
+step of the verifier reads, ``blockcodes.py``), one ``blockcode_linear`` call each, in order, every matrix distinct
+(so a sweep reads them from memory as a decode step does), for each row count of ``--rows`` (1: a decode step or a
+retrieval step; 7: a verification block of gamma2 = 6 drafts). With ``--baseline-source FILE`` the same sweep also
+runs on the kernel built from that file (``baseline``), interleaved with ours (order alternated, medians), and the
+outputs are compared bitwise (``baseline_bitwise_equal``). GB/s is code bytes (codes, scales, minima) read per
+second. JSON on stdout (and to ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+import torch
+from common import add_run_options, emit_json  # noqa: E402  (bench/common.py, beside this script)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 7])
+    p.add_argument("--baseline-source", metavar="FILE", help="also time the kernel built from this blockcodes.c")
+    add_run_options(p, None, reps=15, sampling=False)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from triforce import blockcodes
+    from triforce.loading import load_model
+    from triforce.model import Linear
+
+    if not blockcodes.blockcodes_status().startswith("on"):
+        p.error(f"block-code kernel: {blockcodes.blockcodes_status()}")
+    ours = blockcodes._blockcodes
+    libs = {"ours": ours}
+    if args.baseline_source:
+        from triforce.download import cache_dir
+
+        src = Path(args.baseline_source)
+        if not src.exists():
+            p.error(f"--baseline-source: no such file {args.baseline_source!r}")
+        copy = cache_dir() / "kernels" / "blockcodes_baseline.c"  # a process substitution can be read only once
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_text(src.read_text())
+        base = blockcodes._Library(str(copy), ours.switch, ours.cpu_needs, ours.flags, ours.symbols)
+        if base.load() is None:
+            p.error(f"--baseline-source: the kernel from {src} is {base.status}")
+        libs["baseline"] = base
+    model = load_model(None).model
+    codes = [m.codes for m in model.modules() if isinstance(m, Linear) and m.codes is not None]
+    if not codes:
+        p.error("the embedded model has no block codes here (TRIFORCE_BLOCK_CODES=0?)")
+    nbytes = sum(c.nbytes for c in codes)
+
+    def sweep(lib, xs: dict) -> list[torch.Tensor]:
+        blockcodes._blockcodes = lib  # what blockcode_linear calls
+        try:
+            return [blockcodes.blockcode_linear(xs[c.in_features], c) for c in codes]
+        finally:
+            blockcodes._blockcodes = ours
+
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for rows in args.rows:
+        xs = {n: torch.randn(rows, n, generator=gen) for n in {c.in_features for c in codes}}
+        outs = {name: sweep(lib, xs) for name, lib in libs.items()}  # warm-up, and the outputs compared
+        times: dict[str, list[float]] = {name: [] for name in libs}
+        names = list(libs)
+        for r in range(args.reps):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                t0 = time.perf_counter()
+                sweep(libs[name], xs)
+                times[name].append(time.perf_counter() - t0)
+        row = {"rows": rows, "matrices": len(codes), "code_bytes": nbytes}
+        for name, ts in times.items():
+            s = statistics.median(ts)
+            row[f"{name}_ms"] = round(1000 * s, 3)
+            row[f"{name}_gb_per_s"] = round(nbytes / s / 1e9, 2)
+        if "baseline" in libs:
+            row["speedup_over_baseline"] = round(row["baseline_ms"] / row["ours_ms"], 3)
+            row["baseline_bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(outs["ours"], outs["baseline"]))
+        results.append(row)
+    out = {"model": "SmolLM2-135M-Instruct (embedded)", "threads": args.threads, "reps": args.reps,
+           "interleaved": True, "kernel": ours.status, "baseline": args.baseline_source, "results": results}
+    emit_json(out, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
