@@ -66,6 +66,15 @@ def test_codes_reproduce_every_weight_and_the_fp32_product_bitwise(fmt, bits, n_
             assert torch.equal(y, ref), rows
         torch.testing.assert_close(y, x @ w_t, rtol=1e-5, atol=1e-5)
         assert torch.equal(blockcode_linear(x[:1], codes), y[:1])  # a row alone = the row in a block
+    threads = torch.get_num_threads()
+    try:  # each thread takes a range of column blocks (uneven for 96 outputs) and prefetches within it
+        x = torch.randn(7, n_in)
+        y = blockcode_linear(x, codes)
+        for n_threads in (2, 3):
+            torch.set_num_threads(n_threads)
+            assert torch.equal(blockcode_linear(x, codes), y) and torch.equal(blockcode_linear(x[:1], codes), y[:1])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_weights_that_are_not_block_codes_are_refused():

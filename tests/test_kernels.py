@@ -107,6 +107,13 @@ def test_row_does_not_depend_on_block(nh, nkv, hs, t):
     for i in range(t):  # token i of the block sees keys [0, n - t + i]
         alone = kernels.gqa_attention_kernel(q[:, :, i:i + 1], k, v, n - t + 1 + i)
         assert torch.equal(block[:, :, i:i + 1], alone)
+    threads = torch.get_num_threads()
+    try:  # the threads split the chunks (and prefetch each other's next ones): the result may not depend on it
+        for n_threads in (2, 3):
+            torch.set_num_threads(n_threads)
+            assert torch.equal(kernels.gqa_attention_kernel(q, k, v, n), block), n_threads
+    finally:
+        torch.set_num_threads(threads)
 
 
 linear_kernels = pytest.mark.skipif(kernels.linear_status().startswith("unavailable"),

@@ -78,7 +78,9 @@ RETRIEVAL_MAX_STEP_BYTES_SHARE = 0.45
 #: the same under sampling, where fewer proposals are accepted: at 8K tokens (0.33) the tier on the codes ran at 0.94x
 #: plain decoding (same runs); with its multi-token passes in one call too, `auto` under a bound of 0.4 ran at 1.25x
 #: on pg1342 and 1.09x on pg2701 but 0.92-0.93x on pg84 (bench/results/speed_retrieval_blocks_2026-12-03), below
-#: the 0.95x a default may cost, so a model on block codes still decodes plainly there
+#: the 0.95x a default may cost, so a model on block codes still decodes plainly there. After the kernels' prefetch
+#: fixes the same tier (`--mode retrieval`) ran at 1.15x, 1.33x and 1.09x plain decoding on pg1342, pg84 and pg2701,
+#: medians, but one pg2701 repetition at 0.62x (bench/results/speed_prefetch_2026-12-03): still too thin a margin
 RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING = 0.3
 #: on a CPU, the int8 retrieval tier goes under a target with at least this many weight bytes per layer whatever
 #: the KV share (module docstring: 254 MB per layer paid 3.22x, 18 MB did not pay)

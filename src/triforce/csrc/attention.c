@@ -16,8 +16,9 @@
  * prefetch a share of this chunk's values, the weighted sums' passes a share of the next chunk's keys. So the memory
  * stream does not pause while the scores and sums are computed, and a 7-token block's prefetches do not arrive in
  * one burst that evicts the rows it is working on (prefetching the whole next item into L1 at its start, as before,
- * left a decode step's attention at 8K 1.15-1.2x and a 7-token block's 1.1-1.3x slower on this project's AVX2
- * machine, with bitwise the same outputs; bench/attention_kernel.py measures the kernel against the floor).
+ * left SmolLM2's decode-step attention at 8K 1.20x and a 7-token block's 1.26x slower on this project's AVX2 machine,
+ * with bitwise the same outputs: bench/attention_kernel.py --baseline-source, which also measures the kernel against
+ * the floor; bench/results/attention_kernel_avx2_prefetch_2026-12-03.json).
  *
  * Built at first use by triforce/kernels.py with -O3 -mavx2 -mfma -fopenmp; the Python side checks every
  * precondition below before calling. Causal mask: the row of token i (rows are ordered (g, T): row r is token r % T)
