@@ -2,14 +2,18 @@
 
     python bench/blockcodes.py --threads 2 --reps 15 --rows 1 7 \
         --baseline-source <(git show HEAD~1:src/triforce/csrc/blockcodes.c) --out bench/results/blockcodes.json
+    python bench/blockcodes.py --threads 2 --reps 21 --rows 1 2 4 7 --q8 --out bench/results/blockcodes_q8.json
 
 For every projection of SmolLM2-135M-Instruct (30 layers of Q4_1 codes, and its Q8_0 LM head: the weights a decode
 step of the verifier reads, ``blockcodes.py``), one ``blockcode_linear`` call each, in order, every matrix distinct
 (so a sweep reads them from memory as a decode step does), for each row count of ``--rows`` (1: a decode step or a
 retrieval step; 7: a verification block of gamma2 = 6 drafts). With ``--baseline-source FILE`` the same sweep also
 runs on the kernel built from that file (``baseline``), interleaved with ours (order alternated, medians), and the
-outputs are compared bitwise (``baseline_bitwise_equal``). GB/s is code bytes (codes, scales, minima) read per
-second. JSON on stdout (and to ``--out``).
+outputs are compared bitwise (``baseline_bitwise_equal``). With ``--q8`` the same sweep also runs the integer dot
+products over the same codes (``blockcode_linear_q8``: activations quantized to int8, the retrieval tier's
+``--lower-weights codes``), interleaved too, with their error against the exact products (``q8_relative_error``: the
+largest ||y_q8 - y|| / ||y|| over the matrices). GB/s is code bytes (codes, scales, minima) read per second. JSON on
+stdout (and to ``--out``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 7])
     p.add_argument("--baseline-source", metavar="FILE", help="also time the kernel built from this blockcodes.c")
+    p.add_argument("--q8", action="store_true", help="also time the integer dot products (int8 activations)")
     add_run_options(p, None, reps=15, sampling=False)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -59,24 +64,28 @@ def main() -> int:
         p.error("the embedded model has no block codes here (TRIFORCE_BLOCK_CODES=0?)")
     nbytes = sum(c.nbytes for c in codes)
 
-    def sweep(lib, xs: dict) -> list[torch.Tensor]:
+    def sweep(lib, xs: dict, product=blockcodes.blockcode_linear) -> list[torch.Tensor]:
         blockcodes._blockcodes = lib  # what blockcode_linear calls
         try:
-            return [blockcodes.blockcode_linear(xs[c.in_features], c) for c in codes]
+            return [product(xs[c.in_features], c) for c in codes]
         finally:
             blockcodes._blockcodes = ours
+
+    variants = {name: (lambda xs, lib=lib: sweep(lib, xs)) for name, lib in libs.items()}
+    if args.q8:
+        variants["q8"] = lambda xs: sweep(ours, xs, blockcodes.blockcode_linear_q8)
 
     gen = torch.Generator().manual_seed(0)
     results = []
     for rows in args.rows:
         xs = {n: torch.randn(rows, n, generator=gen) for n in {c.in_features for c in codes}}
-        outs = {name: sweep(lib, xs) for name, lib in libs.items()}  # warm-up, and the outputs compared
-        times: dict[str, list[float]] = {name: [] for name in libs}
-        names = list(libs)
+        outs = {name: run(xs) for name, run in variants.items()}  # warm-up, and the outputs compared
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        names = list(variants)
         for r in range(args.reps):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 t0 = time.perf_counter()
-                sweep(libs[name], xs)
+                variants[name](xs)
                 times[name].append(time.perf_counter() - t0)
         row = {"rows": rows, "matrices": len(codes), "code_bytes": nbytes}
         for name, ts in times.items():
@@ -86,6 +95,10 @@ def main() -> int:
         if "baseline" in libs:
             row["speedup_over_baseline"] = round(row["baseline_ms"] / row["ours_ms"], 3)
             row["baseline_bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(outs["ours"], outs["baseline"]))
+        if "q8" in variants:
+            row["q8_speedup_over_ours"] = round(row["ours_ms"] / row["q8_ms"], 3)
+            row["q8_relative_error"] = round(max(float((a - b).norm() / b.norm()) for a, b in zip(outs["q8"],
+                                                                                              outs["ours"])), 5)
         results.append(row)
     out = {"model": "SmolLM2-135M-Instruct (embedded)", "threads": args.threads, "reps": args.reps,
            "interleaved": True, "kernel": ours.status, "baseline": args.baseline_source, "results": results}

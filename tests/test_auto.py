@@ -209,8 +209,8 @@ def test_auto_matches_exact_distribution_through_bypasses(models):  # noqa: F811
 def test_plan_leaves_out_a_retrieval_tier_that_reads_too_much_next_to_a_verifier_on_block_codes():
     """SmolLM2's shape at 4K and 8K tokens: with fp32 weights both take the int8 retrieval tier. With the verifier
     reading its block codes (a fifth of the bytes), the tier on those codes would read 0.46x the verifier's step at
-    4K and 0.33x at 8K under sampling (both above the sampling bound: plain decoding); greedy, with twice the budget,
-    0.53x at 4K (the n-gram drafter alone) and 0.42x at 8K (kept)."""
+    4K under sampling (above the sampling bound of 0.35: plain decoding) and 0.33x at 8K (kept, with int8
+    activations); greedy, with twice the budget, 0.53x at 4K (the n-gram drafter alone) and 0.42x at 8K (kept)."""
     from triforce.auto import RETRIEVAL_MAX_STEP_BYTES_SHARE, RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING
     from triforce.config import ModelConfig
 
@@ -222,10 +222,12 @@ def test_plan_leaves_out_a_retrieval_tier_that_reads_too_much_next_to_a_verifier
     for n in (4000, 8000):
         fp32 = plan_hierarchy(cfg, w, torch.float32, n, None, t06)
         assert fp32.tiers == "retrieval:6" and fp32.lower_weights == "int8"
-        plain = plan_hierarchy(cfg, w, torch.float32, n, None, t06, step_weight_bytes=codes)
-        assert plain.tiers == "" and f"> {RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING}" in plain.reason
+    plain = plan_hierarchy(cfg, w, torch.float32, 4000, None, t06, step_weight_bytes=codes)
+    assert plain.tiers == "" and f"> {RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING}" in plain.reason
+    sampled = plan_hierarchy(cfg, w, torch.float32, 8000, None, t06, step_weight_bytes=codes)
+    assert sampled.tiers == "retrieval:6" and sampled.lower_weights == "codes" and sampled.budget == 1000
     short = plan_hierarchy(cfg, w, torch.float32, 4000, None, GREEDY, step_weight_bytes=codes)
     assert short.tiers == "ngram:6" and f"> {RETRIEVAL_MAX_STEP_BYTES_SHARE}" in short.reason
     coded = plan_hierarchy(cfg, w, torch.float32, 8000, None, GREEDY, step_weight_bytes=codes)
-    # the tier reads the verifier's own codes (fewer bytes than an int8 copy, and the exact weights)
-    assert coded.tiers == "ngram:4,retrieval:6" and coded.lower_weights is None and "block codes" in coded.reason
+    # the tier reads the verifier's own codes (fewer bytes than an int8 copy) with int8 activations
+    assert coded.tiers == "ngram:4,retrieval:6" and coded.lower_weights == "codes" and "block codes" in coded.reason

@@ -142,7 +142,7 @@ def test_plan_skips_what_cannot_run(monkeypatch):
     monkeypatch.setattr(methods.importlib.util, "find_spec", lambda name: None)
     run, skipped = bench.plan_methods(args)
     assert run == ["hf-ar", "hf-lookup", "auto", "autoregressive", "self", "draft", "retrieval", "triforce",
-                   "retrieval-int8", "triforce-int8"]
+                   "retrieval-int8", "triforce-int8", "retrieval-codes"]
     assert "--draft MODEL" in skipped["hf-assisted"] and "llama-cpp-python" in skipped["llama.cpp"]
     args = add_bench_parser(_subparsers()).parse_args(["--synthetic", "llama2-7b", "--layers", "1"])
     run, skipped = bench.plan_methods(args)

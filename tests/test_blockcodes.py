@@ -11,7 +11,7 @@ import torch
 from test_distribution import NEW, SETTINGS, V, chi2_pvalue, empirical, exact_distribution
 from tiny import hf_model, ours, pair
 from triforce import blockcodes
-from triforce.blockcodes import blockcode_linear, find_block_codes
+from triforce.blockcodes import blockcode_linear, blockcode_linear_q8, find_block_codes
 from triforce.caches import FullKVCache
 from triforce.engine import Engine, SpeculationConfig
 from triforce.kernels import LINEAR_MAX_ROWS, f32_linear
@@ -77,6 +77,71 @@ def test_codes_reproduce_every_weight_and_the_fp32_product_bitwise(fmt, bits, n_
         torch.set_num_threads(threads)
 
 
+def q8_dot_reference(x: torch.Tensor, codes) -> torch.Tensor:
+    """The integer dot products' definition (blockcodes.blockcode_linear_q8, llama.cpp's Q8 activations) in float64:
+    per block g of 32 inputs, dx = max |x| / 127 (fp32), xq = round(x * (127 / max |x|)) (fp32, half to even), and
+    y_o = sum_g d_go dx_g sum_i q_io xq_i + m_go sum_i x_i (the inputs' fp32 sum)."""
+    m, n_in = x.shape
+    xg = x.reshape(m, n_in // 32, 32)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.full_like(amax, 127.0) / amax  # a true division (torch's 127 / t multiplies by t's reciprocal)
+    xq = torch.round(xg * torch.where(amax > 0, inv, torch.zeros_like(amax))).double()
+    dx = (amax / 127).double()
+    w = codes.dequantize().double()  # (in, out) = d q + m
+    deq_m = codes.m.double().permute(1, 0, 2).reshape(n_in // 32, -1) if codes.m is not None else None
+    d = codes.d.double().permute(1, 0, 2).reshape(n_in // 32, -1)  # (groups, out)
+    q = w.reshape(n_in // 32, 32, -1)
+    if deq_m is not None:
+        q = q - deq_m[:, None]
+    q = torch.round(q / d[:, None].clamp(min=1e-30))  # the codes back from d q (exact: d q was exact in fp32)
+    y = torch.einsum("mgi,gio->mgo", xq, q).mul(dx).mul(d[None]).sum(1)
+    if deq_m is not None:
+        y = y + (xg.sum(-1, keepdim=True).double() * deq_m[None]).sum(1)
+    return y
+
+
+@pytest.mark.parametrize("fmt,bits", [(q4_1, 4), (q8_0, 8)])
+@pytest.mark.parametrize("n_in,n_out", [(64, 96), (576, 960), (1536, 576)])
+def test_int8_activation_products_compute_their_definition(fmt, bits, n_in, n_out):
+    """blockcode_linear_q8: the definition computed in float64 to fp32 rounding (its integer sums are exact), for
+    every row count of a pass (1-4 rows at a time, remainders), a row alone = the row in a block, bitwise the same
+    over 1, 2 and 3 threads; within a few percent of the exact product (it is an approximation, for the tiers below
+    the verifier only)."""
+    torch.manual_seed(n_in + n_out + bits + 1)
+    w_t = fmt(torch.randn(n_out, n_in) * 0.05).T.contiguous()
+    codes = find_block_codes(w_t)
+    for rows in (1, 2, 3, 4, 5, 7, 9, 16, LINEAR_MAX_ROWS):
+        x = torch.randn(rows, n_in)
+        x[0, :32] = 0  # a block of zeros: scale 0, codes 0
+        y = blockcode_linear_q8(x, codes)
+        ref = q8_dot_reference(x, codes)
+        assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), rows
+        assert torch.equal(blockcode_linear_q8(x[-1:], codes), y[-1:])
+        exact = blockcode_linear(x, codes)
+        assert (y - exact).norm() <= 0.05 * exact.norm()
+    threads = torch.get_num_threads()
+    try:
+        x = torch.randn(7, n_in)
+        y = blockcode_linear_q8(x, codes)
+        for n_threads in (1, 2, 3):
+            torch.set_num_threads(n_threads)
+            assert torch.equal(blockcode_linear_q8(x, codes), y)
+    finally:
+        torch.set_num_threads(threads)
+    assert blockcode_linear_q8(torch.randn(LINEAR_MAX_ROWS + 1, n_in), codes) is None
+    assert blockcode_linear_q8(torch.randn(2, n_in + 32), codes) is None
+
+
+def test_int8_activation_products_refuse_q8_0_codes_of_minus_128():
+    """vpsignb cannot negate -128: 8-bit codes holding it (which the fit allows, ggml never writes) are refused."""
+    w = q8_0(torch.randn(64, 64) * 0.05).T.contiguous()
+    codes = find_block_codes(w)
+    assert codes.q8_dot_ok and blockcode_linear_q8(torch.randn(1, 64), codes) is not None
+    codes.codes[0, 0, 0] = -128
+    del codes.q8_dot_ok  # the cached check
+    assert not codes.q8_dot_ok and blockcode_linear_q8(torch.randn(1, 64), codes) is None
+
+
 def test_weights_that_are_not_block_codes_are_refused():
     torch.manual_seed(0)
     w = torch.randn(576, 960) * 0.05
@@ -118,7 +183,7 @@ def test_model_with_codes_matches_transformers_and_its_fp32_self():
 
 def test_codes_keep_every_mode_equal_to_autoregressive_greedy(monkeypatch):
     """Autoregressive decoding on codes (its decode steps in one call) against every mode: the retrieval tier on the
-    target's own codes (one call too) or its int8 copy, the draft, TriForce."""
+    target's own codes (one call too, exact or with int8 activations) or its int8 copy, the draft, TriForce."""
     from triforce import decode_step
 
     _, draft = pair(seed=5)
@@ -134,7 +199,8 @@ def test_codes_keep_every_mode_equal_to_autoregressive_greedy(monkeypatch):
     for _ in range(8):
         prompt = torch.randint(3, 96, (int(torch.randint(8, 80, (1,), generator=g)),), generator=g).tolist()
         ref, _ = engine.generate(prompt, max_new_tokens=20, sampling=greedy)
-        for mode, lower in (("retrieval", None), ("retrieval", "int8"), ("draft", None), ("triforce", None)):
+        for mode, lower in (("retrieval", None), ("retrieval", "int8"), ("retrieval", "codes"), ("draft", None),
+                            ("triforce", None), ("triforce", "codes")):
             spec = SpeculationConfig(mode=mode, budget=24, chunk_size=4, gamma1=3, gamma2=5, draft_sink=2,
                                      draft_window=8, lower_weights=lower)
             out, stats = engine.generate(prompt, max_new_tokens=20, sampling=greedy, spec=spec)
@@ -145,16 +211,19 @@ def test_codes_keep_every_mode_equal_to_autoregressive_greedy(monkeypatch):
         assert ran and all(ran)
 
 
-def test_verifier_on_codes_matches_exact_distribution():
-    """TriForce with the verifier on block codes (V = 5: the LM head stays fp32, every layer reads codes) at
-    T = 0.6 / top-p 0.9 / top-k 5: the chi-square bound of test_distribution.py (p > 1e-3)."""
+@pytest.mark.parametrize("lower", [None, "codes"])
+def test_verifier_on_codes_matches_exact_distribution(lower):
+    """TriForce with the verifier on block codes (V = 5: the LM head stays fp32, every layer reads codes), the
+    retrieval tier on the same codes exactly or with int8 activations, at T = 0.6 / top-p 0.9 / top-k 5: the
+    chi-square bound of test_distribution.py (p > 1e-3)."""
     target_hf = gguf_like(hf_model(seed=21, vocab=V, layers=2, hidden=32, init=0.15))
     draft = ours(hf_model(seed=22, vocab=V, layers=1, hidden=16, heads=2, kv_heads=1, init=0.5))
     target = ours(target_hf)
     assert target.attach_block_codes() == 2 * 4
     prompt = torch.randint(0, V, (20,), generator=torch.Generator().manual_seed(5)).tolist()
     params = SETTINGS["T0.6-p0.9-k5"]
-    spec = SpeculationConfig(mode="triforce", budget=8, chunk_size=2, gamma1=2, gamma2=2, draft_sink=2, draft_window=4)
+    spec = SpeculationConfig(mode="triforce", budget=8, chunk_size=2, gamma1=2, gamma2=2, draft_sink=2, draft_window=4,
+                             lower_weights=lower)
     counts = empirical(Engine(target, draft), prompt, params, spec, 2000, seed=91)
     assert counts.sum() == 2000 and NEW == 3
     assert chi2_pvalue(counts, exact_distribution(target_hf, prompt, params)) > 1e-3
@@ -220,3 +289,52 @@ def test_decode_step_on_codes_in_one_call_is_the_python_layers(family, heads, kv
         full.rollback(n)
     assert ran == [True]
     torch.testing.assert_close(queries[0], queries[1], rtol=1e-5, atol=1e-5)
+
+
+def test_int8_activation_copy_runs_its_decode_step_in_one_call(monkeypatch):
+    """lower_precision_copy(model, "codes"): the same tensors (no copy of the weights), every projection with int8
+    activations; its one-call decode step and retrieval blocks run, and give logits as close to its Python layers'
+    as those are to the exact model's (not to float rounding: SiLU's exp rounds differently on the two sides, and
+    a last-bit change can move an activation across an int8 rounding step); a model without codes gets the int8
+    copy."""
+    from triforce import decode_step
+    from triforce.quant import lower_precision_copy
+    from triforce.retrieval import RetrievalCache
+
+    if not decode_step.decode_step_status().startswith("on"):
+        pytest.skip(f"decode step kernel {decode_step.decode_step_status()}")
+    target = ours(gguf_like(hf_model(9, vocab=96, layers=3)))
+    target.attach_block_codes()
+    copy = lower_precision_copy(target, "codes")
+    assert copy.decode_step is not None and copy.layers_on_codes()
+    lins = [m for m in copy.modules() if isinstance(m, Linear)]
+    assert all(m.q8 for m in lins) and not any(m.q8 for m in target.modules() if isinstance(m, Linear))
+    assert {m.codes.codes.data_ptr() for m in lins} == {m.codes.codes.data_ptr() for m in target.modules()
+                                                        if isinstance(m, Linear)}
+    n = 40
+    prompt = torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(4))
+    full = FullKVCache(target.cfg, 64, record_queries=True)
+    target(prompt[None], torch.arange(n), full)
+    ret = RetrievalCache(target.cfg, full, 16, 4)
+    ret.build_from_full(n - 1)
+    ran = []
+    real = decode_step.decode_layers
+    monkeypatch.setattr("triforce.decode_step.decode_layers", lambda *a: (r := real(*a), ran.append(r is not None))[0])
+    block = torch.tensor([[7, 50, 3, 9, 9]])
+    step = copy.decode_step
+    target.decode_step = None
+    for ids in (block[:, :1], block):
+        pos = torch.arange(n - 1, n - 1 + ids.shape[1])
+        outs = []
+        for fused in (True, False):
+            copy.decode_step = step if fused else None
+            outs.append(copy(ids, pos, ret))
+            ret.rollback(n - 1)
+        assert ran.pop() is True
+        exact = target(ids, pos, ret)
+        ret.rollback(n - 1)
+        fused, python = outs
+        assert (python - exact).norm() <= 0.2 * exact.norm()
+        assert (fused - python).norm() <= (python - exact).norm()
+    plain = ours(hf_model(seed=3, vocab=96, layers=2))
+    assert lower_precision_copy(plain, "codes").weights == "int8"

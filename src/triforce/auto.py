@@ -21,7 +21,9 @@ hierarchy only changes how many tokens each verification emits, never their dist
   - either way only where its step reads at most :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE` (greedy) or
     :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING` of what the verifier's decode step reads: with a GGUF model's
     block codes (``blockcodes.py``) the verifier reads a fifth of its fp32 weights' bytes, so the tier pays later; and
-    it then reads the target's own codes rather than an int8 copy (fewer bytes, and the exact weights);
+    it then reads the target's own codes rather than an int8 copy (fewer bytes), multiplied by int8-quantized
+    activations (``--lower-weights codes``: integer dot products, as llama.cpp's, where the verifier's exact fp32
+    products are bound by dequantizing the codes: a retrieval step at 8K tokens 8.7 ms instead of 11.5);
   - the same tier also goes under the target, whatever the KV share, when the step is bound by the weights' bytes:
     on a CPU, a target whose layers hold at least :data:`WEIGHT_BOUND_LAYER_BYTES` each, so that a step's fixed
     per-layer costs are small next to the bytes the int8 copy saves. Its budget is then the largest
@@ -80,8 +82,12 @@ RETRIEVAL_MAX_STEP_BYTES_SHARE = 0.45
 #: on pg1342 and 1.09x on pg2701 but 0.92-0.93x on pg84 (bench/results/speed_retrieval_blocks_2026-12-03), below
 #: the 0.95x a default may cost, so a model on block codes still decodes plainly there. After the kernels' prefetch
 #: fixes the same tier (`--mode retrieval`) ran at 1.15x, 1.33x and 1.09x plain decoding on pg1342, pg84 and pg2701,
-#: medians, but one pg2701 repetition at 0.62x (bench/results/speed_prefetch_2026-12-03): still too thin a margin
-RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING = 0.3
+#: medians, but one pg2701 repetition at 0.62x (bench/results/speed_prefetch_2026-12-03): still too thin a margin.
+#: With the tier's products as integer dot products over the codes (``codes``: a retrieval step 8.7 ms instead of
+#: 11.5), `auto` under a bound of 0.35 ran at 1.21x, 1.13x and 1.43x plain decoding at 8K on pg1342, pg84 and
+#: pg2701 (medians of 3; 1.35-2.2x faster than llama.cpp in the same runs), and at 0.99x / 1.00x at 1K / 4K, where it
+#: decodes plainly (bench/results/speed_codes_2026-12-03): 8K (0.33) now takes the tier, 4K (0.46) does not
+RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING = 0.35
 #: on a CPU, the int8 retrieval tier goes under a target with at least this many weight bytes per layer whatever
 #: the KV share (module docstring: 254 MB per layer paid 3.22x, 18 MB did not pay)
 WEIGHT_BOUND_LAYER_BYTES = 64 * 2**20
@@ -95,8 +101,8 @@ class AutoPlan:
         tiers: the hierarchy under the target, bottom first (``SpeculationConfig.tiers`` syntax), e.g.
             ``"ngram:4,retrieval:6"``; empty: plain autoregressive decoding.
         budget: retrieval cache slots (when a retrieval tier is in ``tiers``).
-        lower_weights: weights of the tiers below the verifier: ``int8``, or None (the target's own, where it reads
-            its block codes: fewer bytes than an int8 copy, and exact).
+        lower_weights: weights of the tiers below the verifier: ``int8``, or ``codes`` (the target's own block codes
+            with int8 activations, where the verifier reads block codes: fewer bytes than an int8 copy).
         reason: one sentence: the figures the choice rests on.
     """
 
@@ -161,8 +167,8 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
     int8_bytes = weight_bytes // torch.empty((), dtype=kv_dtype).element_size()  # the weights' dtype, as a rule
     verifier_bytes = weight_bytes if step_weight_bytes is None else step_weight_bytes
     # the tier reads the target's own weights where the verifier reads fewer bytes than an int8 copy (block codes)
-    lower_weights, lower_bytes = ("int8", int8_bytes) if int8_bytes <= verifier_bytes else (None, verifier_bytes)
-    lower = "int8 weights" if lower_weights else "the target's own block codes"
+    lower_weights, lower_bytes = ("int8", int8_bytes) if int8_bytes <= verifier_bytes else ("codes", verifier_bytes)
+    lower = "int8 weights" if lower_weights == "int8" else "the target's own block codes and int8 activations"
     step_share = (lower_bytes + kv_bytes(cfg, budget, kv_dtype)) / max(1, verifier_bytes + kv)
     max_step_share = RETRIEVAL_MAX_STEP_BYTES_SHARE if sampling.greedy else RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING
     if weight_bound:  # measured at 0.25 (fp32 weights); a tier reading as much as the verifier cannot pay

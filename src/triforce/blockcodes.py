@@ -19,6 +19,7 @@ the check fails on the first blocks and they stay fp32 only. ``TRIFORCE_BLOCK_CO
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -33,6 +34,7 @@ _PROBE_BLOCKS = 32
 _blockcodes = _Library("blockcodes.c", BLOCKCODES_ENV_SWITCH, ("avx2", "fma", "f16c"),
                        lambda: (BLOCKCODES_CFLAGS, "AVX2"), {
                            "triforce_blockcode_linear": (_I, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I]),
+                           "triforce_blockcode_linear_q8": (_I, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _P]),
                            "triforce_blockcode_fit": (_I, [_P, _I, _I, _I, _P, _P, _P])})
 
 
@@ -59,6 +61,12 @@ class BlockCodes:
     m: torch.Tensor | None
     in_features: int
     out_features: int
+
+    @cached_property
+    def q8_dot_ok(self) -> bool:
+        """Whether :func:`blockcode_linear_q8` takes these codes: 4-bit codes, or 8-bit codes within [-127, 127] (the
+        kernel's ``vpsignb`` cannot negate -128; ggml's own Q8_0 quantization never writes it). Checked once."""
+        return self.bits == 4 or int(self.codes.min()) > -128
 
     @property
     def nbytes(self) -> int:
@@ -149,4 +157,40 @@ def blockcode_linear(x: torch.Tensor, codes: BlockCodes) -> torch.Tensor | None:
     rc = fns["triforce_blockcode_linear"](x.data_ptr(), codes.codes.data_ptr(), codes.bits, codes.d.data_ptr(),
                                           None if codes.m is None else codes.m.data_ptr(), y.data_ptr(), x.shape[0],
                                           codes.in_features, codes.out_features, torch.get_num_threads())
+    return y if rc == 0 else None
+
+
+def blockcode_linear_q8(x: torch.Tensor, codes: BlockCodes) -> torch.Tensor | None:
+    """``y ~= x W`` with ``x`` quantized to int8 per block of 32 inputs, integer dot products over the codes.
+
+    What llama.cpp computes for Q4_1 and Q8_0 weights (``ggml-quants.c``: ``vec_dot_q4_1_q8_1``, ``vec_dot_q8_0_q8_0``):
+    per block g of 32 inputs, ``dx_g = max |x_i| / 127``, ``xq_i = round(x_i / dx_g)``, and
+    ``y_o = sum_g d_go dx_g sum_i q_io xq_i + m_go sum_i x_i`` (the minima's term over the exact fp32 inputs). Not the
+    fp32 product (relative error about 1e-2 per output): for tiers below the verifier only, whose rounding changes how
+    often their proposals are accepted, never the output (TriForce, arXiv 2404.11912, Sec. 4). About a quarter of
+    the exact kernel's instructions per weight, so a one-row product runs at the codes' memory bandwidth
+    (``bench/blockcodes.py --q8``).
+
+    Args:
+        x: (M, in) fp32 contiguous CPU activations, 1 <= M <= :data:`~triforce.kernels.LINEAR_MAX_ROWS`.
+        codes: the weights (:class:`BlockCodes`).
+
+    Returns:
+        (M, out) fp32, or None (other dtypes, devices or shapes; more rows; codes the kernel does not take,
+        :attr:`BlockCodes.q8_dot_ok`; the kernel unavailable).
+    """
+    if (not codes.q8_dot_ok or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != codes.in_features
+            or not 1 <= x.shape[0] <= LINEAR_MAX_ROWS):
+        return None
+    fns = _blockcodes.load()
+    if fns is None:
+        return None
+    x = x.contiguous()
+    m, n_in = x.shape
+    work = torch.empty(m * n_in * codes.bits + 8 * m * (n_in // GROUP) + 32, dtype=torch.uint8)
+    base = work.data_ptr() + (-work.data_ptr()) % 32  # the kernel's aligned loads
+    y = torch.empty(m, codes.out_features)
+    rc = fns["triforce_blockcode_linear_q8"](x.data_ptr(), codes.codes.data_ptr(), codes.bits, codes.d.data_ptr(),
+                                             None if codes.m is None else codes.m.data_ptr(), y.data_ptr(), m, n_in,
+                                             codes.out_features, torch.get_num_threads(), base)
     return y if rc == 0 else None

@@ -24,6 +24,8 @@ _decode_step = _Library("decode_step.c", DECODE_STEP_ENV_SWITCH, (), lambda: (DE
 _fn_table = None  # the kernels' addresses in the order csrc/decode_step.c takes them, built on first use
 #: most tokens of one call (csrc/decode_step.c's MAX_T): decode steps and verification blocks (gamma + 1)
 MAX_BLOCK = 16
+#: added to a weight's bits: its block codes multiply int8-quantized activations (csrc/decode_step.c's Q8_ACTIVATIONS)
+Q8_ACTIVATIONS = 16
 
 
 def decode_step_status() -> str:
@@ -48,13 +50,15 @@ class LayerTable:
             :class:`~triforce.blockcodes.BlockCodes` of the (in, out) matrix.
         biases: 4 per layer: (out,) fp32 contiguous, or None.
         dims: (d, nh, nkv, hs, inter) of the model; ``eps`` its RMSNorm epsilon.
+        q8: None, or one bool per weight: block codes multiplied by int8-quantized activations
+            (:func:`~triforce.blockcodes.blockcode_linear_q8`: a tier below the verifier), where those codes allow it.
 
     Raises:
         ValueError: tables whose lengths, shapes, dtypes or layouts do not match (the parameter is named).
     """
 
     def __init__(self, norms: list, weights: list, biases: list, dims: tuple[int, int, int, int, int],
-                 eps: float) -> None:
+                 eps: float, q8: list[bool] | None = None) -> None:
         d, nh, nkv, hs, inter = dims
         n_layers = len(weights) // 4
         if len(norms) != 2 * n_layers or len(biases) != 4 * n_layers or len(weights) % 4:
@@ -67,7 +71,9 @@ class LayerTable:
             if isinstance(w, BlockCodes):
                 ok = (w.out_features, w.in_features) == want
                 if ok:
-                    qs.append(w.codes), scales.append(w.d), mins.append(w.m), bits.append(w.bits)
+                    q8_here = bool(q8 and q8[i]) and w.q8_dot_ok
+                    qs.append(w.codes), scales.append(w.d), mins.append(w.m)
+                    bits.append(w.bits | (Q8_ACTIVATIONS if q8_here else 0))
             else:
                 q, s = w
                 ok = (q.dtype == torch.int8 and tuple(q.shape) == want and q.is_contiguous() and q.device.type == "cpu"
@@ -91,8 +97,9 @@ class LayerTable:
         self.norms, self.qs, self.scales, self.mins, self.biases = (table(norms), table(qs), table(scales),
                                                                     table(mins), table(biases))
         self.bits = (ctypes.c_int * len(bits))(*bits)
-        self.work = torch.empty(MAX_BLOCK * (6 * nh * hs + 4 * nkv * hs + 2 * d + 3 * inter + 3 * nh),
-                                dtype=torch.float32)  # csrc/decode_step.c's work
+        n_in = max(d, nh * hs, inter)  # the widest projection input (the integer dot products' activations)
+        self.work = torch.empty(MAX_BLOCK * (6 * nh * hs + 4 * nkv * hs + 2 * d + 3 * inter + 3 * nh + 2 * n_in
+                                             + n_in // 16) + 8, dtype=torch.float32)  # csrc/decode_step.c's work
 
 
 def decode_layers(table: LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int,
@@ -155,8 +162,9 @@ def decode_layers(table: LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.
     global _fn_table
     if _fn_table is None:
         fns = [libs[0]["triforce_int8_linear"], libs[1]["triforce_rms_norm"], libs[1]["triforce_rope"],
-               libs[2]["triforce_gqa_attention"]] + ([codes["triforce_blockcode_linear"]] if codes else [])
-        _fn_table = (ctypes.c_void_p * 5)(*[ctypes.cast(f, ctypes.c_void_p).value for f in fns])
+               libs[2]["triforce_gqa_attention"]] + ([codes["triforce_blockcode_linear"],
+                                                      codes["triforce_blockcode_linear_q8"]] if codes else [])
+        _fn_table = (ctypes.c_void_p * 6)(*[ctypes.cast(f, ctypes.c_void_p).value for f in fns])
     threads = torch.get_num_threads()
     rows = nh // nkv * T
     scratch = torch.empty(nkv * -(-n_keys // CHUNK) * rows * (hs + 2) + threads * rows * CHUNK, dtype=torch.float32)
@@ -180,7 +188,8 @@ class DecodeStep:
 
     Args:
         model: a :class:`~triforce.model.Transformer` whose every layer projection is int8 (``q``, ``scale_f32``:
-            :class:`~triforce.quant.Int8Linear`) or has block codes (``codes``), fp32 norms, no tensor parallelism.
+            :class:`~triforce.quant.Int8Linear`) or has block codes (``codes``; with ``q8`` set, multiplied by
+            int8-quantized activations), fp32 norms, no tensor parallelism.
 
     Raises:
         ValueError: a model the kernel does not take (see :class:`LayerTable`).
@@ -188,20 +197,23 @@ class DecodeStep:
 
     def __init__(self, model) -> None:
         cfg = model.cfg
-        norms, weights, biases = [], [], []
+        norms, weights, biases, q8 = [], [], [], []
         for block in model.layers:
             norms += [block.input_layernorm.weight.detach(), block.post_attention_layernorm.weight.detach()]
             for lin in (block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj):
                 if getattr(lin, "codes", None) is not None:
                     weights.append(lin.codes)
+                    q8.append(getattr(lin, "q8", False))
                 elif hasattr(lin, "q") and hasattr(lin, "scale_f32"):
                     weights.append((lin.q.detach(), lin.scale_f32.detach()))
+                    q8.append(False)
                 else:
                     raise ValueError(f"DecodeStep: every projection must be int8 or block codes, got "
                                      f"{type(lin).__name__}")
                 biases.append(None if lin.bias is None else lin.bias.detach())
         self.table = LayerTable(norms, weights, biases, (cfg.hidden_size, cfg.num_attention_heads,
-                                cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size), cfg.rms_norm_eps)
+                                cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size), cfg.rms_norm_eps,
+                                q8)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor | None:
         """(1, T, d) fp32 embedded tokens, their (T, hs) rotations and the cache -> (1, T, d) after the last layer,

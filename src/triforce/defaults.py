@@ -17,7 +17,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 #: weights of the ``self`` tier (the target's own weights, quantized; ``quant.py``)
 SELF_WEIGHTS = ("int4", "int8", "bfloat16")
 #: weights of the tiers below the verifier (``--lower-weights``; ``quant.lower_precision_copy``)
-LOWER_WEIGHTS = ("int8", "int4", "bfloat16")
+LOWER_WEIGHTS = ("int8", "int4", "bfloat16", "codes")
 #: dtypes of the lower tiers' caches (``--lower-kv-dtype``; float32 serves a bf16/fp16 verifier)
 LOWER_KV_DTYPES = ("bfloat16", "float16", "float32")
 #: ``--packed-weights`` values

@@ -109,8 +109,9 @@ class SpeculationConfig:
         chunk_score: retrieval chunk score, one of ``mean`` (the paper's), ``max``, ``bound``, ``attn`` (see
             :class:`~triforce.retrieval.RetrievalCache`).
         lower_weights: weights of the tiers below the verifier (the retrieval tier's copy of the target, and the
-            draft model): None (as loaded), ``int8`` (weight-only) or ``bfloat16`` (see ``quant.py``). Lossless:
-            the verifier decides every token; only acceptance can change.
+            draft model): None (as loaded), ``int8`` (weight-only), ``int4``, ``bfloat16`` or ``codes`` (a GGUF
+            model's own block codes times int8-quantized activations; int8 for a model without codes) (see
+            ``quant.py``). Lossless: the verifier decides every token; only acceptance can change.
         lower_kv_dtype: dtype of the retrieval and draft caches: None (as the model), ``bfloat16`` or ``float16``.
         tiers: an explicit hierarchy under the full-cache target, bottom first, ``kind:gamma`` entries with kind in
             :data:`TIER_KINDS` (``ngram`` only at the bottom), e.g. ``"self:4,retrieval:6"``: each gamma is

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .blockcodes import blockcode_linear
+from .blockcodes import blockcode_linear, blockcode_linear_q8
 from .caches import KVCache, RaggedCache
 from .config import ModelConfig
 from .kernels import LINEAR_MAX_ROWS, f32_beats_onednn, f32_linear, f32_one_row_pays, rms_norm
@@ -41,12 +41,16 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed = None  # oneDNN-prepacked copy for multi-row products on CPU (see Transformer.pack_weights)
         self.codes = None  # the weights' exact GGUF block codes (blockcodes.py), read instead of weight_t for <= 64 rows
+        self.q8 = False  # multiply the codes by int8-quantized activations (a copy for the tiers below the verifier)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         rows = x.numel() // x.shape[-1]
         y = None  # our kernels' product where one applies (each gives None where it does not)
         if self.codes is not None and rows <= LINEAR_MAX_ROWS:  # the same fp32 weights, a fifth of the bytes
-            y = blockcode_linear(x.reshape(-1, x.shape[-1]), self.codes)
+            if self.q8:  # integer dot products (a lower tier's copy; None where the codes do not allow them)
+                y = blockcode_linear_q8(x.reshape(-1, x.shape[-1]), self.codes)
+            if y is None:
+                y = blockcode_linear(x.reshape(-1, x.shape[-1]), self.codes)
         # a verification block or a batched step (and a decode step where the kernel beats MKL's GEMV): our kernel,
         # unless oneDNN's product over packed weights is faster on this CPU (the AVX2 build)
         if y is None and ((1 < rows <= LINEAR_MAX_ROWS and (self.packed is None or f32_beats_onednn()))
@@ -435,6 +439,12 @@ class Transformer(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters (tied weights counted once)."""
         return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def layers_on_codes(self) -> bool:
+        """Whether every layer's projections read GGUF block codes in one-call decode steps
+        (:meth:`attach_block_codes`), so that a ``codes`` lower tier (``quant.py``) needs no copy of the weights."""
+        return self.decode_step is not None and all(getattr(lin, "codes", None) is not None for block in self.layers
+                                                    for lin in (block.self_attn.qkv_proj, block.mlp.down_proj))
 
     def step_weight_bytes(self) -> int:
         """Bytes of weights a decode step reads: a projection's block codes where it has them (``blockcodes.py``),

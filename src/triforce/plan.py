@@ -24,7 +24,7 @@ from .model import Transformer
 #: tokens per prefill forward of a StreamingLLM tier (its cache holds one such chunk beyond sink + window)
 DRAFT_PREFILL_CHUNK = 256
 #: bytes per weight of the lower tiers' weight copies (int4: 4 bits + a bf16 scale and zero per 32 weights)
-BYTES_PER_WEIGHT = {"int8": 1.0, "int4": 0.625, "bfloat16": 2.0}
+BYTES_PER_WEIGHT = {"int8": 1.0, "int4": 0.625, "bfloat16": 2.0, "codes": 1.0}  # codes: none on block codes
 FULL_CACHE = "full KV cache"
 
 
@@ -106,7 +106,7 @@ def plan_request(target: Transformer, draft: Transformer | None, spec: Speculati
               + ([draft] if "draft" in kinds and draft is not None else []) if spec.lower_weights]
     copies += [(target, spec.self_weights)] if "self" in kinds else []
     for m, scheme in dict.fromkeys(copies):
-        if (id(m), scheme) not in existing_copies:
+        if (id(m), scheme) not in existing_copies and not (scheme == "codes" and m.layers_on_codes()):
             key = f"{scheme} copies of the lower tiers' weights"
             out[key] = out.get(key, 0) + int(m.weight_bytes() // m.dtype.itemsize * BYTES_PER_WEIGHT[scheme])
     placement = None

@@ -18,6 +18,10 @@ output distribution.
   where available; elsewhere the dequantized weights (feature detection with a fallback). This is the weight copy
   of the ``self`` tier (the target drafting for itself, ``--draft self``).
 * ``bfloat16``: weights (out, in) in bf16 through ``F.linear``.
+* ``codes``: a model read from a GGUF file keeps its own Q4_1 / Q8_0 block codes (``blockcodes.py``, no copy of the
+  weights), and each product quantizes its activations to int8 per block of 32 inputs for integer dot products, as
+  llama.cpp computes (``blockcodes.blockcode_linear_q8``): the verifier's exact fp32 products over the same codes are
+  bound by their dequantization, these by the codes' bytes. A model without block codes gets the ``int8`` copy.
 
 Activations stay in the source model's dtype between layers; each quantized matmul converts its input and output.
 """
@@ -164,7 +168,7 @@ class BF16Linear(nn.Module):
 
 
 def lower_precision_copy(model: Transformer, weights: str) -> Transformer:
-    """A copy of ``model`` whose projections and LM head use ``weights`` (``int8`` or ``bfloat16``).
+    """A copy of ``model`` whose projections and LM head use ``weights`` (one of :data:`LOWER_WEIGHTS`).
 
     Norms, RoPE and (for untied models) the embedding table are shared with ``model``, not copied; tied embeddings
     keep reading the source LM head's matrix. The copy is for speculation tiers below the verifier. When ``model``
@@ -183,6 +187,10 @@ def lower_precision_copy(model: Transformer, weights: str) -> Transformer:
     """
     if weights not in LOWER_WEIGHTS:
         raise ValueError(f"lower_weights must be one of {', '.join(LOWER_WEIGHTS)}, got {weights!r}")
+    if weights == "codes":
+        if not model.layers_on_codes():
+            return lower_precision_copy(model, "int8")  # no block codes in every layer (module docstring)
+        return _int8_activations_copy(model)
     kinds = {"int8": Int8Linear, "int4": Int4Linear, "bfloat16": BF16Linear}
 
     def make(linear: Linear) -> nn.Module:
@@ -190,13 +198,28 @@ def lower_precision_copy(model: Transformer, weights: str) -> Transformer:
             return Int8Linear(linear)  # a projection int4's groups do not fit keeps int8
         return kinds[weights](linear)
 
+    out = _with_linears(model, make)
+    out.tied_embedding = model.lm_head.weight_t if model.embed_tokens is None else None
+    out.weights = weights
+    out.decode_step = None
+    if weights == "int8" and model.tp is None and model.dtype == torch.float32 and model.device.type == "cpu":
+        try:
+            out.decode_step = DecodeStep(out)
+        except ValueError:
+            pass  # a layout the kernel does not take: the layers run in Python
+    return out
+
+
+def _with_linears(model: Transformer, make) -> Transformer:
+    """A shallow copy of ``model`` whose LM head and layer projections are ``make(linear)``; everything else (norms,
+    RoPE, embeddings) is shared. A compiled source's MLP forward is bound to the source MLP: each copied MLP gets its
+    own."""
     import copy
 
     out = copy.copy(model)  # shallow: shares submodules until replaced below
     out._modules = dict(model._modules)
     out._parameters = dict(model._parameters)
     out._buffers = dict(model._buffers)
-    out.tied_embedding = model.lm_head.weight_t if model.embed_tokens is None else None
     out.lm_head = make(model.lm_head)
     layers = []
     for block in model.layers:
@@ -212,11 +235,24 @@ def lower_precision_copy(model: Transformer, weights: str) -> Transformer:
         b.self_attn, b.mlp = attn, mlp
         layers.append(b)
     out.layers = nn.ModuleList(layers)
-    out.weights = weights
-    out.decode_step = None
-    if weights == "int8" and model.tp is None and model.dtype == torch.float32 and model.device.type == "cpu":
-        try:
-            out.decode_step = DecodeStep(out)
-        except ValueError:
-            pass  # a layout the kernel does not take: the layers run in Python
+    return out
+
+
+def _int8_activations_copy(model: Transformer) -> Transformer:
+    """``lower_precision_copy(model, "codes")`` for a model whose every layer has block codes: the same tensors, but
+    each :class:`~triforce.model.Linear` with codes is a shallow copy with ``q8`` set, and the copy has its own
+    one-call decode step over them."""
+    import copy
+
+    def q8(linear: nn.Module) -> nn.Module:
+        if not isinstance(linear, Linear) or linear.codes is None:
+            return linear
+        out = copy.copy(linear)  # shares weight_t, codes, bias
+        out._parameters = dict(linear._parameters)
+        out.q8 = True
+        return out
+
+    out = _with_linears(model, q8)
+    out.weights = "codes"
+    out.decode_step = DecodeStep(out)
     return out

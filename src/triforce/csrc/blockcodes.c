@@ -24,6 +24,7 @@
  */
 #include <immintrin.h>
 #include <omp.h>
+#include <math.h>
 #include <stdint.h>
 
 #define MAX_ROWS 64
@@ -127,6 +128,174 @@ int triforce_blockcode_linear(const float* x, const void* codes, int bits, const
     return 0;
 }
 
+
+
+/* ---- Integer dot products over the same codes, for the tiers below the verifier ----
+ *
+ * The retrieval tier only proposes tokens (TriForce, arXiv 2404.11912, Sec. 4: tier 1 need only be close to the
+ * target), so its products may round differently: here each row's activations are quantized to int8 per block of
+ * 32 inputs (xq = round(x / dx), dx = max |x| / 127) and each block's sum is an integer dot product of codes and xq,
+ * as llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 dot products compute it (ggml-quants.c):
+ *
+ *     y[o] = sum_g d[g, o] dx[g] sum_{i in g} q[i, o] xq[i]  +  m[g, o] sum_{i in g} x[i]
+ *
+ * (the minima's term with the exact fp32 sum of the block's inputs). vpmaddubsw multiplies 32 byte pairs at once, so
+ * a product costs about a quarter of the instructions of the exact kernel's dequantization (which a one-row product
+ * is bound by: 8.3 ms over SmolLM2's codes, against 4.3 ms for its bytes at the large-GEMV bandwidth). Q8_0 codes must
+ * lie in [-127, 127] (vpsignb cannot negate -128; the Python side checks). xp: the rows' activations laid out for the
+ * byte shuffles below (prepare_rows), dx and sx: (M, in / 32) the blocks' scales and fp32 input sums. */
+
+/* 4-bit codes: 8 inputs (one 32-byte load: 8 words of 8 nibbles) -> per lane, the 4 inputs' products summed for the
+ * even outputs (lo) and the odd ones (hi) of the column block; xp lane k = the 4 inputs' xq repeated 4 times */
+static inline __attribute__((always_inline)) void dot4_step(__m256i v, const __m256i* xp, const int R, int64_t xstride,
+                                                            __m256i* lo, __m256i* hi) {
+    const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    /* byte 4j + b of a lane is word j's byte b (outputs 2b, 2b + 1 at input j); to 4b + j: each output's 4 inputs */
+    const __m256i tr = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                        0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m256i ql = _mm256_shuffle_epi8(_mm256_and_si256(v, nib), tr);
+    const __m256i qh = _mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib), tr);
+    for (int r = 0; r < R; ++r) {
+        const __m256i x = _mm256_load_si256(xp + r * xstride);
+        lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ql, x), ones));
+        hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(qh, x), ones));
+    }
+}
+
+/* 8-bit codes: 8 inputs (two 32-byte loads of 4 inputs x 8 outputs) -> per lane, the lane's inputs' products summed
+ * for outputs 0-3 (a) and 4-7 (b); xp: per 4 inputs, lane k = inputs 2k, 2k + 1 interleaved 8 times */
+static inline __attribute__((always_inline)) void dot8_step(__m256i v0, __m256i v1, const __m256i* xp, const int R,
+                                                            int64_t xstride, __m256i* a, __m256i* b) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    /* bytes (input 2k, outputs 0-7), (input 2k + 1, outputs 0-7) -> (output o: input 2k, input 2k + 1) */
+    const __m256i il = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                        0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    const __m256i q0 = _mm256_shuffle_epi8(v0, il), q1 = _mm256_shuffle_epi8(v1, il);
+    for (int r = 0; r < R; ++r) {
+        const __m256i x0 = _mm256_load_si256(xp + r * xstride), x1 = _mm256_load_si256(xp + r * xstride + 1);
+        const __m256i p0 = _mm256_maddubs_epi16(_mm256_abs_epi8(x0), _mm256_sign_epi8(q0, x0));  /* (lane, o) */
+        const __m256i p1 = _mm256_maddubs_epi16(_mm256_abs_epi8(x1), _mm256_sign_epi8(q1, x1));
+        a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(_mm256_unpacklo_epi16(p0, p1), ones));
+        b[r] = _mm256_add_epi32(b[r], _mm256_madd_epi16(_mm256_unpackhi_epi16(p0, p1), ones));
+    }
+}
+
+/* y[r, 8 c : 8 c + 8) for R (<= 4) rows of column block c */
+static inline __attribute__((always_inline)) void dot_tile(const __m256i* xp, const float* dx, const float* sx,
+                                                           const int R, int in, const void* codes, const int BITS,
+                                                           const float* d, const float* m, const int HAS_M, int64_t c,
+                                                           int out, float* y, const int PF) {
+    const int groups = in / GROUP;
+    const int64_t xstride = (int64_t)in * BITS / 32;  /* 32-byte vectors per row: 4 bytes (BITS 4) or 8 an input */
+    __m256 acc[4];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; ++g) {
+        const char* cg = (const char*)codes + (c * in + g * GROUP) * BITS;  /* the block's codes: 32 BITS bytes */
+        if (PF) {
+            const char* cn = cg + (int64_t)in * BITS;  /* the next column block's */
+            for (int o = 0; o < GROUP * BITS; o += 64) _mm_prefetch(cn + o, _MM_HINT_T0);
+            _mm_prefetch((const char*)(d + ((c + 1) * groups + g) * 8), _MM_HINT_T0);
+            if (HAS_M) _mm_prefetch((const char*)(m + ((c + 1) * groups + g) * 8), _MM_HINT_T0);
+        }
+        __m256i s0[4], s1[4];
+        for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
+        const __m256i* xg = xp + (int64_t)g * GROUP * BITS / 32;
+        if (BITS == 4)
+            for (int k = 0; k < 4; ++k)
+                dot4_step(_mm256_loadu_si256((const __m256i*)cg + k), xg + k, R, xstride, s0, s1);
+        else
+            for (int k = 0; k < 8; k += 2)
+                dot8_step(_mm256_loadu_si256((const __m256i*)cg + k), _mm256_loadu_si256((const __m256i*)cg + k + 1),
+                          xg + k, R, xstride, s0, s1);
+        const __m256 dv = _mm256_loadu_ps(d + (c * groups + g) * 8);
+        const __m256 mv = HAS_M ? _mm256_loadu_ps(m + (c * groups + g) * 8) : _mm256_setzero_ps();
+        for (int r = 0; r < R; ++r) {
+            const __m128i u = _mm_add_epi32(_mm256_castsi256_si128(s0[r]), _mm256_extracti128_si256(s0[r], 1));
+            const __m128i w = _mm_add_epi32(_mm256_castsi256_si128(s1[r]), _mm256_extracti128_si256(s1[r], 1));
+            /* BITS 4: u = outputs 0 2 4 6, w = 1 3 5 7; BITS 8: u = 0-3, w = 4-7 */
+            const __m256i iv = BITS == 4 ? _mm256_set_m128i(_mm_unpackhi_epi32(u, w), _mm_unpacklo_epi32(u, w))
+                                         : _mm256_set_m128i(w, u);
+            const int64_t rg = (int64_t)r * groups + g;
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), _mm256_mul_ps(dv, _mm256_set1_ps(dx[rg])), acc[r]);
+            if (HAS_M) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx[rg]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (int64_t)r * out + 8 * c, acc[r]);
+}
+
+/* x (M, in) -> xp, dx, sx of the layout above (one row's xp: in BITS bytes) */
+static void prepare_rows(const float* x, int M, int in, int bits, int8_t* xp, float* dx, float* sx) {
+    const int groups = in / GROUP;
+    for (int r = 0; r < M; ++r)
+        for (int g = 0; g < groups; ++g) {
+            const float* xg = x + (int64_t)r * in + g * GROUP;
+            float amax = 0.f, s = 0.f;
+            for (int i = 0; i < GROUP; ++i) {
+                amax = fabsf(xg[i]) > amax ? fabsf(xg[i]) : amax;
+                s += xg[i];
+            }
+            const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+            int8_t q[GROUP];
+            for (int i = 0; i < GROUP; ++i) q[i] = (int8_t)lrintf(xg[i] * inv);
+            dx[(int64_t)r * groups + g] = scale;
+            sx[(int64_t)r * groups + g] = s;
+            int8_t* o = xp + ((int64_t)r * in + g * GROUP) * bits;
+            for (int i0 = 0; i0 < GROUP; i0 += 8) {  /* 8 inputs: 32 bytes (bits 4) or 64 (bits 8) */
+                if (bits == 4)
+                    for (int lane = 0; lane < 2; ++lane)
+                        for (int b = 0; b < 4; ++b)
+                            for (int j = 0; j < 4; ++j) o[i0 * 4 + lane * 16 + b * 4 + j] = q[i0 + 4 * lane + j];
+                else
+                    for (int half = 0; half < 2; ++half)  /* inputs i0 + 4 half .. + 3: one 32-byte vector */
+                        for (int lane = 0; lane < 2; ++lane)
+                            for (int k = 0; k < 16; ++k)
+                                o[i0 * 8 + half * 32 + lane * 16 + k] = q[i0 + 4 * half + 2 * lane + (k & 1)];
+            }
+        }
+}
+
+/* As triforce_blockcode_linear, with the rows' activations quantized to int8 (above); work: M * in * bits bytes,
+ * 32-byte aligned, then 2 M in / 32 floats. Returns 0, or -1 for arguments outside what the kernel handles. */
+int triforce_blockcode_linear_q8(const float* x, const void* codes, int bits, const float* d, const float* m,
+                                 float* y, int M, int in, int out, int nthreads, void* work) {
+    if (M < 1 || M > MAX_ROWS || in < GROUP || in % GROUP || out < 32 || out % 32 || (bits != 4 && bits != 8)
+        || nthreads < 1 || ((uintptr_t)work & 31))
+        return -1;
+    int8_t* const xp = (int8_t*)work;
+    float* const dx = (float*)(xp + (int64_t)M * in * bits);
+    float* const sx = dx + (int64_t)M * (in / GROUP);
+    prepare_rows(x, M, in, bits, xp, dx, sx);
+    const int64_t quads = out / 32, groups = in / GROUP, xrow = (int64_t)in * bits / 32;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t c0 = 4 * (quads * t / nt), c1 = 4 * (quads * (t + 1) / nt);  /* this thread's column blocks */
+        for (int64_t c = c0; c < c1; ++c)
+            for (int r0 = 0; r0 < M; r0 += 4) {
+                const int R = M - r0 < 4 ? M - r0 : 4, pf = r0 == 0 && c + 1 < c1;
+                const __m256i* xr = (const __m256i*)xp + r0 * xrow;
+                const float *dr = dx + r0 * groups, *sr = sx + r0 * groups;
+                float* yr = y + (int64_t)r0 * out;
+#define DOT_TILE(BITS, HAS_M)                                                                                      \
+    switch (R * 2 + (pf ? 1 : 0)) {                                                                                \
+        case 2: dot_tile(xr, dr, sr, 1, in, codes, BITS, d, m, HAS_M, c, out, yr, 0); break;                       \
+        case 3: dot_tile(xr, dr, sr, 1, in, codes, BITS, d, m, HAS_M, c, out, yr, 1); break;                       \
+        case 4: dot_tile(xr, dr, sr, 2, in, codes, BITS, d, m, HAS_M, c, out, yr, 0); break;                       \
+        case 5: dot_tile(xr, dr, sr, 2, in, codes, BITS, d, m, HAS_M, c, out, yr, 1); break;                       \
+        case 6: dot_tile(xr, dr, sr, 3, in, codes, BITS, d, m, HAS_M, c, out, yr, 0); break;                       \
+        case 7: dot_tile(xr, dr, sr, 3, in, codes, BITS, d, m, HAS_M, c, out, yr, 1); break;                       \
+        case 8: dot_tile(xr, dr, sr, 4, in, codes, BITS, d, m, HAS_M, c, out, yr, 0); break;                       \
+        default: dot_tile(xr, dr, sr, 4, in, codes, BITS, d, m, HAS_M, c, out, yr, 1); break;                      \
+    }
+                if (bits == 4 && m) { DOT_TILE(4, 1) }
+                else if (bits == 4) { DOT_TILE(4, 0) }
+                else if (m) { DOT_TILE(8, 1) }
+                else { DOT_TILE(8, 0) }
+#undef DOT_TILE
+            }
+    }
+    return 0;
+}
 
 /* the fp16 value k steps from h (positive halves are ordered as their bits), as fp32 */
 static inline __m256 half_step(__m128i h, int k) {

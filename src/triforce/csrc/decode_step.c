@@ -1,6 +1,7 @@
 /* Every decoder layer of one decode step (or a verification block of a few tokens) in one call (batch 1, fp32
  * activations): an int8 lower tier's, or a model whose projections read their GGUF block codes (csrc/blockcodes.c:
- * the verifier's decode steps and verification blocks over the full cache, the retrieval tier over the same weights).
+ * the verifier's decode steps and verification blocks over the full cache; the retrieval tier over the same codes,
+ * exactly or with its activations quantized to int8 for integer dot products).
  *
  * A decode step of the retrieval tier (TriForce, arXiv 2404.11912, Sec. 4.1: the target's weights over a small
  * retrieval cache; here its int8 weight-only copy, triforce/quant.py) is 30 layers of about 15 small operations each
@@ -28,6 +29,8 @@ typedef int (*int8_linear_fn)(const float* x, const int8_t* w, const float* scal
                               int nthreads);
 typedef int (*blockcode_linear_fn)(const float* x, const void* codes, int bits, const float* d, const float* m,
                                    float* y, int M, int in, int out, int nthreads);
+typedef int (*blockcode_linear_q8_fn)(const float* x, const void* codes, int bits, const float* d, const float* m,
+                                      float* y, int M, int in, int out, int nthreads, void* work);
 typedef void (*rms_norm_fn)(const float* x, const float* w, float* y, int64_t rows, int d, float eps);
 typedef void (*rope_fn)(const float* x, int64_t sb, int64_t sh, int64_t st, float* y, const float* cos,
                         const float* sin, int B, int H, int T, int hs);
@@ -40,24 +43,33 @@ static void add_bias(float* y, const float* b, int n) {
         for (int i = 0; i < n; ++i) y[i] += b[i];
 }
 
+/* bits of a projection whose block codes multiply int8-quantized activations (csrc/blockcodes.c's integer dot
+ * products: a tier below the verifier) */
+#define Q8_ACTIVATIONS 16
+
 /* y = x W^T for M rows: bits 0 the int8 kernel (w: (out, in) int8, s: per-channel scales), 4 or 8 the block-code
- * kernel (w: codes, s: the blocks' scales, mn: their minima or NULL) */
+ * kernel (w: codes, s: the blocks' scales, mn: their minima or NULL), 4 or 8 plus Q8_ACTIVATIONS its integer dot
+ * products (qwork: their buffer, 32-byte aligned) */
 static int project(void* const* fns, int bits, const void* w, const float* s, const float* mn, const float* x,
-                   float* y, int M, int in, int out, int nthreads) {
+                   float* y, int M, int in, int out, int nthreads, void* qwork) {
     if (bits == 0) return ((int8_linear_fn)fns[0])(x, (const int8_t*)w, s, y, M, in, out, nthreads);
+    if (bits & Q8_ACTIVATIONS)
+        return fns[5] ? ((blockcode_linear_q8_fn)fns[5])(x, w, bits & ~Q8_ACTIVATIONS, s, mn, y, M, in, out, nthreads,
+                                                         qwork) : -1;
     if (!fns[4]) return -1;
     return ((blockcode_linear_fn)fns[4])(x, w, bits, s, mn, y, M, in, out, nthreads);
 }
 
-/* fns: {int8_linear, rms_norm, rope, attention, blockcode_linear or NULL}. x: (T, d) the hidden states of a block of
- * T tokens (1 <= T <= MAX_T: a decode step, or a verification block over the full cache), updated in place.
- * norm_w: 2 per layer (input, post-attention). q, scale, mins, bits, bias: 4 per layer (qkv, o, gate_up, down): with
- * bits 0, (out, in) int8, (out,) fp32, unused; with bits 4 or 8, the block codes, scales and minima (or NULL) of
- * csrc/blockcodes.c's layout; bias (out,) fp32 or NULL. k_cache, v_cache: (L, 1, nkv, capacity, hs) fp32 contiguous,
+/* fns: {int8_linear, rms_norm, rope, attention, blockcode_linear or NULL, blockcode_linear_q8 or NULL}. x: (T, d) the
+ * hidden states of a block of T tokens (1 <= T <= MAX_T: a decode step, or a verification block over the full cache),
+ * updated in place. norm_w: 2 per layer (input, post-attention). q, scale, mins, bits, bias: 4 per layer (qkv, o,
+ * gate_up, down): with bits 0, (out, in) int8, (out,) fp32, unused; with bits 4 or 8 (plus Q8_ACTIVATIONS: the
+ * integer dot products), the block codes, scales and minima (or NULL) of csrc/blockcodes.c's layout; bias (out,) fp32 or NULL. k_cache, v_cache: (L, 1, nkv, capacity, hs) fp32 contiguous,
  * layer_stride = nkv * capacity * hs, head_stride = capacity * hs; the block's keys and values go to rows
  * slot .. slot + T - 1 and its queries attend over rows [0, n_keys), token i of the block seeing rows
  * j <= n_keys - T + i (T > 1 needs n_keys = slot + T: the full cache's causal block). cos, sin: (T, hs) the block's
- * rotations. work: at least T (6 nh hs + 4 nkv hs + 2 d + 3 inter + 3 nh) floats; attn_scratch:
+ * rotations. work: at least T (6 nh hs + 4 nkv hs + 2 d + 3 inter + 3 nh + 2 n_in + n_in / 16) + 8 floats (n_in
+ * the widest projection input, max(d, nh hs, inter): the integer dot products' activations); attn_scratch:
  * what triforce_gqa_attention needs for T nh / nkv rows over n_keys keys; q_out: NULL, or (L, nh, T, hs) floats that
  * receive every layer's rotated queries (the full cache keeps them for the retrieval cache's chunk selection).
  *
@@ -121,6 +133,7 @@ int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int 
     float* const lse0 = v_blk + T * nk;        /* (nh T) x 3: their log-sum-exps */
     float* const lse1 = lse0 + T * nh;
     float* const lse2 = lse1 + T * nh;
+    void* const qwork = (void*)(((uintptr_t)(lse2 + T * nh) + 31) & ~(uintptr_t)31);
     const int rows = nh / nkv * T;
     int rc;
     for (int l = 0; l < L; ++l) {
@@ -133,7 +146,7 @@ int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int 
         float* const vl = v_cache + l * layer_stride;
         /* attention */
         norm(x, norm_w[2 * l], h, T, d, eps);
-        if ((rc = project(fns, wbits[0], wq[0], ws[0], wm[0], h, qkv, T, d, nqkv, nthreads))) return rc;
+        if ((rc = project(fns, wbits[0], wq[0], ws[0], wm[0], h, qkv, T, d, nqkv, nthreads, qwork))) return rc;
         for (int t = 0; t < T; ++t) add_bias(qkv + t * nqkv, wb[0], nqkv);
         rope(qkv, 0, hs, nqkv, q_rot, cos, sin, 1, nh, T, hs);
         rope(qkv + nq, 0, hs, nqkv, k_rot, cos, sin, 1, nkv, T, hs);
@@ -171,18 +184,18 @@ int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int 
         }
         for (int j = 0; j < nh; ++j)  /* (nh, T, hs) -> (T, nh hs) */
             for (int t = 0; t < T; ++t) memcpy(attn_t + t * nq + j * hs, attn + (j * T + t) * hs, sizeof(float) * hs);
-        if ((rc = project(fns, wbits[1], wq[1], ws[1], wm[1], attn_t, y, T, nq, d, nthreads))) return rc;
+        if ((rc = project(fns, wbits[1], wq[1], ws[1], wm[1], attn_t, y, T, nq, d, nthreads, qwork))) return rc;
         for (int t = 0; t < T; ++t) add_bias(y + t * d, wb[1], d);
         for (int i = 0; i < T * d; ++i) x[i] = x[i] + y[i];
         /* SwiGLU MLP */
         norm(x, norm_w[2 * l + 1], h, T, d, eps);
-        if ((rc = project(fns, wbits[2], wq[2], ws[2], wm[2], h, gu, T, d, 2 * inter, nthreads))) return rc;
+        if ((rc = project(fns, wbits[2], wq[2], ws[2], wm[2], h, gu, T, d, 2 * inter, nthreads, qwork))) return rc;
         for (int t = 0; t < T; ++t) {
             float* g = gu + (int64_t)t * 2 * inter;
             add_bias(g, wb[2], 2 * inter);
             for (int i = 0; i < inter; ++i) act[t * inter + i] = g[i] / (1.0f + expf(-g[i])) * g[inter + i];
         }
-        if ((rc = project(fns, wbits[3], wq[3], ws[3], wm[3], act, y, T, inter, d, nthreads))) return rc;
+        if ((rc = project(fns, wbits[3], wq[3], ws[3], wm[3], act, y, T, inter, d, nthreads, qwork))) return rc;
         for (int t = 0; t < T; ++t) add_bias(y + t * d, wb[3], d);
         for (int i = 0; i < T * d; ++i) x[i] = x[i] + y[i];
     }

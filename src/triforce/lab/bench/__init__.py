@@ -15,6 +15,8 @@ Every method decodes the same prompt token ids with the same model, sampling, dt
 ``triforce``        ours, draft (or n-gram) -> retrieval -> full (TriForce Sec. 4.2)
 ``retrieval-int8``  ours, ``retrieval`` with int8 weights and a bf16 cache in the retrieval tier (``quant.py``)
 ``triforce-int8``   ours, ``triforce`` with int8 weights and bf16 caches in every tier below the verifier
+``retrieval-codes`` ours, ``retrieval`` with ``--lower-weights codes``: the GGUF model's own block codes times
+                    int8 activations in the retrieval tier (``quant.py``)
 ``llama.cpp``       llama-cpp-python on the model's GGUF file (its own weights, Q4_1 for the default model, and
                     f16 KV cache); only when ``llama_cpp`` is importable
 ==================  ====================================================================================

@@ -23,10 +23,12 @@ METHODS: dict[str, tuple[str, str]] = {
     "retrieval-int8": ("ours", "retrieval with int8 weights and bf16 cache in the retrieval tier (lossless: the "
                                "fp32 verifier decides every token)"),
     "triforce-int8": ("ours", "triforce with int8 weights and bf16 caches below the verifier (lossless)"),
+    "retrieval-codes": ("ours", "retrieval with the GGUF model's own block codes times int8 activations in the "
+                                "retrieval tier (llama.cpp's integer dot products; lossless)"),
     "llama.cpp": ("llama", "llama.cpp through llama-cpp-python on the GGUF file (its weights as stored, f16 KV; "
                            "sampling applies top-k and top-p before the temperature)"),
 }
-OUR_SPECULATIVE = ("draft", "self", "retrieval", "triforce", "retrieval-int8", "triforce-int8")
+OUR_SPECULATIVE = ("draft", "self", "retrieval", "triforce", "retrieval-int8", "triforce-int8", "retrieval-codes")
 SYNTHETIC_METHODS = ("hf-ar", "autoregressive", "draft", "retrieval", "triforce")
 SYNTHETIC_DRAFT = "llama-68m"  # the paper's draft shape (TriForce Sec. 5.1), used by --synthetic without --draft ngram
 WARMUP_PROMPT_TOKENS, WARMUP_NEW_TOKENS = 16, 2
@@ -203,6 +205,8 @@ def plan_methods(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
         reason = None
         if args.synthetic is not None and m not in SYNTHETIC_METHODS:
             reason = "not meaningful with --synthetic (random weights, no GGUF or real draft model)"
+        elif m == "retrieval-codes" and args.model is not None and _gguf_for(args.model)[0] is None:
+            reason = "needs a GGUF model (its block codes): --model is not a .gguf file"
         elif m == "hf-assisted" and not draft_model:
             reason = "needs --draft MODEL (a draft model sharing the target's tokenizer)"
         elif m == "llama.cpp":

@@ -101,8 +101,9 @@ class _OursRunner:
         self.target, self.draft = target, draft
         self.engine = Engine(target, draft, eos_ids=())
         self.sampling = SamplingParams(temperature=cfg["temperature"], top_p=cfg["top_p"], top_k=cfg["top_k"])
-        mode = method.removesuffix("-int8")
-        lower = dict(lower_weights="int8", lower_kv_dtype="bfloat16") if method.endswith("-int8") else {}
+        mode = method.removesuffix("-int8").removesuffix("-codes")
+        lower = (dict(lower_weights="int8", lower_kv_dtype="bfloat16") if method.endswith("-int8")
+                 else dict(lower_weights="codes") if method.endswith("-codes") else {})
         if method == "self":
             mode, drafter = "draft", "self"
         elif method == "auto" and drafter == "ngram" and draft_src is None:
