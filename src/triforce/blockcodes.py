@@ -146,6 +146,11 @@ def blockcode_linear(x: torch.Tensor, codes: BlockCodes) -> torch.Tensor | None:
     Returns:
         (M, out) fp32, or None (other dtypes, devices or shapes; more rows; the kernel unavailable).
     """
+    return _product("triforce_blockcode_linear", x, codes)
+
+
+def _product(symbol: str, x: torch.Tensor, codes: BlockCodes, *extra) -> torch.Tensor | None:
+    """Call the kernel ``symbol`` for ``y = x W`` (None where its preconditions or the kernel do not hold)."""
     if (x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != codes.in_features
             or not 1 <= x.shape[0] <= LINEAR_MAX_ROWS):
         return None
@@ -154,9 +159,9 @@ def blockcode_linear(x: torch.Tensor, codes: BlockCodes) -> torch.Tensor | None:
         return None
     x = x.contiguous()
     y = torch.empty(x.shape[0], codes.out_features)
-    rc = fns["triforce_blockcode_linear"](x.data_ptr(), codes.codes.data_ptr(), codes.bits, codes.d.data_ptr(),
-                                          None if codes.m is None else codes.m.data_ptr(), y.data_ptr(), x.shape[0],
-                                          codes.in_features, codes.out_features, torch.get_num_threads())
+    rc = fns[symbol](x.data_ptr(), codes.codes.data_ptr(), codes.bits, codes.d.data_ptr(),
+                     None if codes.m is None else codes.m.data_ptr(), y.data_ptr(), x.shape[0], codes.in_features,
+                     codes.out_features, torch.get_num_threads(), *extra)
     return y if rc == 0 else None
 
 
@@ -179,18 +184,8 @@ def blockcode_linear_q8(x: torch.Tensor, codes: BlockCodes) -> torch.Tensor | No
         (M, out) fp32, or None (other dtypes, devices or shapes; more rows; codes the kernel does not take,
         :attr:`BlockCodes.q8_dot_ok`; the kernel unavailable).
     """
-    if (not codes.q8_dot_ok or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != codes.in_features
-            or not 1 <= x.shape[0] <= LINEAR_MAX_ROWS):
+    if not codes.q8_dot_ok or x.dim() != 2:
         return None
-    fns = _blockcodes.load()
-    if fns is None:
-        return None
-    x = x.contiguous()
-    m, n_in = x.shape
-    work = torch.empty(m * n_in * codes.bits + 8 * m * (n_in // GROUP) + 32, dtype=torch.uint8)
+    work = torch.empty(x.numel() * codes.bits + 8 * x.shape[0] * (x.shape[1] // GROUP) + 32, dtype=torch.uint8)
     base = work.data_ptr() + (-work.data_ptr()) % 32  # the kernel's aligned loads
-    y = torch.empty(m, codes.out_features)
-    rc = fns["triforce_blockcode_linear_q8"](x.data_ptr(), codes.codes.data_ptr(), codes.bits, codes.d.data_ptr(),
-                                             None if codes.m is None else codes.m.data_ptr(), y.data_ptr(), m, n_in,
-                                             codes.out_features, torch.get_num_threads(), base)
-    return y if rc == 0 else None
+    return _product("triforce_blockcode_linear_q8", x, codes, base)
