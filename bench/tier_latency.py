@@ -2,8 +2,8 @@
 
     python bench/tier_latency.py --threads 2 --context 1000 [--out PATH]
 
-For each weight scheme of the model under test (fp32 with oneDNN-packed weights, and the int8 / int4 copies of
-``quant.py``) it prints the medians of :func:`triforce.lab.costmodel.measure_tier_latencies` in milliseconds: ``full_decode``
+For each weight scheme of the model under test (fp32 with oneDNN-packed weights, or its GGUF block codes where it has
+them; the int8 / int4 copies of ``quant.py``; ``codes``: the block codes with int8 activations) it prints the medians of :func:`triforce.lab.costmodel.measure_tier_latencies` in milliseconds: ``full_decode``
 and ``full_pass`` (gamma2 + 1 = 7 tokens) over a full cache, ``retrieval_decode`` / ``retrieval_pass`` over a retrieval
 cache of max(256, context / 8) slots, and ``draft_step`` / ``draft_pass`` of the int4 copy over a StreamingLLM cache
 of 16 + 240 tokens (the ``self`` tier). JSON lines, one per scheme. ``bench/wait_policy.sh`` runs it under three
@@ -34,10 +34,11 @@ def main() -> int:
     model = load_model(None).model
     model.pack_weights()
     int4, int8 = lower_precision_copy(model, "int4"), lower_precision_copy(model, "int8")
+    codes = lower_precision_copy(model, "codes")  # the GGUF codes with int8 activations (int8 without codes)
     budget = max(256, args.context // 8)
     keys = ("full_decode", "full_pass", "retrieval_decode", "retrieval_pass", "draft_step", "draft_pass")
     policy = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    for name, target in (("fp32", model), ("int8", int8), ("int4", int4)):
+    for name, target in (("fp32", model), ("int8", int8), ("int4", int4), ("codes", codes)):
         row = measure_tier_latencies(target, int4, [args.context], gamma1=4, gamma2=6, budget=budget,
                                      reps=args.reps)[0]
         line = {"weights": name, "context": args.context, "threads": args.threads, "budget": budget, **policy,

@@ -23,7 +23,8 @@ hierarchy only changes how many tokens each verification emits, never their dist
     block codes (``blockcodes.py``) the verifier reads a fifth of its fp32 weights' bytes, so the tier pays later; and
     it then reads the target's own codes rather than an int8 copy (fewer bytes), multiplied by int8-quantized
     activations (``--lower-weights codes``: integer dot products, as llama.cpp's, where the verifier's exact fp32
-    products are bound by dequantizing the codes: a retrieval step at 8K tokens 8.7 ms instead of 11.5);
+    products are bound by dequantizing the codes: a retrieval step at 8K tokens 13.6 ms instead of 19.1,
+    ``bench/tier_latency.py`` under ``OMP_WAIT_POLICY=PASSIVE``);
   - the same tier also goes under the target, whatever the KV share, when the step is bound by the weights' bytes:
     on a CPU, a target whose layers hold at least :data:`WEIGHT_BOUND_LAYER_BYTES` each, so that a step's fixed
     per-layer costs are small next to the bytes the int8 copy saves. Its budget is then the largest
@@ -83,8 +84,8 @@ RETRIEVAL_MAX_STEP_BYTES_SHARE = 0.45
 #: the 0.95x a default may cost, so a model on block codes still decodes plainly there. After the kernels' prefetch
 #: fixes the same tier (`--mode retrieval`) ran at 1.15x, 1.33x and 1.09x plain decoding on pg1342, pg84 and pg2701,
 #: medians, but one pg2701 repetition at 0.62x (bench/results/speed_prefetch_2026-12-03): still too thin a margin.
-#: With the tier's products as integer dot products over the codes (``codes``: a retrieval step 8.7 ms instead of
-#: 11.5), `auto` under a bound of 0.35 ran at 1.21x, 1.13x and 1.43x plain decoding at 8K on pg1342, pg84 and
+#: With the tier's products as integer dot products over the codes (``codes``: a retrieval step 1.41x faster,
+#: bench/results/tier_latency_8000_codes_2026-12-03.jsonl), `auto` under a bound of 0.35 ran at 1.21x, 1.13x and 1.43x plain decoding at 8K on pg1342, pg84 and
 #: pg2701 (medians of 3; 1.35-2.2x faster than llama.cpp in the same runs), and at 0.99x / 1.00x at 1K / 4K, where it
 #: decodes plainly (bench/results/speed_codes_2026-12-03): 8K (0.33) now takes the tier, 4K (0.46) does not
 RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING = 0.35
