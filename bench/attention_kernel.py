@@ -27,45 +27,10 @@ JSON on stdout (and to ``--out``).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 import torch
-from common import emit_json  # noqa: E402  (bench/common.py, beside this script)
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def _interleaved(fns: dict, reps: int) -> dict[str, float]:
-    """Median seconds of each callable, one untimed warm-up each, order rotated between repetitions."""
-    names = list(fns)
-    for n in names:
-        fns[n]()
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(reps):
-        for n in names[r % len(names):] + names[:r % len(names)]:
-            times[n].append(_timed(fns[n]))
-    return {n: statistics.median(v) for n, v in times.items()}
-
-
-def floor_bandwidth(reps: int) -> float:
-    """Bytes per second of a large fp32 GEMV (1 x 576 by 576 x 9216, 30 matrices)."""
-    w = torch.randn(30, 576, 9216)
-    x = torch.randn(1, 576)
-    s = _interleaved({"gemv": lambda: [x @ w[i] for i in range(30)]}, reps)["gemv"]
-    return w.numel() * 4 / s
-
-
-def peak_flops(reps: int) -> float:
-    """FLOP per second of a large fp32 matrix product (1024^3, MKL through torch): the compute ceiling."""
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    s = _interleaved({"gemm": lambda: a @ b}, reps)["gemm"]
-    return 2 * 1024 ** 3 / s
+from common import _interleaved, emit_json, floor_bandwidth, peak_flops  # noqa: E402  (bench/common.py)
 
 
 def _with_library(lib, fn):

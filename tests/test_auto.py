@@ -124,6 +124,8 @@ def test_governor_bypasses_slow_speculation_and_retries_with_doubling_backoff():
     top = FakeTop()
     g = SpeedGovernor(top, probe=3, warmup=0, min_steps=4, backoff_min=32, backoff_max=512)
     assert not top.drafting
+    g.before_step([])
+    g.after_step(0.002, 1)  # the prefill's token (no forward): not timed, not a probe step
     for _ in range(3):  # probe: decode steps of 10 ms
         g.before_step([])
         g.after_step(0.010, 1)
@@ -159,6 +161,8 @@ def test_governor_does_not_time_the_first_step_after_a_start():
     top = FakeTop()
     g = SpeedGovernor(top, probe=1, warmup=1, min_steps=3, backoff_min=32)
     g.before_step([])
+    g.after_step(0.002, 1)  # the prefill's token
+    g.before_step([])
     g.after_step(0.010, 1)  # probe: 10 ms per token
     g.before_step([])
     assert top.drafting
@@ -172,6 +176,52 @@ def test_governor_does_not_time_the_first_step_after_a_start():
     assert top.drafting
     g.after_step(0.045, 3)  # (3 x 15 + 4 x 45) ms / 21 tokens = 10.7 ms per token > 10 ms
     assert not top.drafting and g.counts["bypasses"] == 1
+
+
+def test_governor_keeps_a_tier_that_paid_through_a_slow_window():
+    """A slow window after a long run that paid is not a bypass while the long window still pays; once the slow
+    steps outweigh it (both windows slower than a decode step) the drafters are bypassed."""
+    top = FakeTop()
+    g = SpeedGovernor(top, probe=1, warmup=0, window=8, long_window=32, min_steps=8, backoff_min=16)
+    g.before_step([])
+    g.after_step(0.002, 1)  # the prefill's token
+    g.before_step([])
+    g.after_step(0.010, 1)  # probe: 10 ms per token
+    g.before_step([])
+    for _ in range(24):
+        g.after_step(0.015, 3)  # 5 ms per token: pays
+    for _ in range(8):
+        g.after_step(0.045, 3)  # 15 ms per token: the short window is slower, the long one is 7.5 ms per token
+    assert top.drafting and g.counts["bypasses"] == 0
+    # k more slow steps: (15 (24 - k) + 45 (8 + k)) ms / 96 tokens, 9.7 ms at k = 7, 10.3 ms at k = 9
+    for _ in range(7):
+        g.after_step(0.045, 3)
+    assert top.drafting
+    g.after_step(0.045, 3)
+    g.after_step(0.045, 3)
+    assert not top.drafting and g.counts["bypasses"] == 1
+
+
+def test_governor_does_not_time_the_prefill_token():
+    """The first step of a request samples the prefill's logits (no forward): as a probe sample it would make the
+    decode step look faster than it is (median of 2, 10, 12 ms: 10 ms) and bypass speculation that pays."""
+    top = FakeTop()
+    g = SpeedGovernor(top, probe=3, warmup=0, min_steps=4)
+    for seconds in (0.002, 0.010, 0.012, 0.014):  # the prefill's token, then 3 decode steps: median 12 ms
+        g.before_step([])
+        assert not top.drafting
+        g.after_step(seconds, 1)
+    assert g.counts["autoregressive_tokens"] == 4 and g.to_dict()["decode_ms_per_token"] == pytest.approx(12.0)
+    g.before_step([])
+    assert top.drafting
+    for _ in range(4):
+        g.after_step(0.033, 3)  # 11 ms per token: faster than a decode step
+    assert top.drafting and g.counts["bypasses"] == 0
+
+
+def test_governor_refuses_a_long_window_shorter_than_the_window():
+    with pytest.raises(ValueError, match="long_window"):
+        SpeedGovernor(FakeTop(), window=8, long_window=4)
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "self"])

@@ -44,8 +44,8 @@ hierarchy only changes how many tokens each verification emits, never their dist
 
 * :class:`SpeedGovernor` measures, while generating, the time per emitted token of the speculative steps against
   the time of plain decode steps of the same request, and bypasses the drafters (autoregressive steps) while
-  speculation is slower, trying again after a backoff (16 tokens) that doubles each time it fails. A tier that stops paying
-  is therefore bypassed, and tried again later. Greedy output is unchanged token for token; under sampling the
+  speculation is slower (over the last 8 steps and over the last 32), trying again after a backoff (16 tokens) that
+  doubles each time it fails. A tier that stops paying is therefore bypassed, and tried again later. Greedy output is unchanged token for token; under sampling the
   output distribution is unchanged, but the sample drawn for a seed depends on the timings.
 """
 
@@ -218,8 +218,18 @@ class SpeedGovernor:
     steps, at the same point of the text: a stretch of low acceptance there, after which the tier paid again. So the
     first backoff is short (16 tokens, was 64), and a tier that keeps failing still backs off to 1024.
 
+    A slow window alone is not enough once the tier has paid for longer: the drafters are bypassed only when the
+    last :attr:`long_window` timed steps since the (re)start are slower per token too. At the first check the two
+    windows hold the same steps, so a tier that does not pay from the start is bypassed as soon as before; a stretch
+    of low acceptance inside a run that pays is not (at 8K tokens, T = 0.6, on pg84 one repetition of three bypassed
+    twice, 26 of 128 tokens decoded plainly: `auto` 1.13x against 1.44x for the same tier with no governor,
+    docs/benchmarks.md "2026-12-03, last").
+
     Times are wall-clock seconds of each ``step`` + ``commit`` as the engine measures them; ``tokens`` are the tokens
-    a step emitted.
+    a step emitted. A request's first step is not timed and does not count towards the probe: its token is sampled
+    from the prefill's last logits, with no forward (2-3 ms against 30-40 ms for a decode step at 8K), and as one of
+    the 3 probe samples it pulled the median down to the faster of the other two, so speculation was held against
+    too fast a decode step.
 
     Attributes:
         top: the verifier tier (:class:`~triforce.tiers.ModelTier`) whose ``drafting`` flag this sets.
@@ -229,18 +239,24 @@ class SpeedGovernor:
     probe: int = 3
     warmup: int = 1
     window: int = 8
+    long_window: int = 32
     min_steps: int = 8
     backoff_min: int = 16
     backoff_max: int = 1024
     _decode: deque = field(default_factory=lambda: deque(maxlen=16))
     _spec: deque = field(default_factory=lambda: deque(maxlen=8))
+    _spec_long: deque = field(default_factory=lambda: deque(maxlen=32))
     _left: int = 0
     _backoff: int = 32
     _untimed: int = 0
+    _first: bool = True
     counts: dict = field(default_factory=lambda: {"speculative_tokens": 0, "autoregressive_tokens": 0, "bypasses": 0})
 
     def __post_init__(self) -> None:
+        if self.long_window < self.window:
+            raise ValueError(f"long_window must be >= window ({self.window}), got {self.long_window}")
         self._spec = deque(maxlen=self.window)
+        self._spec_long = deque(maxlen=self.long_window)
         self._backoff = self.backoff_min
         self._left = self.probe
         self.top.drafting = self.top.drafter is not None and self.probe == 0
@@ -250,12 +266,18 @@ class SpeedGovernor:
         if not self.top.drafting and self._left <= 0 and self.top.drafter is not None:
             self.top.resume_drafting(seq)
             self._spec.clear()
+            self._spec_long.clear()
             self._untimed = self.warmup
 
     def after_step(self, seconds: float, tokens: int) -> None:
         """Record a step's wall time (seconds) and emitted tokens; bypass the drafters if they do not pay."""
         if tokens <= 0:
             return
+        if self._first and not self.top.drafting:  # the prefill's token: no forward in this step's time
+            self._first = False
+            self.counts["autoregressive_tokens"] += tokens
+            return
+        self._first = False
         if not self.top.drafting:
             self._decode.append(seconds / tokens)
             self._left -= tokens
@@ -266,10 +288,11 @@ class SpeedGovernor:
             self._untimed -= 1
             return
         self._spec.append((seconds, tokens))
+        self._spec_long.append((seconds, tokens))
         if len(self._spec) < self.min_steps or not self._decode:
             return
-        per_token = sum(s for s, _ in self._spec) / sum(t for _, t in self._spec)
-        if per_token > statistics.median(self._decode):
+        decode = statistics.median(self._decode)
+        if _per_token(self._spec) > decode and _per_token(self._spec_long) > decode:
             self.top.drafting = False
             self._left = self._backoff
             self._backoff = min(2 * self._backoff, self.backoff_max)
@@ -283,5 +306,10 @@ class SpeedGovernor:
         if self._decode:
             d["decode_ms_per_token"] = round(1000 * statistics.median(self._decode), 3)
         if self._spec:
-            d["speculative_ms_per_token"] = round(1000 * sum(s for s, _ in self._spec) / sum(t for _, t in self._spec), 3)
+            d["speculative_ms_per_token"] = round(1000 * _per_token(self._spec), 3)
         return d
+
+
+def _per_token(steps) -> float:
+    """Seconds per emitted token over (seconds, tokens) steps."""
+    return sum(s for s, _ in steps) / sum(t for _, t in steps)

@@ -1,0 +1,133 @@
+"""What bounds speculation on this machine: each tier's step against its floor, and the speedup the floors allow.
+
+    python bench/roofline.py --threads 2 --context 8000 --tokens-per-verification 5.5 \
+        --out bench/results/roofline_8000_2026-12-04.json
+
+For the embedded SmolLM2 (the verifier on its GGUF block codes) and the retrieval tier ``auto`` gives it under
+sampling (the same codes with int8 activations, ``--lower-weights codes``, over ``--budget`` slots), at one context:
+
+* the machine's two ceilings, measured in the same interleaved loop as the steps (this machine's speed drifts
+  between phases): ``bandwidth`` (a large fp32 GEMV, the rate at which weights stream from memory) and ``peak`` (a
+  large fp32 GEMM's FLOP rate);
+* per step, the bytes it reads (weights as the step reads them, ``Transformer.step_weight_bytes``, plus the keys and
+  values it attends over) and the FLOPs it does (2 per weight and row, 4 * heads * head_dim per key and query row),
+  and its ``floor_ms = max(bytes / bandwidth, flops / peak)``: no implementation on this machine beats it by much
+  (``peak`` is what MKL's large GEMM reaches, not the FMA units' nominal rate);
+* per step, the measured median over random KV (``triforce.lab.synthetic.fill_random_kv``; the three steps
+  interleaved in one loop, order rotated): ``full_decode`` (the verifier, one token), ``full_pass`` (the verifier,
+  gamma2 + 1 tokens), ``retrieval_decode`` (the retrieval tier, one token);
+* the speedup over autoregressive decoding of ``retrieval:gamma2`` with tau tokens per verification,
+  ``tau * t_decode / (t_pass + gamma2 * t_retrieval)``, from the measured steps and from the floors, for the tau
+  given (``--tokens-per-verification``: what the bench measured) and for tau = gamma2 + 1 (every proposal
+  accepted: the ceiling of the hierarchy).
+
+The formula leaves out the retrieval cache's selection and the sampling (each under 1% of a cycle at 8K,
+``docs/benchmarks.md``). JSON on stdout (and to ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+import torch
+from common import _interleaved, add_run_options, emit_json, gemm_probe, gemv_probe  # noqa: E402
+
+from triforce.auto import RETRIEVAL_BUDGET_BOUNDS, RETRIEVAL_BUDGET_SHARE_SAMPLING  # noqa: E402
+from triforce.defaults import DEFAULTS  # noqa: E402
+
+
+def _speedup(tau: float, gamma: int, decode: float, verify: float, propose: float) -> float:
+    """tau * t_decode / (t_pass + gamma * t_retrieval): tokens per cycle over the cycle's time in decode steps."""
+    return tau * decode / (verify + gamma * propose)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--context", type=int, default=8000, help="tokens in the KV cache (8000)")
+    p.add_argument("--budget", type=int, help="retrieval cache slots (default: auto's under sampling, the context x "
+                   "RETRIEVAL_BUDGET_SHARE_SAMPLING within RETRIEVAL_BUDGET_BOUNDS: 1000 at 8K)")
+    p.add_argument("--gamma2", type=int, default=DEFAULTS["gamma2"], help="proposals per verification")
+    p.add_argument("--tokens-per-verification", type=float, default=5.5,
+                   help="tau, tokens emitted per verification (5.5: `triforce bench` at 8K, T = 0.6)")
+    add_run_options(p, None, reps=7, sampling=False)
+    args = p.parse_args()
+    if args.budget is None:
+        lo, hi = RETRIEVAL_BUDGET_BOUNDS
+        args.budget = int(min(hi, max(lo, args.context * RETRIEVAL_BUDGET_SHARE_SAMPLING)))  # as plan_hierarchy
+    for name in ("context", "budget", "gamma2", "reps", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 1 <= args.tokens_per_verification <= args.gamma2 + 1:
+        p.error(f"--tokens-per-verification must lie in [1, gamma2 + 1 = {args.gamma2 + 1}], "
+                f"got {args.tokens_per_verification}")
+    torch.set_num_threads(args.threads)
+
+    from triforce.caches import FullKVCache, kv_bytes
+    from triforce.lab.synthetic import fill_random_kv
+    from triforce.loading import load_model
+    from triforce.model import Linear
+    from triforce.quant import lower_precision_copy
+    from triforce.retrieval import RetrievalCache
+
+    model = load_model(None).model
+    codes = lower_precision_copy(model, "codes")
+    cfg, n, g = model.cfg, args.context, args.gamma2
+    weights = sum(m.weight_t.numel() for m in model.modules() if isinstance(m, Linear))  # every product's weights
+    attn_per_key = 4 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers  # QK^T and PV, per query row
+
+    # the three steps timed interleaved in one loop (the machine's speed drifts between phases), random KV, each
+    # forward rolled back so that every repetition sees the same context (as measure_tier_latencies)
+    model.set_request_length(n + g + 2)
+    codes.set_request_length(n + g + 2)
+    full = FullKVCache(cfg, n + g + 2, model.dtype, model.device)
+    fill_random_kv(full, n, 0)
+    retrieval = RetrievalCache(cfg, full, args.budget, DEFAULTS["chunk_size"])
+    fill_random_kv(retrieval, n, 1)
+    gen = torch.Generator().manual_seed(0)
+
+    def forward(m, cache, t: int):
+        def run() -> None:
+            m(torch.randint(0, cfg.vocab_size, (1, t), generator=gen), torch.arange(n, n + t), cache, num_logits=t)
+            cache.rollback(n)
+        return run
+
+    (gemv, gemv_bytes), (gemm, gemm_flops) = gemv_probe(), gemm_probe()
+    measured = _interleaved({"full_decode": forward(model, full, 1), "full_pass": forward(model, full, g + 1),
+                             "retrieval_decode": forward(codes, retrieval, 1), "gemv": gemv, "gemm": gemm},
+                            args.reps)
+    bw, peak = gemv_bytes / measured.pop("gemv"), gemm_flops / measured.pop("gemm")
+
+    def step(weight_bytes: int, slots: int, rows: int) -> dict:
+        nbytes = weight_bytes + kv_bytes(cfg, slots, model.dtype)
+        flops = 2 * weights * rows + attn_per_key * slots * rows
+        return {"rows": rows, "mb": round(nbytes / 1e6, 1), "gflop": round(flops / 1e9, 2),
+                "memory_ms": round(1000 * nbytes / bw, 2), "compute_ms": round(1000 * flops / peak, 2),
+                "floor_ms": round(1000 * max(nbytes / bw, flops / peak), 2)}
+
+    steps = {"full_decode": step(model.step_weight_bytes(), n, 1),
+             "full_pass": step(model.step_weight_bytes(), n, g + 1),
+             "retrieval_decode": step(codes.step_weight_bytes(), args.budget, 1)}
+    for key, seconds in measured.items():
+        steps[key]["measured_ms"] = round(1000 * seconds, 2)
+        steps[key]["measured_over_floor"] = round(1000 * seconds / steps[key]["floor_ms"], 2)
+
+    def speedups(kind: str) -> dict:
+        t = {k: v[kind] for k, v in steps.items()}
+        return {f"tau_{tau:g}": round(_speedup(tau, g, t["full_decode"], t["full_pass"], t["retrieval_decode"]), 3)
+                for tau in (args.tokens_per_verification, g + 1)}
+
+    out = {"model": "SmolLM2-135M-Instruct (embedded; verifier on its block codes, retrieval tier on them with int8 "
+                    "activations)",
+           "context": n, "budget": args.budget, "gamma2": g, "threads": args.threads, "reps": args.reps,
+           "bandwidth_gb_per_s": round(bw / 1e9, 2), "peak_gflop_per_s": round(peak / 1e9, 1),
+           "steps": steps,
+           "pass_over_decode": {"measured": round(steps["full_pass"]["measured_ms"] / steps["full_decode"]["measured_ms"], 2),
+                                "floor": round(steps["full_pass"]["floor_ms"] / steps["full_decode"]["floor_ms"], 2)},
+           "speedup_retrieval": {"measured": speedups("measured_ms"), "floor": speedups("floor_ms")}}
+    emit_json(out, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
