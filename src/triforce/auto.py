@@ -45,8 +45,9 @@ hierarchy only changes how many tokens each verification emits, never their dist
 * :class:`SpeedGovernor` measures, while generating, the time per emitted token of the speculative steps against
   the time of plain decode steps of the same request, and bypasses the drafters (autoregressive steps) while
   speculation is slower (over the last 8 steps and over the last 32), trying again after a backoff (16 tokens) that
-  doubles each time it fails. A tier that stops paying is therefore bypassed, and tried again later. Greedy output is unchanged token for token; under sampling the
-  output distribution is unchanged, but the sample drawn for a seed depends on the timings.
+  doubles each time it fails. A tier that stops paying is therefore bypassed, and tried again later. Greedy output
+  is unchanged token for token; under sampling the output distribution is unchanged, but the sample drawn for a seed
+  depends on the timings.
 """
 
 from __future__ import annotations
@@ -223,7 +224,8 @@ class SpeedGovernor:
     windows hold the same steps, so a tier that does not pay from the start is bypassed as soon as before; a stretch
     of low acceptance inside a run that pays is not (at 8K tokens, T = 0.6, on pg84 one repetition of three bypassed
     twice, 26 of 128 tokens decoded plainly: `auto` 1.13x against 1.44x for the same tier with no governor,
-    docs/benchmarks.md "2026-12-03, last").
+    docs/benchmarks.md "2026-12-03, last"). It is not enough yet: most bypasses fall at the first check, and with
+    both changes `auto` still lost to the ungoverned tier in 5 of 6 runs at 8K ("2026-12-04").
 
     Times are wall-clock seconds of each ``step`` + ``commit`` as the engine measures them; ``tokens`` are the tokens
     a step emitted. A request's first step is not timed and does not count towards the probe: its token is sampled
