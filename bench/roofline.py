@@ -1,7 +1,6 @@
 """What bounds speculation on this machine: each tier's step against its floor, and the speedup the floors allow.
 
-    python bench/roofline.py --threads 2 --context 8000 --tokens-per-verification 5.5 \
-        --out bench/results/roofline_8000_2026-12-04.json
+    python bench/roofline.py --threads 2 --context 8000 --reps 9 --out bench/results/roofline_8000_2026-12-04.json
 
 For the embedded SmolLM2 (the verifier on its GGUF block codes) and the retrieval tier ``auto`` gives it under
 sampling (the same codes with int8 activations, ``--lower-weights codes``, over ``--budget`` slots), at one context:
@@ -21,8 +20,9 @@ sampling (the same codes with int8 activations, ``--lower-weights codes``, over 
   given (``--tokens-per-verification``: what the bench measured) and for tau = gamma2 + 1 (every proposal
   accepted: the ceiling of the hierarchy).
 
-The formula leaves out the retrieval cache's selection and the sampling (each under 1% of a cycle at 8K,
-``docs/benchmarks.md``). JSON on stdout (and to ``--out``).
+The formula leaves out the retrieval cache's selection, the sampling and rejection over the vocabulary, and in
+``auto`` the governor's probes and bypasses, so ``triforce bench`` measures less than its ``measured`` speedup.
+JSON on stdout (and to ``--out``).
 """
 
 from __future__ import annotations

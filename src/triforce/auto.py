@@ -229,7 +229,7 @@ class SpeedGovernor:
 
     Times are wall-clock seconds of each ``step`` + ``commit`` as the engine measures them; ``tokens`` are the tokens
     a step emitted. A request's first step is not timed and does not count towards the probe: its token is sampled
-    from the prefill's last logits, with no forward (2-3 ms against 30-40 ms for a decode step at 8K), and as one of
+    from the prefill's last logits, with no forward (a small fraction of a decode step's time), and as one of
     the 3 probe samples it pulled the median down to the faster of the other two, so speculation was held against
     too fast a decode step.
 
