@@ -155,6 +155,20 @@ def test_governor_bypasses_slow_speculation_and_retries_with_doubling_backoff():
     assert g.to_dict()["speculative_ms_per_token"] == pytest.approx(5.0)
 
 
+def _started(probe_seconds=(0.010,), **settings):
+    """A governor past its prefill token and its probe (decode steps of ``probe_seconds``), drafting."""
+    top = FakeTop()
+    g = SpeedGovernor(top, probe=len(probe_seconds), warmup=0, **settings)
+    g.before_step([])
+    g.after_step(0.002, 1)  # the prefill's token
+    for seconds in probe_seconds:
+        g.before_step([])
+        g.after_step(seconds, 1)
+    g.before_step([])
+    assert top.drafting
+    return g, top
+
+
 def test_governor_does_not_time_the_first_step_after_a_start():
     """The first speculative step after each (re)start carries the catch-up forward: a slow one is not held against
     speculation that pays afterwards; the step after it is timed."""
@@ -166,45 +180,65 @@ def test_governor_does_not_time_the_first_step_after_a_start():
     g.after_step(0.010, 1)  # probe: 10 ms per token
     g.before_step([])
     assert top.drafting
-    g.after_step(0.500, 3)  # catch-up: 167 ms per token, not timed
+    g.after_step(0.500, 1)  # catch-up: a 50-decode-step step emitting 1 token, not timed
     for _ in range(3):
-        g.after_step(0.015, 3)  # 5 ms per token: pays
-    assert top.drafting and g.counts["bypasses"] == 0 and g.counts["speculative_tokens"] == 12
+        g.after_step(0.015, 3)  # break-even 1.5 tokens per step: pays
+    assert top.drafting and g.counts["bypasses"] == 0 and g.counts["speculative_tokens"] == 10
     assert g.to_dict()["speculative_ms_per_token"] == pytest.approx(5.0)
-    for _ in range(3):
-        g.after_step(0.045, 3)  # 15 ms per token: the window's mean reaches 10 ms (not above)
+    assert g.to_dict()["break_even_tokens_per_step"] == pytest.approx(1.5)
+
+
+def test_governor_keeps_a_tier_through_a_slow_phase():
+    """The machine slows down for a stretch (every step 1.5x slower): speculation still emits more tokens per step
+    than its break-even from the quiet steps, so it is kept, though its time per token is then above the probe's
+    decode step."""
+    g, top = _started(min_steps=8)
+    for _ in range(8):
+        g.after_step(0.040, 5)  # break-even 4 tokens per step, 5 emitted: 8 ms per token
+    for _ in range(10):
+        g.after_step(0.060, 5)  # 12 ms per token in the slow phase, above the 10 ms decode step
+    assert top.drafting and g.counts["bypasses"] == 0
+    assert g.to_dict()["break_even_tokens_per_step"] == pytest.approx(4.0)
+
+
+def test_governor_bypasses_when_acceptance_falls_below_break_even():
+    """Steps of a fixed cost (4 decode steps) emitting 2 or 3 tokens (mean 2.5, standard error 0.19 over 8 steps):
+    bypassed at the first check."""
+    g, top = _started(min_steps=8)
+    for i in range(7):
+        g.after_step(0.040, 2 + i % 2)
     assert top.drafting
-    g.after_step(0.045, 3)  # (3 x 15 + 4 x 45) ms / 21 tokens = 10.7 ms per token > 10 ms
+    g.after_step(0.040, 3)
     assert not top.drafting and g.counts["bypasses"] == 1
 
 
-def test_governor_keeps_a_tier_that_paid_through_a_slow_window():
-    """A slow window after a long run that paid is not a bypass while the long window still pays; once the slow
-    steps outweigh it (both windows slower than a decode step) the drafters are bypassed."""
-    top = FakeTop()
-    g = SpeedGovernor(top, probe=1, warmup=0, window=8, long_window=32, min_steps=8, backoff_min=16)
-    g.before_step([])
-    g.after_step(0.002, 1)  # the prefill's token
-    g.before_step([])
-    g.after_step(0.010, 1)  # probe: 10 ms per token
-    g.before_step([])
+def test_governor_needs_confidence_before_a_bypass():
+    """Tokens per step 7, 1, 7, 2, 7, 3, 7, 1 at a break-even of 4.5: the mean (4.375) is below, but by less than
+    one standard error (0.98): kept with ``confidence=1``, bypassed with ``confidence=0`` (the mean alone)."""
+    for confidence, bypassed in ((1.0, False), (0.0, True)):
+        g, top = _started(min_steps=8, confidence=confidence)
+        for tokens in (7, 1, 7, 2, 7, 3, 7, 1):
+            g.after_step(0.045, tokens)
+        assert (not top.drafting) == bypassed and g.counts["bypasses"] == int(bypassed)
+
+
+def test_governor_keeps_a_tier_that_paid_through_a_stretch_of_low_acceptance():
+    """24 steps at 5 tokens, then steps at 1 token, break-even 3 tokens per step: the window of 32 steps is tested
+    after each step. With k > 8 of the low steps the window's mean is 5 - k / 8 and its standard error about 0.35;
+    the drafters are bypassed once the mean plus one standard error falls below 3: at k = 19, not before."""
+    g, top = _started(min_steps=8, window=32)
     for _ in range(24):
-        g.after_step(0.015, 3)  # 5 ms per token: pays
-    for _ in range(8):
-        g.after_step(0.045, 3)  # 15 ms per token: the short window is slower, the long one is 7.5 ms per token
-    assert top.drafting and g.counts["bypasses"] == 0
-    # k more slow steps: (15 (24 - k) + 45 (8 + k)) ms / 96 tokens, 9.7 ms at k = 7, 10.3 ms at k = 9
-    for _ in range(7):
-        g.after_step(0.045, 3)
-    assert top.drafting
-    g.after_step(0.045, 3)
-    g.after_step(0.045, 3)
+        g.after_step(0.030, 5)
+    for k in range(1, 19):
+        g.after_step(0.030, 1)
+        assert top.drafting, k
+    g.after_step(0.030, 1)
     assert not top.drafting and g.counts["bypasses"] == 1
 
 
 def test_governor_does_not_time_the_prefill_token():
     """The first step of a request samples the prefill's logits (no forward): as a probe sample it would make the
-    decode step look faster than it is (median of 2, 10, 12 ms: 10 ms) and bypass speculation that pays."""
+    decode step look several times faster than it is (2 ms against 10-14 ms) and bypass speculation that pays."""
     top = FakeTop()
     g = SpeedGovernor(top, probe=3, warmup=0, min_steps=4)
     for seconds in (0.002, 0.010, 0.012, 0.014):  # the prefill's token, then 3 decode steps: median 12 ms
@@ -215,13 +249,16 @@ def test_governor_does_not_time_the_prefill_token():
     g.before_step([])
     assert top.drafting
     for _ in range(4):
-        g.after_step(0.033, 3)  # 11 ms per token: faster than a decode step
+        g.after_step(0.027, 3)  # 9 ms per token; break-even 2.7 tokens per step against the quiet 10 ms
     assert top.drafting and g.counts["bypasses"] == 0
+    assert g.to_dict()["break_even_tokens_per_step"] == pytest.approx(2.7)
 
 
-def test_governor_refuses_a_long_window_shorter_than_the_window():
-    with pytest.raises(ValueError, match="long_window"):
-        SpeedGovernor(FakeTop(), window=8, long_window=4)
+@pytest.mark.parametrize("settings, name", [(dict(window=4, min_steps=8), "window"), (dict(min_steps=1), "min_steps"),
+                                            (dict(probe=0), "probe"), (dict(confidence=-1.0), "confidence")])
+def test_governor_refuses_bad_settings(settings, name):
+    with pytest.raises(ValueError, match=name):
+        SpeedGovernor(FakeTop(), **settings)
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "self"])

@@ -42,12 +42,12 @@ hierarchy only changes how many tokens each verification emits, never their dist
     (0.02-0.05 at T = 0.6), and the ``self`` tier was 0.71-1.12x plain decoding at 1K tokens and 0.97-1.16x at
     8K on three books, because a verification pass costs about twice a decode step on this CPU.
 
-* :class:`SpeedGovernor` measures, while generating, the time per emitted token of the speculative steps against
-  the time of plain decode steps of the same request, and bypasses the drafters (autoregressive steps) while
-  speculation is slower (over the last 8 steps and over the last 32), trying again after a backoff (16 tokens) that
-  doubles each time it fails. A tier that stops paying is therefore bypassed, and tried again later. Greedy output
-  is unchanged token for token; under sampling the output distribution is unchanged, but the sample drawn for a seed
-  depends on the timings.
+* :class:`SpeedGovernor` watches, while generating, the tokens each speculative step emits against the tokens it
+  must emit to beat plain decoding (its time over a decode step's, both from the quiet samples of this request), and
+  bypasses the drafters (autoregressive steps) while speculation confidently does not pay, trying again after a
+  backoff (16 tokens) that doubles each time it fails. A tier that stops paying is therefore bypassed, and tried
+  again later. Greedy output is unchanged token for token; under sampling the output distribution is unchanged, but
+  the sample drawn for a seed depends on the timings.
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING = 0.35
 #: on a CPU, the int8 retrieval tier goes under a target with at least this many weight bytes per layer whatever
 #: the KV share (module docstring: 254 MB per layer paid 3.22x, 18 MB did not pay)
 WEIGHT_BOUND_LAYER_BYTES = 64 * 2**20
+#: SpeedGovernor: a step's cost is this quantile of its times (the lower quartile: the machine's quiet phases)
+COST_QUANTILE = 0.25
 
 
 @dataclass(frozen=True)
@@ -205,70 +207,86 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
 
 @dataclass
 class SpeedGovernor:
-    """Bypasses the drafters of the top tier while speculative steps are slower per token than plain decode steps.
+    """Bypasses the drafters of the top tier while their tokens per verification do not pay for the verification.
 
-    The first :attr:`probe` steps decode without drafting to time a decode step. Then the drafters run; the first
-    :attr:`warmup` speculative steps after each (re)start are not timed (they carry one-off costs: the retrieval
-    cache's first selection, the lower tiers' catch-up forward over the tokens decoded while bypassed); once
-    :attr:`min_steps` speculative steps are timed, if their time per emitted token (over the last :attr:`window`
-    steps) exceeds the median decode-step time, the drafters are bypassed for ``backoff`` tokens (16, doubling up to
-    1024 while it keeps failing), then tried again (the lower tiers catch up: ``ModelTier.resume_drafting``).
-    :attr:`min_steps` is the whole window: under sampling a tier that pays on average has runs of low acceptance, and
-    3 steps were too few to tell them from a tier that does not pay (on pg1342 at 8K, T = 0.6, with decode steps on
-    our kernel, two of three repetitions bypassed a tier that was paying 1.1-1.3x, docs/benchmarks.md), and so did 8
-    steps, at the same point of the text: a stretch of low acceptance there, after which the tier paid again. So the
-    first backoff is short (16 tokens, was 64), and a tier that keeps failing still backs off to 1024.
+    The rule (Leviathan et al. 2023, arXiv 2211.17192, Sec. 3.4: a speculative step pays when it emits more tokens
+    than it costs decode steps): a speculative step of ``s`` seconds that emits ``t`` tokens beats plain decoding
+    when ``t > c = s / d``, ``d`` a decode step's time. ``c`` is the break-even tokens per step; its estimate and the
+    tokens per step are kept apart because they vary for different reasons:
 
-    A slow window alone is not enough once the tier has paid for longer: the drafters are bypassed only when the
-    last :attr:`long_window` timed steps since the (re)start are slower per token too. At the first check the two
-    windows hold the same steps, so a tier that does not pay from the start is bypassed as soon as before; a stretch
-    of low acceptance inside a run that pays is not (at 8K tokens, T = 0.6, on pg84 one repetition of three bypassed
-    twice, 26 of 128 tokens decoded plainly: `auto` 1.13x against 1.44x for the same tier with no governor,
-    docs/benchmarks.md "2026-12-03, last"). It is not enough yet: most bypasses fall at the first check, and with
-    both changes `auto` still lost to the ungoverned tier in 5 of 6 runs at 8K ("2026-12-04").
+    * ``c`` is a ratio of two costs, each taken as the lower quartile of its samples (:data:`COST_QUANTILE`: the
+      speculative steps' times in the window, the decode steps' times per token): this machine runs in phases up to
+      1.7x slower for a dozen steps at a time, which slow both kinds of step alike (the speculative steps of one
+      request at 8K took 122 to 212 ms, ``bench/results/governor_trace_8000_2026-12-04.json``), so the quiet
+      samples of each, not a mean or a median over steps timed in different phases, give the ratio. Where a
+      step's cost varies with what it drafts (three tiers: the middle tier's own speculation), the lower quartile is
+      a cheaper step than the mean, and the rule leans towards keeping the drafters;
+    * the tokens per step vary with the text (1 to gamma + 1 per step, runs of low acceptance): the drafters are
+      bypassed only when the mean over the window is below ``c`` by :attr:`confidence` standard errors, so that a
+      stretch of low acceptance inside a run that pays is not a bypass.
+
+    Replayed on 12 recorded requests (``bench/governor_trace.py``: SmolLM2 at 8K tokens, ``retrieval:6``, T = 0.6,
+    three books; the tier emitted 4.4-5.9 tokens per step against a break-even of 4.1-4.9), this rule bypassed 1
+    request (at its 14th step; 4.43 tokens per step against 4.11 over the whole request), the rule it replaces (each
+    window's time per token against the median of the 3 probe decode steps) 5. With every speculative step made
+    1.3x slower it bypassed 7 (the other rule 10), 1.6x slower all 12, each at its first check.
+
+    The first :attr:`probe` steps decode without drafting to time a decode step (more decode samples join while the
+    drafters are bypassed). Then the drafters run; the first :attr:`warmup` speculative steps after each (re)start
+    are not timed (they carry one-off costs: the retrieval cache's first selection, the lower tiers' catch-up
+    forward over the tokens decoded while bypassed); from :attr:`min_steps` timed steps on, the last :attr:`window`
+    of them are tested after each step. A bypass lasts ``backoff`` tokens (16, doubling up to 1024 while it keeps
+    failing), then the drafters are tried again (the lower tiers catch up: ``ModelTier.resume_drafting``); a window
+    that pays by :attr:`confidence` standard errors resets the backoff.
 
     Times are wall-clock seconds of each ``step`` + ``commit`` as the engine measures them; ``tokens`` are the tokens
     a step emitted. A request's first step is not timed and does not count towards the probe: its token is sampled
-    from the prefill's last logits, with no forward (a small fraction of a decode step's time), and as one of
-    the 3 probe samples it pulled the median down to the faster of the other two, so speculation was held against
-    too fast a decode step.
+    from the prefill's last logits, with no forward (a small fraction of a decode step's time).
 
     Attributes:
         top: the verifier tier (:class:`~triforce.tiers.ModelTier`) whose ``drafting`` flag this sets.
+        confidence: standard errors of the mean tokens per step below ``c`` before a bypass (0: the mean alone).
+
+    Raises:
+        ValueError: ``window`` < ``min_steps``, ``min_steps`` < 2 (a standard error needs two steps), ``probe`` < 1,
+            or ``confidence`` < 0.
     """
 
     top: object
     probe: int = 3
     warmup: int = 1
-    window: int = 8
-    long_window: int = 32
+    window: int = 32
     min_steps: int = 8
+    confidence: float = 1.0
     backoff_min: int = 16
     backoff_max: int = 1024
     _decode: deque = field(default_factory=lambda: deque(maxlen=16))
-    _spec: deque = field(default_factory=lambda: deque(maxlen=8))
-    _spec_long: deque = field(default_factory=lambda: deque(maxlen=32))
+    _spec: deque = field(default_factory=lambda: deque(maxlen=32))
     _left: int = 0
-    _backoff: int = 32
+    _backoff: int = 16
     _untimed: int = 0
     _first: bool = True
     counts: dict = field(default_factory=lambda: {"speculative_tokens": 0, "autoregressive_tokens": 0, "bypasses": 0})
 
     def __post_init__(self) -> None:
-        if self.long_window < self.window:
-            raise ValueError(f"long_window must be >= window ({self.window}), got {self.long_window}")
+        if self.min_steps < 2:
+            raise ValueError(f"min_steps must be >= 2 (a standard error needs two steps), got {self.min_steps}")
+        if self.window < self.min_steps:
+            raise ValueError(f"window must be >= min_steps ({self.min_steps}), got {self.window}")
+        if self.probe < 1:
+            raise ValueError(f"probe must be >= 1 (a decode step's time is needed), got {self.probe}")
+        if not self.confidence >= 0:
+            raise ValueError(f"confidence must be >= 0, got {self.confidence}")
         self._spec = deque(maxlen=self.window)
-        self._spec_long = deque(maxlen=self.long_window)
         self._backoff = self.backoff_min
         self._left = self.probe
-        self.top.drafting = self.top.drafter is not None and self.probe == 0
+        self.top.drafting = False
 
     def before_step(self, seq: list[int]) -> None:
         """Resume drafting when a bypass has run its course (the lower tiers catch up with ``seq``)."""
         if not self.top.drafting and self._left <= 0 and self.top.drafter is not None:
             self.top.resume_drafting(seq)
             self._spec.clear()
-            self._spec_long.clear()
             self._untimed = self.warmup
 
     def after_step(self, seconds: float, tokens: int) -> None:
@@ -290,26 +308,53 @@ class SpeedGovernor:
             self._untimed -= 1
             return
         self._spec.append((seconds, tokens))
-        self._spec_long.append((seconds, tokens))
-        if len(self._spec) < self.min_steps or not self._decode:
+        if len(self._spec) < self.min_steps:
             return
-        decode = statistics.median(self._decode)
-        if _per_token(self._spec) > decode and _per_token(self._spec_long) > decode:
+        c, mean, se = self.break_even(), *_mean_se([t for _, t in self._spec])
+        if mean + self.confidence * se < c:
             self.top.drafting = False
             self._left = self._backoff
             self._backoff = min(2 * self._backoff, self.backoff_max)
             self.counts["bypasses"] += 1
-        elif len(self._spec) == self.window:
-            self._backoff = self.backoff_min  # paying over a whole window: a later failure starts over
+        elif mean - self.confidence * se > c:
+            self._backoff = self.backoff_min  # paying: a later failure starts over
+
+    def break_even(self) -> float:
+        """``c``: the tokens a speculative step must emit to beat plain decoding, the lower quartile of the window's
+        step times over the lower quartile of the decode times per token (class docstring)."""
+        return lower_quartile([s for s, _ in self._spec]) / lower_quartile(self._decode)
 
     def to_dict(self) -> dict:
-        """The counters and the last timings (ms per token) for the stats."""
+        """The counters and the last estimates for the stats: ``decode_ms_per_token`` (median of the decode steps),
+        ``speculative_ms_per_token`` (the window's time per emitted token), ``tokens_per_step`` (the window's mean)
+        and ``break_even_tokens_per_step`` (``c``)."""
         d = dict(self.counts)
         if self._decode:
             d["decode_ms_per_token"] = round(1000 * statistics.median(self._decode), 3)
         if self._spec:
             d["speculative_ms_per_token"] = round(1000 * _per_token(self._spec), 3)
+            d["tokens_per_step"] = round(statistics.fmean(t for _, t in self._spec), 3)
+            if self._decode:
+                d["break_even_tokens_per_step"] = round(self.break_even(), 3)
         return d
+
+
+def lower_quartile(xs) -> float:
+    """The :data:`COST_QUANTILE` of ``xs`` (nearest rank at or below: the minimum for up to 4 samples), the cost
+    :class:`SpeedGovernor` estimates a step's time with.
+
+    Raises:
+        ValueError: ``xs`` is empty.
+    """
+    if not xs:
+        raise ValueError("lower_quartile needs at least one value, got none")
+    xs = sorted(xs)
+    return xs[int(COST_QUANTILE * (len(xs) - 1))]
+
+
+def _mean_se(xs: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean of ``xs`` (at least 2 values)."""
+    return statistics.fmean(xs), statistics.stdev(xs) / len(xs) ** 0.5
 
 
 def _per_token(steps) -> float:
