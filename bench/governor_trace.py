@@ -13,16 +13,19 @@ where that pays), in one process, alternately:
   speculative step's wall time (``step`` + ``commit``, as the engine times it) and the tokens it emitted.
 
 The same seed per repetition for both, so the texts agree until the first rejection. Then two bypass rules are
-replayed on each trace (``first_bypass_step``: the index of the speculative step at which a rule would first have
-bypassed drafting, null: never), each given the probe's decode times the governor would have had:
+replayed on each trace (``first_bypass_step``: the index, from 0, of the speculative step at which a rule would first
+have bypassed drafting, null: never; the first speculative step, 0, is never timed, so the index is also the number
+of timed steps at the bypass), each given the probe's decode times the governor would have had:
 
 * ``governor``: :class:`~triforce.auto.SpeedGovernor` as it is (the window's tokens per step against the
   break-even, from the lower quartiles of the step times);
 * ``previous``: the rule it replaced (the time per token of the last 8 and 32 steps against the median of the
   probe's decode steps).
 
-``tokens_per_step`` against ``break_even_tokens_per_step`` (the governor's estimate over the whole request, the
-plain run's decode steps as the reference) says whether the hierarchy paid in that repetition; where it paid, every
+``tokens_per_step`` (the tokens emitted with the drafters over the speculative steps) against
+``break_even_tokens_per_step`` (the governor's estimate over the whole request but its first step, a catch-up, and
+its last, cut short by ``--new-tokens``; the plain run's decode steps as the reference) says whether the hierarchy
+paid in that repetition; where it paid, every
 bypass is a loss. ``--slowdown`` replays the same traces with every speculative step that many times slower (a
 hierarchy that does not pay), where a rule should bypass early. JSON on stdout and to ``--out``.
 """

@@ -149,7 +149,7 @@ def test_governor_bypasses_slow_speculation_and_retries_with_doubling_backoff():
         g.before_step([])
         g.after_step(0.010, 1)
     g.before_step([])
-    for _ in range(8):  # now it pays: 5 ms per token, over a whole window
+    for _ in range(8):  # now it pays: 5 ms per token, by more than a standard error (none: every step alike)
         g.after_step(0.015, 3)
     assert top.drafting and g._backoff == 32
     assert g.to_dict()["speculative_ms_per_token"] == pytest.approx(5.0)
@@ -181,11 +181,29 @@ def test_governor_does_not_time_the_first_step_after_a_start():
     g.before_step([])
     assert top.drafting
     g.after_step(0.500, 1)  # catch-up: a 50-decode-step step emitting 1 token, not timed
-    for _ in range(3):
+    assert "tokens_per_step" not in g.to_dict()  # nothing tested yet
+    g.after_step(0.020, 4)  # the step after it is timed
+    for _ in range(2):
         g.after_step(0.015, 3)  # break-even 1.5 tokens per step: pays
-    assert top.drafting and g.counts["bypasses"] == 0 and g.counts["speculative_tokens"] == 10
-    assert g.to_dict()["speculative_ms_per_token"] == pytest.approx(5.0)
+    assert top.drafting and g.counts["bypasses"] == 0 and g.counts["speculative_tokens"] == 11
+    assert g.to_dict()["speculative_ms_per_token"] == pytest.approx(50 / 10)
+    assert g.to_dict()["tokens_per_step"] == pytest.approx(10 / 3, abs=1e-3)
     assert g.to_dict()["break_even_tokens_per_step"] == pytest.approx(1.5)
+    for _ in range(40):  # acceptance falls to 1 token per step: bypassed once the mean + 1 SE is below 1.5
+        g.after_step(0.015, 1)
+        if not top.drafting:
+            break
+    assert not top.drafting and g.counts["bypasses"] == 1
+    for _ in range(32):  # the backoff, decoding at 10 ms
+        g.before_step([])
+        g.after_step(0.010, 1)
+    g.before_step([])
+    assert top.drafting and top.resumed == 2
+    g.after_step(0.500, 1)  # the catch-up after the restart: not timed either
+    for _ in range(3):
+        g.after_step(0.015, 3)
+    assert top.drafting and g.to_dict()["tokens_per_step"] == pytest.approx(3.0)
+    assert g.to_dict()["speculative_ms_per_token"] == pytest.approx(5.0)
 
 
 def test_governor_keeps_a_tier_through_a_slow_phase():
@@ -214,7 +232,7 @@ def test_governor_bypasses_when_acceptance_falls_below_break_even():
 
 def test_governor_needs_confidence_before_a_bypass():
     """Tokens per step 7, 1, 7, 2, 7, 3, 7, 1 at a break-even of 4.5: the mean (4.375) is below, but by less than
-    one standard error (0.98): kept with ``confidence=1``, bypassed with ``confidence=0`` (the mean alone)."""
+    one standard error (1.02): kept with ``confidence=1``, bypassed with ``confidence=0`` (the mean alone)."""
     for confidence, bypassed in ((1.0, False), (0.0, True)):
         g, top = _started(min_steps=8, confidence=confidence)
         for tokens in (7, 1, 7, 2, 7, 3, 7, 1):
@@ -254,10 +272,14 @@ def test_governor_does_not_time_the_prefill_token():
     assert g.to_dict()["break_even_tokens_per_step"] == pytest.approx(2.7)
 
 
-@pytest.mark.parametrize("settings, name", [(dict(window=4, min_steps=8), "window"), (dict(min_steps=1), "min_steps"),
-                                            (dict(probe=0), "probe"), (dict(confidence=-1.0), "confidence")])
-def test_governor_refuses_bad_settings(settings, name):
-    with pytest.raises(ValueError, match=name):
+@pytest.mark.parametrize("settings, message", [
+    (dict(window=4, min_steps=8), r"window must be >= min_steps \(8\), got 4"),
+    (dict(min_steps=1), "min_steps must be >= 2"), (dict(probe=0), "probe must be >= 1"),
+    (dict(confidence=-1.0), "confidence must be >= 0"), (dict(confidence=float("nan")), "confidence must be >= 0"),
+    (dict(backoff_min=0), "backoff_min must be >= 1"),
+    (dict(backoff_min=64, backoff_max=32), "backoff_max >= backoff_min")])
+def test_governor_refuses_bad_settings(settings, message):
+    with pytest.raises(ValueError, match=message):
         SpeedGovernor(FakeTop(), **settings)
 
 

@@ -200,6 +200,21 @@ def test_request_longer_than_the_context_is_refused(tiny_folder):
         tf.generate([5] * 500, max_new_tokens=100, spec=SpeculationConfig())
 
 
+def test_default_new_tokens_fit_the_context_a_given_value_does_not(tiny_folder):
+    """A 500-token prompt in a 512-token context: without --max-new-tokens the default (256) is lowered to the 12
+    positions left, with a note; the same value given explicitly is refused, naming the option and the context."""
+    prompt = "abcdefghij" * 50
+    code, out, err = run("generate", "--model", tiny_folder, "--prompt", prompt, "--temperature", "0", "--json",
+                         "--mode", "autoregressive", "--threads", "1")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["prompt_tokens"] == 500 and "generating at most 12 tokens" in err
+    assert len(d["token_ids"]) <= 12 and (d["finish_reason"] == "eos" or len(d["token_ids"]) == 12)
+    code, out, err = run("generate", "--model", tiny_folder, "--prompt", prompt, "--max-new-tokens", "256",
+                         "--mode", "autoregressive", "--threads", "1")
+    assert code == 2 and "--max-new-tokens" in err and "context of 512" in err and out == ""
+
+
 def test_sharded_folder_loads_the_same_weights(tmp_path):
     import torch
 

@@ -52,6 +52,7 @@ hierarchy only changes how many tokens each verification emits, never their dist
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -215,21 +216,22 @@ class SpeedGovernor:
     tokens per step are kept apart because they vary for different reasons:
 
     * ``c`` is a ratio of two costs, each taken as the lower quartile of its samples (:data:`COST_QUANTILE`: the
-      speculative steps' times in the window, the decode steps' times per token): this machine runs in phases up to
-      1.7x slower for a dozen steps at a time, which slow both kinds of step alike (the speculative steps of one
-      request at 8K took 122 to 212 ms, ``bench/results/governor_trace_8000_2026-12-04.json``), so the quiet
-      samples of each, not a mean or a median over steps timed in different phases, give the ratio. Where a
-      step's cost varies with what it drafts (three tiers: the middle tier's own speculation), the lower quartile is
-      a cheaper step than the mean, and the rule leans towards keeping the drafters;
+      speculative steps' times in the window, the decode steps' times per token): this machine runs in phases (the
+      speculative steps of one request at 8K took 122 to 212 ms, in stretches of several slow steps,
+      ``bench/results/governor_trace_8000_2026-12-04.json``). Assuming a slow phase slows both kinds of step
+      alike (not measured: the two were never timed in the same phase), the quiet samples of each, not a mean or a
+      median over steps timed in different phases, give the ratio. Where a step's cost varies with what it drafts
+      (three tiers: the middle tier's own speculation), the lower quartile is a cheaper step than the mean, and the
+      rule leans towards keeping the drafters;
     * the tokens per step vary with the text (1 to gamma + 1 per step, runs of low acceptance): the drafters are
       bypassed only when the mean over the window is below ``c`` by :attr:`confidence` standard errors, so that a
       stretch of low acceptance inside a run that pays is not a bypass.
 
     Replayed on 12 recorded requests (``bench/governor_trace.py``: SmolLM2 at 8K tokens, ``retrieval:6``, T = 0.6,
     three books; the tier emitted 4.4-5.9 tokens per step against a break-even of 4.1-4.9), this rule bypassed 1
-    request (at its 14th step; 4.43 tokens per step against 4.11 over the whole request), the rule it replaces (each
-    window's time per token against the median of the 3 probe decode steps) 5. With every speculative step made
-    1.3x slower it bypassed 7 (the other rule 10), 1.6x slower all 12, each at its first check.
+    request (at its 14th timed step; 4.43 tokens per step against 4.11 over the whole request), the rule it replaces
+    (each window's time per token against the median of the 3 probe decode steps) 4. With every speculative step
+    made 1.3x slower it bypassed 7 (the other rule 11), 1.6x slower all 12, each at its first check.
 
     The first :attr:`probe` steps decode without drafting to time a decode step (more decode samples join while the
     drafters are bypassed). Then the drafters run; the first :attr:`warmup` speculative steps after each (re)start
@@ -249,7 +251,7 @@ class SpeedGovernor:
 
     Raises:
         ValueError: ``window`` < ``min_steps``, ``min_steps`` < 2 (a standard error needs two steps), ``probe`` < 1,
-            or ``confidence`` < 0.
+            ``confidence`` < 0, ``backoff_min`` < 1 or ``backoff_max`` < ``backoff_min``.
     """
 
     top: object
@@ -266,6 +268,7 @@ class SpeedGovernor:
     _backoff: int = 16
     _untimed: int = 0
     _first: bool = True
+    _tested: tuple | None = None  # (mean tokens per step, c) at the last test
     counts: dict = field(default_factory=lambda: {"speculative_tokens": 0, "autoregressive_tokens": 0, "bypasses": 0})
 
     def __post_init__(self) -> None:
@@ -277,6 +280,9 @@ class SpeedGovernor:
             raise ValueError(f"probe must be >= 1 (a decode step's time is needed), got {self.probe}")
         if not self.confidence >= 0:
             raise ValueError(f"confidence must be >= 0, got {self.confidence}")
+        if self.backoff_min < 1 or self.backoff_max < self.backoff_min:
+            raise ValueError(f"backoff_min must be >= 1 and backoff_max >= backoff_min, got {self.backoff_min} and "
+                             f"{self.backoff_max}")
         self._spec = deque(maxlen=self.window)
         self._backoff = self.backoff_min
         self._left = self.probe
@@ -311,6 +317,7 @@ class SpeedGovernor:
         if len(self._spec) < self.min_steps:
             return
         c, mean, se = self.break_even(), *_mean_se([t for _, t in self._spec])
+        self._tested = (mean, c)
         if mean + self.confidence * se < c:
             self.top.drafting = False
             self._left = self._backoff
@@ -321,21 +328,30 @@ class SpeedGovernor:
 
     def break_even(self) -> float:
         """``c``: the tokens a speculative step must emit to beat plain decoding, the lower quartile of the window's
-        step times over the lower quartile of the decode times per token (class docstring)."""
-        return lower_quartile([s for s, _ in self._spec]) / lower_quartile(self._decode)
+        step times over the lower quartile of the decode times per token (class docstring); infinite where the
+        decode steps took no measurable time.
+
+        Raises:
+            ValueError: no speculative or no decode step has been timed yet.
+        """
+        decode = lower_quartile(self._decode)
+        spec = lower_quartile([s for s, _ in self._spec])
+        return spec / decode if decode > 0 else math.inf
 
     def to_dict(self) -> dict:
         """The counters and the last estimates for the stats: ``decode_ms_per_token`` (median of the decode steps),
-        ``speculative_ms_per_token`` (the window's time per emitted token), ``tokens_per_step`` (the window's mean)
-        and ``break_even_tokens_per_step`` (``c``)."""
+        ``speculative_ms_per_token`` (the window's time per emitted token), and at the last test of the window
+        (none before ``min_steps`` timed steps) ``tokens_per_step`` (its mean) and ``break_even_tokens_per_step``
+        (``c``)."""
         d = dict(self.counts)
         if self._decode:
             d["decode_ms_per_token"] = round(1000 * statistics.median(self._decode), 3)
         if self._spec:
             d["speculative_ms_per_token"] = round(1000 * _per_token(self._spec), 3)
-            d["tokens_per_step"] = round(statistics.fmean(t for _, t in self._spec), 3)
-            if self._decode:
-                d["break_even_tokens_per_step"] = round(self.break_even(), 3)
+        if self._tested is not None:
+            mean, c = self._tested
+            d["tokens_per_step"] = round(mean, 3)
+            d["break_even_tokens_per_step"] = round(c, 3) if math.isfinite(c) else None  # JSON has no infinity
         return d
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from ..defaults import DEFAULTS
 from ..sampling import SamplingParams
 from .common import CLIError, check_seed, check_threads, option_error
 from .options import add_generation_args, spec_from_args
@@ -27,6 +28,7 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     src.add_argument("--max-prompt-tokens", type=int, help="keep the first N prompt tokens (with --prompt and "
                                                             "--prompt-file: cut the document so the question stays)")
     add_generation_args(gen)
+    gen.set_defaults(max_new_tokens=None)  # not given: the default, lowered to what the context leaves (_fit_new_tokens)
     gen.add_argument("--json", action="store_true", help="print one JSON object (schema in README) instead of text")
     gen.add_argument("--no-progress", action="store_true", help="no prefill progress (a bar on a terminal, a line "
                                                                  "every 10 s otherwise)")
@@ -115,6 +117,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return code
 
 
+def _fit_new_tokens(args: argparse.Namespace, prompt_tokens: int, cfg) -> None:
+    """Lower the default ``--max-new-tokens`` (not given) to the positions the model's context leaves after the
+    prompt, with a note on stderr: ``--prompt-file book.txt --max-prompt-tokens 8000`` on an 8,192-token model then
+    generates 192 tokens rather than failing. A value the user gave is kept (the engine refuses it with the reason),
+    and so is a prompt that fills the context. Models with dynamic RoPE scaling have no such limit."""
+    room = cfg.max_position_embeddings - prompt_tokens
+    if cfg.rope_type != "dynamic" and 1 <= room < args.max_new_tokens:
+        print(f"triforce: generating at most {room} tokens (--max-new-tokens defaults to {args.max_new_tokens}): the "
+              f"{prompt_tokens}-token prompt leaves {room} of the model's {cfg.max_position_embeddings}-token "
+              "context", file=sys.stderr)
+        args.max_new_tokens = room
+
+
 def _generate(args: argparse.Namespace, out) -> int:
     """:func:`cmd_generate` writing text or the JSON object to ``out``."""
     from ..memory import fmt_bytes
@@ -123,6 +138,9 @@ def _generate(args: argparse.Namespace, out) -> int:
     from ..loading import parse_device
 
     check_seed(args.seed)
+    given_new_tokens = args.max_new_tokens is not None
+    if not given_new_tokens:
+        args.max_new_tokens = DEFAULTS["max_new_tokens"]
     try:
         parse_device(args.device)
     except ValueError as e:
@@ -158,6 +176,8 @@ def _generate(args: argparse.Namespace, out) -> int:
     try:
         ids = tf.encode(text, chat=args.chat, system=args.system, max_prompt_tokens=args.max_prompt_tokens,
                         document=document)
+        if not given_new_tokens:
+            _fit_new_tokens(args, len(ids), tf.engine.target.cfg)
         if args.offload_kv:  # the memory planner's choice, reported before the prefill
             print(tf.engine.validate(ids, args.max_new_tokens, spec).summary(), file=sys.stderr)
     except ValueError as e:
