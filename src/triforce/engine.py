@@ -240,8 +240,8 @@ class Engine:
             raise ValueError(f"max_prompt_tokens: the prompt has {len(prompt_ids)} tokens, not fewer than the model's "
                              f"context of {context}; keep the first N with --max-prompt-tokens N")
         if cfg.rope_type != "dynamic" and len(prompt_ids) + max_new_tokens > context:
-            raise ValueError(f"max_new_tokens={max_new_tokens} with a {len(prompt_ids)}-token prompt exceeds the model's "
-                             f"context of {context} tokens (max_position_embeddings)")
+            raise ValueError(f"max_new_tokens={max_new_tokens} with a prompt of {len(prompt_ids)} tokens exceeds the "
+                             f"model's context of {context} tokens (max_position_embeddings)")
 
         def fit() -> RequestPlan:
             plan = self._plan(len(prompt_ids), max_new_tokens, spec, place=True)
