@@ -1,6 +1,7 @@
 """What bounds speculation on this machine: each tier's step against its floor, and the speedup the floors allow.
 
     python bench/roofline.py --threads 2 --context 8000 --reps 9 --out bench/results/roofline_8000_2026-12-04.json
+    python bench/roofline.py --threads 2 --context 8000 --reps 15 --out bench/results/roofline_split_8000_2026-12-04.json
 
 For the embedded SmolLM2 (the verifier on its GGUF block codes) and the retrieval tier ``auto`` gives it under
 sampling (the same codes with int8 activations, ``--lower-weights codes``, over ``--budget`` slots), at one context:
@@ -15,6 +16,11 @@ sampling (the same codes with int8 activations, ``--lower-weights codes``, over 
 * per step, the measured median over random KV (``triforce.lab.synthetic.fill_random_kv``; the three steps
   interleaved in one loop, order rotated): ``full_decode`` (the verifier, one token), ``full_pass`` (the verifier,
   gamma2 + 1 tokens), ``retrieval_decode`` (the retrieval tier, one token);
+* the decode step split in two (item 2 of issue 11: decode within 1.15x of its floor): ``short_decode``, the same
+  verifier over a ``--short-context``-token cache (64), timed in the same loop, is the weights' part (every product,
+  the LM head included, plus the step's fixed costs; its attention reads 64 keys); ``full_decode - short_decode``
+  is the part that grows with the context, attention over the other keys; each against its own floor (the weights'
+  bytes, the KV cache's bytes, at ``bandwidth``);
 * the speedup over autoregressive decoding of ``retrieval:gamma2`` with tau tokens per verification,
   ``tau * t_decode / (t_pass + gamma2 * t_retrieval)``, from the measured steps and from the floors, for the tau
   given (``--tokens-per-verification``: what the bench measured) and for tau = gamma2 + 1 (every proposal
@@ -50,17 +56,21 @@ def main() -> int:
     p.add_argument("--gamma2", type=int, default=DEFAULTS["gamma2"], help="proposals per verification")
     p.add_argument("--tokens-per-verification", type=float, default=5.5,
                    help="tau, tokens emitted per verification (5.5: `triforce bench` at 8K, T = 0.6)")
+    p.add_argument("--short-context", type=int, default=64,
+                   help="tokens in the cache of short_decode, the decode step without its long attention (64)")
     add_run_options(p, None, reps=7, sampling=False)
     args = p.parse_args()
     if args.budget is None:
         lo, hi = RETRIEVAL_BUDGET_BOUNDS
         args.budget = int(min(hi, max(lo, args.context * RETRIEVAL_BUDGET_SHARE_SAMPLING)))  # as plan_hierarchy
-    for name in ("context", "budget", "gamma2", "reps", "threads"):
+    for name in ("context", "budget", "gamma2", "reps", "threads", "short_context"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 1 <= args.tokens_per_verification <= args.gamma2 + 1:
         p.error(f"--tokens-per-verification must lie in [1, gamma2 + 1 = {args.gamma2 + 1}], "
                 f"got {args.tokens_per_verification}")
+    if args.short_context >= args.context:
+        p.error(f"--short-context must be below --context ({args.context}), got {args.short_context}")
     torch.set_num_threads(args.threads)
 
     from triforce.caches import FullKVCache, kv_bytes
@@ -84,18 +94,21 @@ def main() -> int:
     fill_random_kv(full, n, 0)
     retrieval = RetrievalCache(cfg, full, args.budget, DEFAULTS["chunk_size"])
     fill_random_kv(retrieval, n, 1)
+    short = FullKVCache(cfg, n + g + 2, model.dtype, model.device)  # same capacity: only the keys read differ
+    fill_random_kv(short, args.short_context, 2)
     gen = torch.Generator().manual_seed(0)
 
-    def forward(m, cache, t: int):
+    def forward(m, cache, t: int, at: int = n):
         def run() -> None:
-            m(torch.randint(0, cfg.vocab_size, (1, t), generator=gen), torch.arange(n, n + t), cache, num_logits=t)
-            cache.rollback(n)
+            m(torch.randint(0, cfg.vocab_size, (1, t), generator=gen), torch.arange(at, at + t), cache, num_logits=t)
+            cache.rollback(at)
         return run
 
     (gemv, gemv_bytes), (gemm, gemm_flops) = gemv_probe(), gemm_probe()
     measured = _interleaved({"full_decode": forward(model, full, 1), "full_pass": forward(model, full, g + 1),
-                             "retrieval_decode": forward(codes, retrieval, 1), "gemv": gemv, "gemm": gemm},
-                            args.reps)
+                             "retrieval_decode": forward(codes, retrieval, 1),
+                             "short_decode": forward(model, short, 1, args.short_context), "gemv": gemv,
+                             "gemm": gemm}, args.reps)
     bw, peak = gemv_bytes / measured.pop("gemv"), gemm_flops / measured.pop("gemm")
 
     def step(weight_bytes: int, slots: int, rows: int) -> dict:
@@ -107,7 +120,17 @@ def main() -> int:
 
     steps = {"full_decode": step(model.step_weight_bytes(), n, 1),
              "full_pass": step(model.step_weight_bytes(), n, g + 1),
-             "retrieval_decode": step(codes.step_weight_bytes(), args.budget, 1)}
+             "retrieval_decode": step(codes.step_weight_bytes(), args.budget, 1),
+             "short_decode": step(model.step_weight_bytes(), args.short_context, 1)}
+    short_ms = 1000 * measured["short_decode"]
+    attention_ms = 1000 * (measured["full_decode"] - measured["short_decode"])
+    attention_floor = 1000 * kv_bytes(cfg, n - args.short_context, model.dtype) / bw
+    decode_split = {  # the decode step = its weights' part (short_decode) + attention over the other keys
+        "weights_part": {"measured_ms": round(short_ms, 2), "floor_ms": steps["short_decode"]["floor_ms"],
+                         "measured_over_floor": round(short_ms / steps["short_decode"]["floor_ms"], 2)},
+        "attention_part": {"keys": n - args.short_context, "measured_ms": round(attention_ms, 2),
+                           "floor_ms": round(attention_floor, 2),
+                           "measured_over_floor": round(attention_ms / attention_floor, 2)}}
     for key, seconds in measured.items():
         steps[key]["measured_ms"] = round(1000 * seconds, 2)
         steps[key]["measured_over_floor"] = round(1000 * seconds / steps[key]["floor_ms"], 2)
@@ -121,7 +144,7 @@ def main() -> int:
                     "activations)",
            "context": n, "budget": args.budget, "gamma2": g, "threads": args.threads, "reps": args.reps,
            "bandwidth_gb_per_s": round(bw / 1e9, 2), "peak_gflop_per_s": round(peak / 1e9, 1),
-           "steps": steps,
+           "steps": steps, "decode_split": decode_split,
            "pass_over_decode": {"measured": round(steps["full_pass"]["measured_ms"] / steps["full_decode"]["measured_ms"], 2),
                                 "floor": round(steps["full_pass"]["floor_ms"] / steps["full_decode"]["floor_ms"], 2)},
            "speedup_retrieval": {"measured": speedups("measured_ms"), "floor": speedups("floor_ms")}}

@@ -300,6 +300,46 @@ def test_auto_with_bypasses_equals_autoregressive_greedy(drafter):
         assert stats.auto["speculative_tokens"] + stats.auto["autoregressive_tokens"] >= len(out)
 
 
+@pytest.mark.parametrize("off, builds_per_resync", [(2, 0), (12, 1)])
+def test_retrieval_tier_catches_up_after_a_short_bypass_and_reselects_after_a_long_one(monkeypatch, off,
+                                                                                      builds_per_resync):
+    """After a bypass of at most RetrievalTier.CATCH_UP_TOKENS (8) committed tokens the retrieval tier feeds them at
+    its next step; after a longer one it re-selects its chunks. Greedy output equals autoregressive either way."""
+    from triforce.tiers import RetrievalTier
+
+    assert RetrievalTier.CATCH_UP_TOKENS == 8
+    calls = {"resyncs": 0, "builds": 0, "in_resync": False}
+    build, resync = RetrievalTier._build, RetrievalTier.resync
+
+    def counted_build(self, *a):
+        calls["builds"] += calls["in_resync"]
+        return build(self, *a)
+
+    def counted_resync(self, seq):
+        calls["resyncs"] += 1
+        calls["in_resync"] = True
+        try:
+            return resync(self, seq)
+        finally:
+            calls["in_resync"] = False
+    monkeypatch.setattr(RetrievalTier, "_build", counted_build)
+    monkeypatch.setattr(RetrievalTier, "resync", counted_resync)
+    target, _ = pair(seed=7, max_pos=1024)
+    engine = Engine(target)
+    engine.governor_factory = lambda top: ScriptedGovernor(top, on=2, off=off)
+    engine.plan_auto = lambda n, s, sp: plan_hierarchy(target.cfg, 1, torch.float32, n, None, s, gamma1=2, gamma2=4,
+                                                       chunk_size=4, max_budget=64)
+    prompt = torch.randint(3, 40, (300,), generator=torch.Generator().manual_seed(8)).tolist()
+    ref, _ = engine.generate(prompt, max_new_tokens=60, sampling=GREEDY, spec=SpeculationConfig())
+    out, stats = engine.generate(prompt, max_new_tokens=60, sampling=GREEDY, spec=SpeculationConfig(mode="auto"))
+    assert out == ref
+    assert "retrieval" in stats.auto["hierarchy"] and stats.auto["bypasses"] >= 2 and calls["resyncs"] >= 2
+    if builds_per_resync:  # every resume after 12 plain tokens re-selects (the first, after 1 plain token, need not)
+        assert calls["resyncs"] - 1 <= calls["builds"] <= calls["resyncs"]
+    else:  # after 2 plain tokens (or the start's 1) the tier feeds them: no re-selection at a resume
+        assert calls["builds"] == 0
+
+
 def test_auto_matches_exact_distribution_through_bypasses(models):  # noqa: F811
     """Drafting resumed and bypassed every few steps, at T=0.6 / top-p 0.9 / top-k 5: still the exact distribution."""
     hf, target, draft, prompt = models

@@ -91,6 +91,30 @@ def test_cost_model_prediction_is_reported(bench_result):
         assert methods[name]["predicted_speedup_vs_autoregressive"] == pred["speedup"] > 0
         assert methods[name]["measured_over_predicted"] == pytest.approx(
             methods[name]["speedup_vs_autoregressive"] / pred["speedup"], rel=1e-3)
+        assert pred["autoregressive_seconds_per_token"] > 0 and methods[name]["predicted"]["latencies"]["token_selection"] is True
+    # from the run's own steps: the retrieval method's target verifications and retrieval steps, the AR decode step
+    from triforce.lab.costmodel import predict
+
+    ar_step = methods["autoregressive"]["step_seconds"]["target"]
+    r = methods["retrieval"]
+    assert set(r["step_seconds"]) == {"target", "retrieval"} and ar_step > 0
+    lat = r["predicted_from_run"]["latencies"]
+    assert lat["full_decode"] == ar_step and lat["full_pass"] == r["step_seconds"]["target"]
+    assert lat["retrieval_decode"] == lat["retrieval_pass"] == r["step_seconds"]["retrieval"]
+    by_hand = predict([("retrieval", 4)], lat, {"target": r["acceptance"]["target"]["acceptance_rate"]},
+                      accepted_lengths={"target": r["acceptance"]["target"]["accepted_lengths"]})["speedup"]
+    assert r["predicted_from_run"]["speedup"] == pytest.approx(by_hand, rel=1e-3)
+    assert r["measured_over_predicted_from_run"] == pytest.approx(r["speedup_vs_autoregressive"] / by_hand, rel=1e-3)
+
+
+def test_step_seconds_leave_the_prompt_out():
+    from triforce.lab.bench.stats import step_seconds
+
+    reps = [{"target": {"forward_seconds": 10.0, "prefill_seconds": 8.0, "forward_passes": 12, "prefill_passes": 2},
+             "retrieval": {"forward_seconds": 1.5, "prefill_seconds": 0.5, "forward_passes": 20, "prefill_passes": 0}},
+            {"target": {"forward_seconds": 3.0, "prefill_seconds": 0.0, "forward_passes": 10, "prefill_passes": 0},
+             "ngram": {"forward_seconds": 0.0, "prefill_seconds": 0.0, "forward_passes": 0, "prefill_passes": 0}}]
+    assert step_seconds(reps) == {"target": pytest.approx(5.0 / 20), "retrieval": pytest.approx(1.0 / 20)}
 
 
 def test_png_chart(bench_result, tmp_path):

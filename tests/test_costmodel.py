@@ -251,6 +251,58 @@ def test_measure_tier_latencies_shape_and_rollback():
         measure_tier_latencies(target, None, [0])
 
 
+def test_measure_tier_latencies_times_the_lower_copy_and_token_selection(monkeypatch):
+    """``lower`` runs the retrieval steps in the same loop as the verifier's; ``sampling`` adds each step's token
+    selection (the engine's own functions, once per timed call: warm-up + reps, every model kind)."""
+    import triforce.lab.costmodel as cm
+    from triforce.quant import lower_precision_copy
+
+    target = random_model(tiny_cfg(), seed=0)
+    lower = lower_precision_copy(target, "int8")
+    calls = {"target": 0, "lower": 0, "select": 0, "rows": []}
+    for name, model in (("target", target), ("lower", lower)):
+        orig = model.forward
+
+        def counted(*a, _orig=orig, _name=name, **kw):
+            calls[_name] += 1
+            return _orig(*a, **kw)
+        monkeypatch.setattr(model, "forward", counted)
+    real_select = cm.rejection_sample
+
+    def select(d, q, p, gen, greedy=False):
+        calls["select"] += 1
+        calls["rows"].append(p.shape[1])
+        assert q.shape[1] == d.shape[1] == p.shape[1] - 1 and torch.allclose(p.sum(-1), torch.ones(p.shape[:2]))
+        return real_select(d, q, p, gen, greedy=greedy)
+    monkeypatch.setattr(cm, "rejection_sample", select)
+    row = measure_tier_latencies(target, None, [50], gamma1=2, gamma2=3, budget=32, chunk_size=4, reps=2,
+                                 lower=lower, sampling=SamplingParams(temperature=0.7, top_p=0.9))[0]
+    assert calls["target"] == 2 * 3 and calls["lower"] == 2 * 3  # full_decode/full_pass; retrieval_decode/_pass
+    assert calls["select"] == 4 * 3 and sorted(set(calls["rows"])) == [1, 3, 4]  # 1-token steps, gamma1+1, gamma2+1
+    assert row["token_selection"] is True and row["bytes"]["lower_weights"] < row["bytes"]["target_weights"]
+    plain = measure_tier_latencies(target, None, [50], gamma1=2, gamma2=3, budget=32, chunk_size=4, reps=1)[0]
+    assert plain["token_selection"] is False and plain["bytes"]["lower_weights"] == plain["bytes"]["target_weights"]
+    assert calls["select"] == 4 * 3  # no sampling: forwards only
+    # real text's distributions instead of the forward's: each step takes the next rows of selection_logits, cycling
+    text = cm.text_logits(target, list(range(3, 10)))  # (7, V)
+    assert text.shape == (7, 64) and torch.allclose(text[-1], cm.text_logits(target, list(range(3, 10)))[-1])
+    seen = []
+    real_l2p = cm.logits_to_probs
+    monkeypatch.setattr(cm, "logits_to_probs", lambda x, sp: seen.append(x.clone()) or real_l2p(x, sp))
+    measure_tier_latencies(target, None, [50], gamma1=2, gamma2=3, budget=32, chunk_size=4, reps=1,
+                           sampling=SamplingParams(temperature=0.7, top_p=0.9), selection_logits=text)
+    fed = torch.cat(seen)  # every row the selection saw, in order: text's rows 0..6, 0..6, ...
+    assert torch.equal(fed, text[torch.arange(fed.shape[0]) % 7])
+    with pytest.raises(ValueError, match="selection_logits must be a \\(rows, 64\\) tensor"):
+        measure_tier_latencies(target, None, [50], budget=32, chunk_size=4, selection_logits=torch.zeros(3, 10))
+    with pytest.raises(ValueError, match="ids must be a non-empty list of token ids in \\[0, 64\\)"):
+        cm.text_logits(target, [1, 64])
+    with pytest.raises(ValueError, match="lower must be .* the target's config"):
+        measure_tier_latencies(target, None, [50], budget=32, chunk_size=4, lower=random_model(tiny_cfg(hidden_size=16)))
+    with pytest.raises(ValueError, match="sampling must be a SamplingParams"):
+        measure_tier_latencies(target, None, [50], budget=32, chunk_size=4, sampling=0.7)
+
+
 def test_observed_run_lengths_replace_the_independent_model():
     """Acceptance in runs: with the same rate, the observed run lengths give the tokens per verification exactly."""
     from triforce.lab.costmodel import accepted_length_distribution, predict

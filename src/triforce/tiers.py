@@ -55,7 +55,8 @@ class TierStats:
         forward_passes: model forwards (prefill chunks included).
         forward_seconds: wall time inside those forwards, seconds (under a batch scheduler: of the batched forwards
             that ran them, each whole, without the time spent waiting for the batch).
-        prefill_seconds: part of ``forward_seconds`` spent on the prompt.
+        prefill_seconds: part of ``forward_seconds`` spent on the prompt (the retrieval tier: its first selection).
+        prefill_passes: part of ``forward_passes`` that fed the prompt.
         verifications: steps that verified a drafter's block (0 for a tier without drafter).
         proposed: drafter tokens this tier verified.
         accepted: of those, accepted (recovered and bonus tokens not counted; none past an EOS).
@@ -71,6 +72,7 @@ class TierStats:
     forward_passes: int = 0
     forward_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    prefill_passes: int = 0
     verifications: int = 0
     proposed: int = 0
     accepted: int = 0
@@ -109,6 +111,7 @@ class TierStats:
             "forward_passes": self.forward_passes,
             "forward_seconds": round(self.forward_seconds, 6),
             "prefill_seconds": round(self.prefill_seconds, 6),
+            "prefill_passes": self.prefill_passes,
         }
         if self.verifications:
             d.update(
@@ -222,13 +225,14 @@ class ModelTier:
 
     def _prefill_tokens(self, tokens: list[int], progress: Callable[[int], None] | None) -> torch.Tensor | None:
         logits = None
-        t0 = self.stats.forward_seconds
+        t0, p0 = self.stats.forward_seconds, self.stats.forward_passes
         for i in range(0, len(tokens), self.prefill_chunk):
             chunk = tokens[i:i + self.prefill_chunk]
             logits = self._forward(chunk, 1)
             if progress is not None:
                 progress(len(chunk))
         self.stats.prefill_seconds += self.stats.forward_seconds - t0
+        self.stats.prefill_passes += self.stats.forward_passes - p0
         return None if logits is None else logits[-1]
 
     def prefill(self, prompt: list[int], progress: Callable[[int], None] | None = None) -> None:
@@ -389,6 +393,12 @@ class RetrievalTier(ModelTier):
 
     cache: RetrievalCache
     ACCEPTANCE_WINDOW = 16
+    #: after a bypass of at most this many committed tokens the tier catches up by feeding them (its next step is a
+    #: pass over them) instead of re-selecting its chunks: at 8K tokens on this project's CPU a re-selection took
+    #: 73.6 ms, a pass of SmolLM2's retrieval tier (its codes, 1,000 slots) 8.8 ms over 1 token, 18.3 over 5, 28.3
+    #: over 9 and 75.1 over 17 (``bench/resync.py``, ``bench/results/cost_model_2026-12-04/resync.json``). ``auto`` starts every request with 4 plain tokens, after which this re-selected
+    #: chunks chosen 4 tokens before; a real bypass lasts 16 tokens or more.
+    CATCH_UP_TOKENS = 8
 
     def __init__(self, *args, full: FullKVCache, lookahead: int, rebuild_every: int | None = None,
                  rebuild_below: float | None = None, **kwargs) -> None:
@@ -403,7 +413,9 @@ class RetrievalTier(ModelTier):
 
     def prefill(self, prompt: list[int], progress: Callable[[int], None] | None = None) -> None:
         """Select chunks among positions [0, P-1) with the last prompt token's query (position P-1)."""
+        t0 = self.stats.forward_seconds
         self._build(prompt[:-1], len(prompt) - 1)
+        self.stats.prefill_seconds += self.stats.forward_seconds - t0
         if self.drafter is not None:
             self.drafter.prefill(prompt, progress)
 
@@ -457,8 +469,15 @@ class RetrievalTier(ModelTier):
         super().commit(seq)
 
     def resync(self, seq: list[int]) -> None:
-        """After a bypass: re-select the chunks as a rebuild at commit does (the verifier's newest query)."""
-        self._build(seq, self.full.length - 1)
+        """After a bypass: re-select the chunks as a rebuild at commit does (the verifier's newest query), unless at
+        most :attr:`CATCH_UP_TOKENS` tokens were committed meanwhile and the cache has room for them: then the tier
+        feeds them at its next step, and the next commit replaces their KV with the verifier's exact KV, as for any
+        token it generates. Either way only the proposals change, never the output (the verifier decides)."""
+        behind = len(seq) - 1 - len(self.cached)  # committed tokens the tier has not fed (the newest is pending)
+        room = self.cache.generation_capacity - (self.full.length - self.cache.build_len)
+        if behind > self.CATCH_UP_TOKENS or room < self.lookahead + 1 or \
+                (self.rebuild_every and self.full.length - self.cache.build_len >= self.rebuild_every):
+            self._build(seq, self.full.length - 1)
         super().resync(seq)
 
 
@@ -493,9 +512,10 @@ class StreamingTier(ModelTier):
     def prefill(self, prompt: list[int], progress: Callable[[int], None] | None = None) -> None:
         self.truncate(0)
         self.cache.floor = 0
-        t0 = time.perf_counter()
+        t0, p0 = time.perf_counter(), self.stats.forward_passes
         self.stats.extra["prefill_tokens"] = self._feed(prompt[:-1])
         self.stats.prefill_seconds += time.perf_counter() - t0
+        self.stats.prefill_passes += self.stats.forward_passes - p0
         if self.drafter is not None:
             self.drafter.prefill(prompt, progress)
 

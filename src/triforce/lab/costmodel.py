@@ -28,6 +28,8 @@ from ..retrieval import RetrievalCache
 from ..defaults import DEFAULTS
 from ..model import Transformer
 from ..ngram import NGramDrafter
+from ..sampling import SamplingParams, logits_to_probs
+from ..speculative import rejection_sample
 from .synthetic import fill_random_kv
 
 #: what :func:`measure_tier_latencies` times, in seconds (medians); see its docstring.
@@ -79,14 +81,28 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
                            budget: int = DEFAULTS["budget"], chunk_size: int = DEFAULTS["chunk_size"],
                            draft_sink: int = DEFAULTS["draft_sink"], draft_window: int = DEFAULTS["draft_window"],
                            reps: int = 5, progress: Callable[[int], None] | None = None,
-                           seed: int = 0) -> list[dict]:
-    """Median latency of each tier's forward at each context length, caches filled with random KV (no prefill).
+                           seed: int = 0, lower: Transformer | None = None,
+                           sampling: SamplingParams | None = None,
+                           selection_logits: torch.Tensor | None = None) -> list[dict]:
+    """Median latency of each tier's step at each context length, caches filled with random KV (no prefill).
 
     For each context n the caches are allocated, filled by :func:`~triforce.lab.synthetic.fill_random_kv` to
     represent positions [0, n), and each forward below runs at positions n, n+1, ... over random token ids, then
     the cache is rolled back to n (``cache.rollback``), so every repetition sees the same context. The forwards are
     interleaved: each repetition runs every kind once, in an order rotated from one repetition to the next, after
-    one untimed warm-up of each, so background load affects all kinds alike. Medians over ``reps``.
+    one untimed warm-up of each, so background load affects all kinds alike (the lower tiers' copy of the weights,
+    ``lower``, is timed in the same loop, not in a second call: on a machine that runs in slow and fast phases, a
+    verifier timed in one phase and its retrieval tier in another predicted 1.03x and 1.24x for the same hierarchy
+    and book, bench/results/speed_break_even_2026-12-04). Medians over ``reps``.
+
+    With ``sampling``, each timed call is a step as ``tiers.py`` runs it: the forward, then the token selection on
+    its logits (:func:`~triforce.sampling.logits_to_probs` over every row and
+    :func:`~triforce.speculative.rejection_sample` of the ``t - 1`` drafts a ``t``-token pass verifies; a 1-token
+    step draws its token the same way with no drafts). Over SmolLM2's 49,152-token vocabulary that is about a
+    millisecond per 1-token step on this project's CPU, a few percent of a step that the forward alone leaves out.
+    Its cost depends on the distributions: random tokens over random KV give flat ones, whose nucleus is not among
+    the 128 most likely tokens, so top-p sorts the whole vocabulary (4-5 ms a row here); on real text the nucleus
+    held 8 tokens on average. ``selection_logits`` (:func:`text_logits` of the prompt) gives real ones.
 
     What is timed (seconds per call; the block sizes are the ones ``tiers.py`` feeds in steady state):
 
@@ -123,12 +139,19 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
         reps: timed repetitions per kind and context (>= 1).
         progress: called with 1 after each timed forward (e.g. ``tqdm.update``), or None.
         seed: seed of the random KV, queries and tokens.
+        lower: the copy of the target the tiers below the verifier run (``Engine.lower_model``: int8, int4 or block
+            codes with int8 activations), timed for ``retrieval_decode`` and ``retrieval_pass``; None: the target.
+            It must share the target's config (its retrieval cache is built from the target's full cache).
+        sampling: time each step's token selection with these parameters too (see above); None: forwards only.
+        selection_logits: (R, V) fp32 logits the token selection works on instead of the forward's own (a step of
+            t tokens takes the next t rows, cycling), e.g. :func:`text_logits`; None: the forward's.
 
     Returns:
         One dict per context: ``context``, the :data:`LATENCY_KEYS` (median seconds, None where not measured),
         ``spread`` (``[min, max]`` seconds per key), ``blocks`` (tokens per timed forward), ``reps``,
-        ``beyond_model_context`` (bool), and ``bytes`` read per forward by tier: ``target_weights``,
-        ``full_kv`` (n positions), ``retrieval_kv`` (budget slots), ``draft_weights``, ``draft_kv``.
+        ``beyond_model_context`` (bool), ``token_selection`` (whether the steps include it: ``sampling`` given),
+        and ``bytes`` read per forward by tier: ``target_weights``, ``lower_weights`` (``lower``'s, or the
+        target's), ``full_kv`` (n positions), ``retrieval_kv`` (budget slots), ``draft_weights``, ``draft_kv``.
 
     Raises:
         ValueError: a parameter out of range (named in the message), raised before any allocation.
@@ -151,12 +174,25 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
                                  ("draft_sink", draft_sink, 0), ("draft_window", draft_window, 1), ("reps", reps, 1)):
         _check_int(name, value, minimum)
     _check_int("budget", budget, chunk_size + max(gamma1, gamma2) + 2)
+    if lower is not None and (not isinstance(lower, Transformer) or lower.cfg != target.cfg):
+        raise ValueError("lower must be a triforce Transformer with the target's config (a copy of its weights, "
+                         f"Engine.lower_model), got {type(lower).__name__}")
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+    if selection_logits is not None and (not isinstance(selection_logits, torch.Tensor) or selection_logits.dim() != 2
+                                         or selection_logits.shape[-1] != target.cfg.vocab_size):
+        raise ValueError(f"selection_logits must be a (rows, {target.cfg.vocab_size}) tensor of logits, got "
+                         f"{getattr(selection_logits, 'shape', type(selection_logits).__name__)}")
     if draft is not None and draft.cfg.vocab_size > target.cfg.vocab_size:
         raise ValueError(f"draft vocabulary ({draft.cfg.vocab_size}) is larger than the target's "
                          f"({target.cfg.vocab_size}); the draft must share the target's tokenizer")
 
     cfg, dev = target.cfg, target.device
     rng = random.Random(seed)
+    generator = torch.Generator(device=dev).manual_seed(seed)
+    next_row = [0]
+    if selection_logits is not None:
+        selection_logits = selection_logits.to(device=dev, dtype=torch.float32)
     results = []
     for n in contexts:
         capacity = n + max(gamma1, gamma2) + 2
@@ -179,15 +215,22 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
         def forward(model: Transformer, cache, t: int) -> Callable[[], None]:
             def run() -> None:
                 tok, pos = ids(t, model.cfg.vocab_size)
-                model(tok, pos, cache, num_logits=t)
+                logits = model(tok, pos, cache, num_logits=t)[0]  # (t, V)
+                if sampling is not None:
+                    if selection_logits is not None:  # the next t rows of real text's logits, cycling
+                        rows = torch.arange(next_row[0], next_row[0] + t) % selection_logits.shape[0]
+                        next_row[0] += t
+                        logits = selection_logits[rows][:, :model.cfg.vocab_size]
+                    _select_tokens(logits, sampling, generator)
                 cache.rollback(n)
             return run
 
+        low = lower if lower is not None else target
         kinds: dict[str, Callable[[], None]] = {
             "full_decode": forward(target, full, 1),
             "full_pass": forward(target, full, gamma2 + 1),
-            "retrieval_decode": forward(target, retrieval, 1),
-            "retrieval_pass": forward(target, retrieval, gamma1 + 1),
+            "retrieval_decode": forward(low, retrieval, 1),
+            "retrieval_pass": forward(low, retrieval, gamma1 + 1),
         }
         if draft is not None:
             kinds["draft_step"] = forward(draft, stream, 1)
@@ -217,8 +260,10 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
                          "ngram_propose": gamma2}
         row["reps"] = reps
         row["beyond_model_context"] = capacity > cfg.max_position_embeddings
+        row["token_selection"] = sampling is not None
         row["bytes"] = {
             "target_weights": target.weight_bytes(),
+            "lower_weights": low.weight_bytes(),
             "full_kv": kv_bytes(cfg, n, target.dtype),
             "retrieval_kv": kv_bytes(cfg, budget, target.dtype),
             "draft_weights": draft.weight_bytes() if draft is not None else 0,
@@ -228,6 +273,32 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
         del full, retrieval, stream, kinds
         gc.collect()
     return results
+
+
+def text_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
+    """The model's logits (len(ids), V) fp32 at every position of ``ids``, from one forward over a fresh cache: the
+    distributions of real text, for :func:`measure_tier_latencies`' ``selection_logits``.
+
+    Raises:
+        ValueError: ``ids`` empty, or not token ids of the model's vocabulary.
+    """
+    if not ids or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < model.cfg.vocab_size for i in ids):
+        raise ValueError(f"ids must be a non-empty list of token ids in [0, {model.cfg.vocab_size})")
+    model.set_request_length(len(ids))
+    cache = FullKVCache(model.cfg, len(ids), model.dtype, model.device)
+    tok = torch.tensor([ids], dtype=torch.long, device=model.device)
+    with torch.no_grad():
+        return model(tok, torch.arange(len(ids), device=model.device), cache, num_logits=len(ids))[0].float()
+
+
+def _select_tokens(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> None:
+    """What ``ModelTier.step`` does with a step's logits (t, V): the distributions of every row, then the verification
+    of t - 1 drafts (here the argmax of the first t - 1 rows, drafted from those rows' own distributions: every
+    draft accepted, the bonus drawn) or, for t = 1, the draw of the step's one token."""
+    p = logits_to_probs(logits, sampling)  # (t, V) fp32
+    k = p.shape[0] - 1
+    drafts = p[:k].argmax(-1)[None]  # (1, k)
+    rejection_sample(drafts, p[None, :k], p[None], generator, greedy=sampling.greedy)
 
 
 def _ngram_call(vocab: int, n: int, gamma: int, rng: random.Random, device) -> Callable[[], None]:

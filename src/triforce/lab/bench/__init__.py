@@ -45,7 +45,10 @@ How it measures (the definitions are also written into the JSON, field ``definit
   is flagged in the JSON (``greedy.same_tokens`` false, ``greedy_mismatches``) and by a warning line on stderr.
 * When ``triforce.lab.costmodel`` is importable, each of our speculative methods also reports the cost model's
   predicted speedup (tier latencies measured in that method's worker at the bench's context length, acceptance
-  from the run) next to the measured one (issue 4, item 2).
+  from the run) next to the measured one (issue 4, item 2); the tier latencies time each step as the engine runs it
+  (the forward, then the token selection on real text's logits) in one interleaved loop. A second prediction,
+  ``predicted_from_run``, takes the steps' own times in the run instead (``step_seconds``, forwards while
+  generating), which tests the model of acceptance apart from the machine's changes of speed between two moments.
 
 Bad options exit with status 2 and one line naming the option, before any model is loaded.
 

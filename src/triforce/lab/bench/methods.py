@@ -32,6 +32,8 @@ OUR_SPECULATIVE = ("draft", "self", "retrieval", "triforce", "retrieval-int8", "
 SYNTHETIC_METHODS = ("hf-ar", "autoregressive", "draft", "retrieval", "triforce")
 SYNTHETIC_DRAFT = "llama-68m"  # the paper's draft shape (TriForce Sec. 5.1), used by --synthetic without --draft ngram
 WARMUP_PROMPT_TOKENS, WARMUP_NEW_TOKENS = 16, 2
+#: prompt tokens whose logits the cost model's token selection is timed on (costmodel.text_logits)
+PREDICT_TEXT_TOKENS = 64
 PAUSE_BETWEEN_RUNS_S = 0.3  # lets the previous worker's OpenMP threads stop spinning before the next one starts
 
 DEFINITIONS = {
@@ -51,6 +53,12 @@ DEFINITIONS = {
     "acceptance": "per verifying tier of our engine, summed over the timed repetitions: accepted / proposed, and "
                   "tokens emitted per verification (recovered or bonus token included)",
     "eos": "ignored by every method: each generates exactly new_tokens tokens",
+    "step_seconds": "per tier of our engine, over the timed repetitions: (forward_seconds - prefill_seconds) / "
+                    "(forward_passes - prefill_passes), the seconds per forward while generating",
+    "predicted": "the cost model (triforce.lab.costmodel.predict) with tier latencies timed in the method's worker "
+                 "after the runs (forward and token selection, one interleaved loop) and the run's acceptance",
+    "predicted_from_run": "the same model with the run's own step_seconds (and our autoregressive method's) as the "
+                          "latencies",
 }
 
 

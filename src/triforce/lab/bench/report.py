@@ -27,7 +27,9 @@ def format_table(result: dict) -> str:
         if r.get("predicted_speedup_vs_autoregressive"):
             sp = r.get("speedup_vs_autoregressive")
             acc += (f"; measured {sp:.2f}x vs ar" if sp else "") + \
-                f" (cost-model prediction {r['predicted_speedup_vs_autoregressive']:.2f}x)"
+                f" (cost-model prediction {r['predicted_speedup_vs_autoregressive']:.2f}x"
+            run = (r.get("predicted_from_run") or {}).get("speedup")
+            acc += f", {run:.2f}x from the run's steps)" if run else ")"
         if r.get("greedy") and not r["greedy"]["same_tokens"]:
             acc += f"; GREEDY TOKENS DIFFER from {result['greedy']['reference']} at {r['greedy']['first_difference']}"
         mem = r.get("peak_memory_bytes")

@@ -85,6 +85,42 @@ def _machine() -> dict:
     return info
 
 
+#: the tiers' steps in the run (``step_seconds``) -> the cost model's latency keys they stand for
+_RUN_STEP_KEYS = {"target": ("full_pass",), "retrieval": ("retrieval_decode", "retrieval_pass"),
+                  "draft": ("draft_step", "draft_pass"), "self": ("draft_step", "draft_pass")}
+
+
+def _predict_from_run(results: dict, ok: list[str], cm) -> None:
+    """The cost model with the run's own steps: each speculative method's ``predicted_from_run`` speedup (and
+    ``measured_over_predicted_from_run``) from :func:`~triforce.lab.costmodel.predict` with the observed acceptance
+    run lengths and, as latencies, the seconds per forward its tiers took while generating (``step_seconds``: the
+    target's verifications, the lower tiers' steps, re-selections included) and the autoregressive method's decode
+    step. The microbenchmark's prediction (``predicted``) times the steps at another moment, which on a machine that
+    runs in slow and fast phases moves it by more than the model's own error; this one tests the model (how
+    acceptance and step costs make a speedup) on the same steps as the measurement. Forwards only: the token
+    selection between them is left out on both sides."""
+    ar = results.get("autoregressive", {}).get("step_seconds", {}).get("target") if "autoregressive" in ok else None
+    if cm is None or not ar:
+        return
+    for m in ok:
+        r = results[m]
+        if m not in OUR_SPECULATIVE or not r.get("acceptance") or not r.get("step_seconds"):
+            continue
+        lat = {"full_decode": ar, "ngram_propose": 0.0}
+        for tier, seconds in r["step_seconds"].items():
+            lat.update({key: seconds for key in _RUN_STEP_KEYS.get(tier, ())})
+        rates = {name: t["acceptance_rate"] for name, t in r["acceptance"].items() if t.get("acceptance_rate") is not None}
+        lengths = {name: t["accepted_lengths"] for name, t in r["acceptance"].items() if t.get("accepted_lengths")}
+        try:
+            pred = cm.predict([tuple(e) for e in r["chain"]], lat, rates, accepted_lengths=lengths)
+        except ValueError as e:
+            r["predicted_from_run"] = {"status": "failed", "reason": str(e)}
+            continue
+        r["predicted_from_run"] = {"latencies": lat, "speedup": round(pred["speedup"], 4)}
+        if r.get("speedup_vs_autoregressive"):
+            r["measured_over_predicted_from_run"] = round(r["speedup_vs_autoregressive"] / pred["speedup"], 4)
+
+
 def run_bench(args: argparse.Namespace) -> dict:
     """Run the benchmark described by validated ``args``; returns the JSON-ready result.
 
@@ -183,6 +219,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         shutil.rmtree(log_dir, ignore_errors=True)  # failures quote the log's tail in the JSON already
     ok = [m for m in METHODS if results.get(m, {}).get("status") == "ok"]
     _speedups(results, ok)
+    _predict_from_run(results, ok, _costmodel_module())
     for m in ok:
         pred = results[m].get("predicted", {}).get("prediction") if isinstance(results[m].get("predicted"), dict) else None
         if pred:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .methods import SYNTHETIC_DRAFT, _costmodel_module, _gguf_for, _synthetic_module
+from .methods import PREDICT_TEXT_TOKENS, SYNTHETIC_DRAFT, _costmodel_module, _gguf_for, _synthetic_module
 
 
 def _hf_source(model: str | None) -> tuple[str, dict]:
@@ -108,6 +108,7 @@ class _OursRunner:
             mode, drafter = "draft", "self"
         elif method == "auto" and drafter == "ngram" and draft_src is None:
             drafter = "model"  # auto's own choice of bottom tier, as `triforce generate` without --draft
+        self._prompt_tail: list[int] = []  # the last run's prompt end: real text's logits for the cost model
         self.spec = SpeculationConfig(mode=mode, drafter=drafter, budget=cfg["budget"], chunk_size=cfg["chunk_size"],
                                       gamma1=cfg["gamma1"], gamma2=cfg["gamma2"], **lower)
 
@@ -139,6 +140,7 @@ class _OursRunner:
     def run(self, ids: list[int], new_tokens: int, seed: int) -> dict:
         if self.synthetic:
             self._fill_prefix(ids, new_tokens)
+        self._prompt_tail = list(ids[-PREDICT_TEXT_TOKENS:])
         t0 = time.perf_counter()
         gen = self.engine.stream(ids, max_new_tokens=new_tokens, sampling=self.sampling, spec=self.spec, seed=seed)
         tokens, times = [], []
@@ -155,18 +157,17 @@ class _OursRunner:
         draft = self.draft
         if any(k == "self" for k, _ in s.chain):  # the self tier is timed as a draft model: the target's copy
             draft = self.engine.lower_model(self.target, s.self_weights)
-        lat = cm.measure_tier_latencies(self.target, draft, [context], gamma1=s.gamma1, gamma2=s.gamma2,
-                                        budget=s.budget, chunk_size=s.chunk_size, draft_sink=s.draft_sink,
-                                        draft_window=s.draft_window, reps=reps, progress=None)
-        latencies = lat[0]
-        if s.lower_weights:  # the tiers below the verifier run the cheaper copies: time those
-            lower = self.engine.lower_model(self.target, s.lower_weights)
-            low = cm.measure_tier_latencies(lower, draft, [context], gamma1=s.gamma1, gamma2=s.gamma2,
-                                            budget=s.budget, chunk_size=s.chunk_size, draft_sink=s.draft_sink,
-                                            draft_window=s.draft_window, reps=reps, progress=None)[0]
-            for key in ("retrieval_decode", "retrieval_pass", "draft_step", "draft_pass"):
-                if key in low:
-                    latencies[key] = low[key]
+        # one interleaved loop: the verifier's steps and the lower tiers' (their copy of the weights), each with its
+        # token selection under this method's sampling, as the engine runs them
+        lower = self.engine.lower_model(self.target, s.lower_weights) if s.lower_weights else None
+        # the token selection works on real text's distributions: the last prompt tokens' (random KV gives flat ones)
+        real = None
+        if not self.synthetic and self._prompt_tail and not self.sampling.greedy:
+            real = cm.text_logits(self.target, self._prompt_tail)
+        latencies = cm.measure_tier_latencies(self.target, draft, [context], gamma1=s.gamma1, gamma2=s.gamma2,
+                                              budget=s.budget, chunk_size=s.chunk_size, draft_sink=s.draft_sink,
+                                              draft_window=s.draft_window, reps=reps, progress=None, lower=lower,
+                                              sampling=self.sampling, selection_logits=real)[0]
         rates = {name: t["acceptance_rate"] for name, t in acceptance.items() if t.get("acceptance_rate") is not None}
         lengths = {name: t["accepted_lengths"] for name, t in acceptance.items() if t.get("accepted_lengths")}
         pred = cm.predict(s.chain, latencies, rates, accepted_lengths=lengths)

@@ -102,6 +102,23 @@ def aggregate_tiers(per_rep: list[dict]) -> dict[str, dict]:
 
 
 
+def step_seconds(per_rep: list[dict]) -> dict[str, float]:
+    """Seconds per forward of each tier while generating, over every repetition (``GenerationStats.tiers`` dicts):
+    ``(forward_seconds - prefill_seconds) / (forward_passes - prefill_passes)``, so a retrieval tier's re-selections
+    count in its steps' time. The steps as this run ran them, for the cost model's prediction from the run itself.
+
+    Returns:
+        tier -> seconds (tiers without a forward while generating left out).
+    """
+    seconds: dict[str, float] = {}
+    passes: dict[str, int] = {}
+    for tiers in per_rep:
+        for name, t in tiers.items():
+            seconds[name] = seconds.get(name, 0.0) + t.get("forward_seconds", 0.0) - t.get("prefill_seconds", 0.0)
+            passes[name] = passes.get(name, 0) + t.get("forward_passes", 0) - t.get("prefill_passes", 0)
+    return {name: round(seconds[name] / passes[name], 6) for name in seconds if passes[name] > 0}
+
+
 def _summarize(res: dict, runs: list[dict]) -> None:
     """Fill one method's result from its timed runs (metrics, spread, tokens, acceptance)."""
     per = [rep_metrics(r["times"]) for r in runs]
@@ -113,6 +130,7 @@ def _summarize(res: dict, runs: list[dict]) -> None:
     stats = [r["stats"] for r in runs if r.get("stats")]
     if stats:
         res["acceptance"] = aggregate_tiers([s["tiers"] for s in stats]) or None
+        res["step_seconds"] = step_seconds([s["tiers"] for s in stats])
         res["engine_prefill_seconds"] = [s["prefill_seconds"] for s in stats]
         res["engine_mean_time_between_tokens_ms"] = [s["mean_time_between_tokens_ms"] for s in stats]
         autos = [s["auto"] for s in stats if s.get("auto")]
