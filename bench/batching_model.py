@@ -1,4 +1,4 @@
-"""The batched cost model (``triforce.lab.costmodel.predict_batch``, MagicDec's roofline analysis): the predicted
+"""The batched cost model (``triforce.lab.batchcost.predict_batch``, MagicDec's roofline analysis): the predicted
 speedup of a sparse-KV self-drafting tier (TriForce's retrieval tier) over batched autoregressive decoding, by batch
 size and context length.
 
@@ -30,7 +30,7 @@ def main() -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 32, 128])
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    from triforce.lab.costmodel import predict_batch
+    from triforce.lab.batchcost import predict_batch
 
     machines = {
         "cpu_smollm2": (dict(weight_bytes=540e6, draft_weight_bytes=135e6, kv_bytes_per_slot=2 * 30 * 3 * 64 * 4,

@@ -340,7 +340,7 @@ def test_batched_cost_model_follows_the_roofline_and_magicdecs_trend():
     """predict_batch (MagicDec, arXiv 2408.11049): at batch 1 with memory-bound steps it is Leviathan et al.'s
     improvement factor E / (gamma c + 1); at long context the speedup grows with the batch; fully compute-bound,
     speculation cannot pay (E / (2 gamma + 1))."""
-    from triforce.lab.costmodel import batch_step_seconds, predict_batch
+    from triforce.lab.batchcost import batch_step_seconds, predict_batch
 
     # Llama-2-7B in bf16 on an A100: 13.5 GB of weights, 0.5 MB of KV per position, 13.4 GFLOP per token
     hw = dict(weight_bytes=13.5e9, kv_bytes_per_slot=2 * 32 * 32 * 128 * 2, flops_per_row=2 * 6.7e9,

@@ -16,7 +16,7 @@ from test_server import stop_server
 from triforce import SamplingParams, SpeculationConfig, TriForce
 from triforce.cli import LineProgress, main
 from triforce.prompts import strip_gutenberg
-from triforce.tiers import TierStats
+from triforce.tierstats import TierStats
 
 GREEDY = SamplingParams(temperature=0)
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .tiers import TierStats
+from .tierstats import TierStats
 
 
 class NGramDrafter:

@@ -157,8 +157,11 @@ class _OursRunner:
         draft = self.draft
         if any(k == "self" for k, _ in s.chain):  # the self tier is timed as a draft model: the target's copy
             draft = self.engine.lower_model(self.target, s.self_weights)
+        elif draft is not None and s.lower_weights:  # the draft tier runs the draft's lower copy (Engine)
+            draft = self.engine.lower_model(draft, s.lower_weights)
         # one interleaved loop: the verifier's steps and the lower tiers' (their copy of the weights), each with its
-        # token selection under this method's sampling, as the engine runs them
+        # token selection under this method's sampling, as the engine runs them (the lower tiers' caches in the
+        # model's dtype: a lower_kv_dtype is not applied here)
         lower = self.engine.lower_model(self.target, s.lower_weights) if s.lower_weights else None
         # the token selection works on real text's distributions: the last prompt tokens' (random KV gives flat ones)
         real = None
