@@ -98,11 +98,11 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
     With ``sampling``, each timed call is a step as ``tiers.py`` runs it: the forward, then the token selection on
     its logits (:func:`~triforce.sampling.logits_to_probs` over every row and
     :func:`~triforce.speculative.rejection_sample` of the ``t - 1`` drafts a ``t``-token pass verifies; a 1-token
-    step draws its token the same way with no drafts). Over SmolLM2's 49,152-token vocabulary that is about a
-    millisecond per 1-token step on this project's CPU, a few percent of a step that the forward alone leaves out.
-    Its cost depends on the distributions: random tokens over random KV give flat ones, whose nucleus is not among
-    the 128 most likely tokens, so top-p sorts the whole vocabulary (4-5 ms a row here); on real text the nucleus
-    held 8 tokens on average. ``selection_logits`` (:func:`text_logits` of the prompt) gives real ones.
+    step draws its token the same way with no drafts): work over the whole vocabulary (49,152 tokens for SmolLM2)
+    that the forward alone leaves out. Its cost depends on the distributions: random tokens over random KV give
+    flat ones, whose nucleus is not among the 128 most likely tokens, so top-p sorts the whole vocabulary (the slow
+    path ``bench/nucleus.py`` times); real text's nuclei are small. ``selection_logits`` (:func:`text_logits` of the
+    prompt) gives real ones.
 
     What is timed (seconds per call; the block sizes are the ones ``tiers.py`` feeds in steady state):
 
