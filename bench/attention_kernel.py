@@ -11,7 +11,7 @@ Three measurements, in one process, repetitions interleaved (kernel and SDPA alt
   attention does ``4 * g * T * hs`` FLOP per key (``attention[].gflop``), compute-bound past about 10 flop per byte.
 * ``attention``: 30 layers of GQA attention over random fp32 keys and values, SmolLM2's shape (9 query heads over
   3 KV heads, head_dim 64) and Qwen2.5-1.5B's (12 over 2, 128; 28 layers), for 1 query token (a decode step) and 7
-  (a verification block of gamma2 = 6 drafts), with SDPA as ``caches.gqa_attention`` calls it and with the kernel.
+  (a verification block of gamma2 = 6 drafts), with SDPA as ``sdpa.gqa_attention`` calls it and with the kernel.
 * ``forward``: the embedded SmolLM2 (fp32, oneDNN-packed weights) over a FullKVCache of random KV: 1 token (an
   autoregressive decode step) and 7 tokens (``full_pass``), the cache attending with SDPA or with the kernel
   (``FullKVCache.kernel_max_block``).
@@ -46,7 +46,8 @@ def _with_library(lib, fn):
 
 def attention_rows(shape: tuple[int, int, int, int], context: int, t: int, reps: int, bw: float,
                    baseline=None) -> dict:
-    from triforce.caches import _causal_offset_mask, gqa_attention
+    from triforce.caches import _causal_offset_mask
+    from triforce.sdpa import gqa_attention
     from triforce.kernels import gqa_attention_kernel
 
     layers, nh, nkv, hs = shape

@@ -6,7 +6,7 @@ A decode step attends 1 query per head over the cache; a verification of gamma2 
 queries (SmolLM2: 9 query heads over 3 KV heads) the g * T query rows of a KV head share its keys, so a 7-token pass
 multiplies 21 rows by each KV head's keys: 10.5 flop per byte of fp32 keys, past this CPU's memory/compute balance,
 so the pass is compute-bound where the decode step is memory-bound. Times all 30 layers' attention (random keys and
-values, positions 0..context, causal within the block) with PyTorch's SDPA as ``caches.gqa_attention`` calls it,
+values, positions 0..context, causal within the block) with PyTorch's SDPA as ``sdpa.gqa_attention`` calls it,
 medians of interleaved repetitions; reports ms and the bytes/s of reading K and V once.
 """
 
@@ -32,7 +32,7 @@ def main() -> int:
     p.add_argument("--out")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from triforce.caches import gqa_attention
+    from triforce.sdpa import gqa_attention
 
     layers, nkv, nh, hs, s = 30, 3, 9, 64, args.context  # SmolLM2-135M
     t_max = max(args.rows)

@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from triforce import kernels
-from triforce.caches import FullKVCache, _causal_offset_mask, gqa_attention
+from triforce import kernels, sdpa
+from triforce.caches import FullKVCache, _causal_offset_mask
+from triforce.sdpa import gqa_attention
 from triforce.config import ModelConfig
 
 from tiny import hf_config
@@ -304,3 +305,64 @@ def test_rope_kernel_equals_pytorchs_rotation_bitwise():
     assert torch.equal(kernels.rope(q, cos, sin), expected)
     assert kernels.rope(q, cos[:6], sin[:6]) is None  # positions differ from T
     assert kernels.rope(torch.randn(1, 2, 3, 5), torch.randn(3, 5), torch.randn(3, 5)) is None  # odd head size
+
+
+@pytest.fixture
+def lower_right_on_cpu(monkeypatch):
+    """lower_right_attention's code on this CPU in fp32 (it applies to CUDA in half precision only)."""
+    monkeypatch.setattr(sdpa, "LOWER_RIGHT_DEVICES", ("cpu",))
+    monkeypatch.setattr(sdpa, "LOWER_RIGHT_DTYPES", (torch.float32,))
+
+
+@pytest.mark.parametrize("start, t", [(0, 5), (30, 7), (10, 2)])
+def test_lower_right_bias_equals_the_full_caches_block_mask(lower_right_on_cpu, start, t):
+    """SDPA with PyTorch's lower-right causal bias sees what the full cache's boolean block mask lets through."""
+    g = torch.Generator().manual_seed(start + t)
+    n = start + t
+    q, k, v = torch.randn(1, 4, t, 16, generator=g), torch.randn(1, 4, n + 3, 16, generator=g), torch.randn(1, 4, n + 3, 16, generator=g)
+    out = sdpa.lower_right_attention(q, k, v, n)
+    expected = gqa_attention(q, k[:, :, :n], v[:, :, :n], _causal_offset_mask(start, t, n, torch.device("cpu")))
+    assert out is not None
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_lower_right_attention_declines_what_it_does_not_handle(lower_right_on_cpu):
+    q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 4, 10, 16)
+    assert sdpa.lower_right_attention(q[:, :, :1], k, k, 10) is None  # a decode step: no mask to replace
+    assert sdpa.lower_right_attention(q, k[:, :2], k[:, :2], 10) is None  # grouped-query heads
+    assert sdpa.lower_right_attention(q, k, k, 11) is None  # more keys than the cache holds
+    assert sdpa.lower_right_attention(q.double(), k.double(), k.double(), 10) is None  # a dtype it does not take
+    assert sdpa.lower_right_attention(q, k, k, 2) is None  # fewer keys than queries
+
+
+def test_lower_right_attention_applies_to_cuda_half_precision_only():
+    q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 4, 10, 16)
+    assert sdpa.LOWER_RIGHT_DEVICES == ("cuda",)
+    assert sdpa.lower_right_attention(q, k, k, 10) is None  # the CPU: csrc/attention.c or the boolean mask
+    assert sdpa.lower_right_attention(q.bfloat16(), k.bfloat16(), k.bfloat16(), 10) is None
+
+
+def test_speculative_modes_through_the_lower_right_path_equal_autoregressive_greedy(lower_right_on_cpu, monkeypatch):
+    """Prefill and verification blocks over the full cache through lower_right_attention (an MHA target; the CPU
+    kernel off, so every block of 2+ tokens takes it): each mode's greedy tokens equal autoregressive decoding's
+    with the boolean mask."""
+    import triforce.caches as caches
+    from tiny import hf_model, ours
+    from triforce.engine import Engine, SpeculationConfig
+    from triforce.sampling import SamplingParams
+
+    target = ours(hf_model(3, vocab=96, layers=3, heads=4, kv_heads=4))
+    draft = ours(hf_model(1003, vocab=96, layers=1, hidden=32, heads=2, kv_heads=2))
+    greedy, prompt = SamplingParams(temperature=0), (list(range(3, 40)) * 4)[:120]
+    calls = []
+    lower_right = sdpa.lower_right_attention
+    monkeypatch.setattr(caches, "gqa_attention_kernel", lambda *a, **kw: None)
+    monkeypatch.setattr(sdpa, "LOWER_RIGHT_DEVICES", ())  # the reference: the boolean mask
+    ref = Engine(target, draft).generate(prompt, max_new_tokens=24, sampling=greedy)[0]
+    monkeypatch.setattr(sdpa, "LOWER_RIGHT_DEVICES", ("cpu",))
+    monkeypatch.setattr(caches, "lower_right_attention", lambda *a: calls.append(a[0].shape[2]) or lower_right(*a))
+    for spec in (SpeculationConfig(mode="retrieval", budget=32, chunk_size=4, gamma2=4),
+                 SpeculationConfig(mode="triforce", budget=32, chunk_size=4, gamma1=2, gamma2=4, draft_sink=4,
+                                   draft_window=16)):
+        assert Engine(target, draft).generate(prompt, max_new_tokens=24, sampling=greedy, spec=spec)[0] == ref, spec.mode
+    assert 120 in calls and 5 in calls  # the prefill and gamma2 + 1 = 5-token verification blocks took the path

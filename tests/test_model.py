@@ -133,3 +133,21 @@ def test_packed_weights_match_transformers():
     cache = FullKVCache(model.cfg, 32)  # one row at a time: the (in, out) path, same logits
     rows = torch.cat([model(ids[:, i:i + 1], torch.tensor([i]), cache) for i in range(20)], dim=1)
     assert (rows - ref).abs().max() < 1e-4
+
+
+def test_reduce_overhead_compile_clones_each_output(monkeypatch):
+    """CUDA graphs reuse a graph's output memory at its next replay: with reduce-overhead every compiled call's
+    output is a fresh copy (the other modes return the compiled function itself)."""
+    from triforce.model import compile_forward
+
+    buffer = torch.zeros(3)
+
+    def fake_compile(fn, **kw):  # a graph that writes each result into the same memory
+        def replay(x):
+            return buffer.copy_(fn(x))
+        return replay
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    f = compile_forward(lambda x: x * 2, "reduce-overhead")
+    a, b = f(torch.ones(3)), f(torch.full((3,), 5.0))
+    assert torch.equal(a, torch.full((3,), 2.0)) and torch.equal(b, torch.full((3,), 10.0))
+    assert compile_forward(lambda x: x, "default").__name__ == "replay"

@@ -161,7 +161,7 @@ def test_one_query_over_a_cache_with_empty_slots_matches_sdpa(n, budget):
     """A prompt shorter than the budget leaves slots between the selected and the generated ones empty: a decode step
     then attends over the two filled ranges with the kernel (merged by log-sum-exp) where it applies, and equals SDPA
     over every slot with the cache's mask within fp32 rounding, step after step."""
-    from triforce.caches import gqa_attention
+    from triforce.sdpa import gqa_attention
 
     cfg, full = _filled(n=n, hs=16)
     cache = RetrievalCache(cfg, full, budget, 8)

@@ -30,39 +30,15 @@ import math
 from abc import ABC, abstractmethod
 
 import torch
-import torch.nn.functional as F
 
 from .config import ModelConfig
 from .kernels import gqa_attention_kernel
 from .rope import apply_rope
+from .sdpa import gqa_attention, lower_right_attention
 
 
 class CacheError(RuntimeError):
     """A cache was asked for something its policy cannot provide (overflow, or a rollback past what it keeps)."""
-
-
-def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Scaled dot-product attention with grouped-query heads, without materialising repeated keys.
-
-    Args:
-        q: (B, nh, T, hs) queries.
-        k, v: (B, nkv, S, hs) keys and values; nh % nkv == 0.
-        mask: None (every key visible) or bool (T, S) / (B, nkv, T, S), True = visible.
-
-    Returns:
-        (B, nh, T, hs), same dtype as q. Softmax in the kernel's precision (fp32 accumulation on CPU). Keys and
-        values stored in another dtype (a cheaper cache of a lower tier) are attended in their dtype.
-    """
-    if k.dtype != q.dtype:
-        return gqa_attention(q.to(k.dtype), k, v, mask).to(q.dtype)
-    b, nh, t, hs = q.shape
-    nkv = k.shape[1]
-    g = nh // nkv
-    qg = q.reshape(b, nkv, g * t, hs)  # (B, nkv, g*T, hs): the g heads of one KV head stacked along time
-    if mask is not None:
-        mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], g, *mask.shape[-2:]).reshape(*mask.shape[:-2], g * t, mask.shape[-1])
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
-    return out.view(b, nh, t, hs)
 
 
 def kv_bytes(cfg: ModelConfig, slots: int, dtype: torch.dtype, batch: int = 1) -> int:
@@ -318,11 +294,11 @@ class FullKVCache(KVCache):
             self.v[layer, :, :, s:s + t].copy_(v, non_blocking=True)
         if self.record_queries:
             self.queries[layer] = q
-        if t <= self.kernel_max_block:  # a decode step or a verification block: csrc/attention.c on the CPU
-            out = gqa_attention_kernel(q, keys, values, s + t)
-            if out is not None:
-                return out
-        return gqa_attention(q, keys[:, :, :s + t], values[:, :, :s + t], self._mask)
+        # a decode step or a verification block: csrc/attention.c on the CPU; on CUDA (half precision, MHA) SDPA's
+        # flash kernels with a lower-right causal bias instead of the boolean mask
+        out = gqa_attention_kernel(q, keys, values, s + t) if t <= self.kernel_max_block else None
+        out = lower_right_attention(q, keys, values, s + t) if out is None else out
+        return out if out is not None else gqa_attention(q, keys[:, :, :s + t], values[:, :, :s + t], self._mask)
 
     def end_forward(self) -> None:
         if self.offload and self.device.type == "cuda":

@@ -1,5 +1,5 @@
 """Our CPU kernels, built on first use, each with PyTorch's op as fallback: attention over the verifier's full KV
-cache (``csrc/attention.c``, SDPA otherwise) and products of a few activation rows with a weight matrix
+cache (``csrc/attention.c``, SDPA otherwise: :mod:`triforce.sdpa`) and products of a few activation rows with a weight matrix
 (``csrc/qlinear.c``): the lower tiers' int8 weight-only projections, stored (out, in) (``aten._weight_int8pack_mm``
 otherwise), and the fp32 projections of verification blocks and batched steps, stored (in, out) (PyTorch's
 products otherwise).
@@ -238,7 +238,7 @@ def gqa_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_ke
                          lse: torch.Tensor | None = None) -> torch.Tensor | None:
     """Causal GQA attention of a block of T queries that ends the sequence, over keys [0, n_keys), or None.
 
-    The attention of :func:`triforce.caches.gqa_attention` with the full KV cache's mask (query i of the block, at
+    The attention of :func:`triforce.sdpa.gqa_attention` with the full KV cache's mask (query i of the block, at
     position n_keys - T + i, sees keys j <= n_keys - T + i), computed by ``csrc/attention.c`` (split-key
     flash-decoding; module docstring). Softmax with our AVX2 ``expf`` (relative error < 2e-7); outputs agree with
     SDPA's to about 1e-6 relative.

@@ -85,6 +85,23 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def compile_forward(fn, mode: str):
+    """``torch.compile(fn, mode=mode, dynamic=False)``; with ``reduce-overhead`` each output is cloned as it returns.
+
+    ``reduce-overhead`` replays CUDA graphs (PyTorch's CUDA graph trees), which reuse a graph's output memory at a
+    later replay; a block's norm output still read after that failed on an H200 with "accessing tensor output of
+    CUDAGraphs that has been overwritten by a subsequent run" (``bench/gpu_check.py --stages compiled``,
+    bench/results/gpu_h200_2026-12-04/). The clone (one activation-sized copy) is the remedy PyTorch's message names.
+    """
+    compiled = torch.compile(fn, mode=mode, dynamic=False)
+    if mode != "reduce-overhead":
+        return compiled
+
+    def cloned(*args, **kwargs):
+        return compiled(*args, **kwargs).clone()
+    return cloned
+
+
 class Attention(nn.Module):
     """Multi-head attention with grouped KV heads; the cache object computes the attention itself."""
 
@@ -433,7 +450,7 @@ class Transformer(nn.Module):
             raise ValueError(f"compile mode must be one of {', '.join(self.COMPILE_MODES)}, got {mode!r}")
         for block in self.layers:
             for module in (block.input_layernorm, block.post_attention_layernorm, block.mlp):
-                module.forward = torch.compile(module.forward, mode=mode, dynamic=False)
+                module.forward = compile_forward(module.forward, mode)
         self.compile_mode = mode
 
     def weight_bytes(self) -> int:

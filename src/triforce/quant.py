@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from .defaults import LOWER_WEIGHTS
 from .decode_step import DecodeStep
 from .kernels import int8_linear
-from .model import Linear, Transformer
+from .model import Linear, Transformer, compile_forward
 
 #: inputs per int4 quantization group (a projection whose input size it does not divide keeps int8)
 INT4_GROUP = 32
@@ -231,7 +231,7 @@ def _with_linears(model: Transformer, make) -> Transformer:
         attn.qkv_proj, attn.o_proj = make(block.self_attn.qkv_proj), make(block.self_attn.o_proj)
         mlp.gate_up_proj, mlp.down_proj = make(block.mlp.gate_up_proj), make(block.mlp.down_proj)
         if getattr(model, "compile_mode", None) is not None:  # the norms are shared, already compiled
-            mlp.forward = torch.compile(mlp.forward, mode=model.compile_mode, dynamic=False)
+            mlp.forward = compile_forward(mlp.forward, model.compile_mode)
         b.self_attn, b.mlp = attn, mlp
         layers.append(b)
     out.layers = nn.ModuleList(layers)

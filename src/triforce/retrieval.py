@@ -10,7 +10,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .caches import CacheError, FullKVCache, KVCache, gqa_attention
+from .caches import CacheError, FullKVCache, KVCache
+from .sdpa import gqa_attention
 from .kernels import gqa_attention_kernel, merge_attention
 from .config import ModelConfig
 
