@@ -18,7 +18,7 @@ from .methods import (DEFINITIONS, METHODS, OUR_SPECULATIVE, PAUSE_BETWEEN_RUNS_
                       WARMUP_NEW_TOKENS, WARMUP_PROMPT_TOKENS, BenchError, _costmodel_module, plan_methods,
                       validate_args)
 from .report import format_table, write_png
-from .stats import _speedups, _summarize, compare_greedy
+from .stats import _speedups, _summarize, acceptance_inputs, compare_greedy
 from .worker import Worker
 
 
@@ -109,8 +109,7 @@ def _predict_from_run(results: dict, ok: list[str], cm) -> None:
         lat = {"full_decode": ar, "ngram_propose": 0.0}
         for tier, seconds in r["step_seconds"].items():
             lat.update({key: seconds for key in _RUN_STEP_KEYS.get(tier, ())})
-        rates = {name: t["acceptance_rate"] for name, t in r["acceptance"].items() if t.get("acceptance_rate") is not None}
-        lengths = {name: t["accepted_lengths"] for name, t in r["acceptance"].items() if t.get("accepted_lengths")}
+        rates, lengths = acceptance_inputs(r["acceptance"])
         try:
             pred = cm.predict([tuple(e) for e in r["chain"]], lat, rates, accepted_lengths=lengths)
         except ValueError as e:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .methods import PREDICT_TEXT_TOKENS, SYNTHETIC_DRAFT, _costmodel_module, _gguf_for, _synthetic_module
+from .stats import acceptance_inputs
 
 
 def _hf_source(model: str | None) -> tuple[str, dict]:
@@ -171,8 +172,7 @@ class _OursRunner:
                                               budget=s.budget, chunk_size=s.chunk_size, draft_sink=s.draft_sink,
                                               draft_window=s.draft_window, reps=reps, progress=None, lower=lower,
                                               sampling=self.sampling, selection_logits=real)[0]
-        rates = {name: t["acceptance_rate"] for name, t in acceptance.items() if t.get("acceptance_rate") is not None}
-        lengths = {name: t["accepted_lengths"] for name, t in acceptance.items() if t.get("accepted_lengths")}
+        rates, lengths = acceptance_inputs(acceptance)
         pred = cm.predict(s.chain, latencies, rates, accepted_lengths=lengths)
         return {"latencies": latencies, "prediction": pred}
 

@@ -119,6 +119,15 @@ def step_seconds(per_rep: list[dict]) -> dict[str, float]:
     return {name: round(seconds[name] / passes[name], 6) for name in seconds if passes[name] > 0}
 
 
+def acceptance_inputs(acceptance: dict[str, dict]) -> tuple[dict[str, float], dict[str, list[int]]]:
+    """What :func:`~triforce.lab.costmodel.predict` takes from a method's ``acceptance`` (per tier, as
+    :func:`aggregate_tiers` gives it): ``(rates, accepted_lengths)``, each tier name -> its acceptance rate and
+    its observed run-length histogram, tiers without one left out."""
+    rates = {name: t["acceptance_rate"] for name, t in acceptance.items() if t.get("acceptance_rate") is not None}
+    lengths = {name: t["accepted_lengths"] for name, t in acceptance.items() if t.get("accepted_lengths")}
+    return rates, lengths
+
+
 def _summarize(res: dict, runs: list[dict]) -> None:
     """Fill one method's result from its timed runs (metrics, spread, tokens, acceptance)."""
     per = [rep_metrics(r["times"]) for r in runs]
