@@ -58,7 +58,8 @@ DEFINITIONS = {
     "predicted": "the cost model (triforce.lab.costmodel.predict) with tier latencies timed in the method's worker "
                  "after the runs (forward and token selection, one interleaved loop) and the run's acceptance",
     "predicted_from_run": "the same model with the run's own step_seconds (and our autoregressive method's) as the "
-                          "latencies",
+                          "latencies; for auto where every repetition ran one speculative hierarchy without a bypass, "
+                          "its plain tokens p of N at the decode step's cost: N / ((N - p) / S + p)",
 }
 
 

@@ -90,6 +90,18 @@ _RUN_STEP_KEYS = {"target": ("full_pass",), "retrieval": ("retrieval_decode", "r
                   "draft": ("draft_step", "draft_pass"), "self": ("draft_step", "draft_pass")}
 
 
+def _auto_chain(r: dict) -> tuple[list[tuple[str, int]], int, int] | None:
+    """``auto``'s hierarchy if every repetition ran the same speculative one without a bypass:
+    ``(chain, speculative_tokens, plain_tokens)`` summed over the repetitions (the plain tokens are the few each
+    request opens with); None otherwise (the cost model covers one fixed hierarchy)."""
+    reps = r.get("auto") or []
+    chains = {x.get("hierarchy") for x in reps}
+    if not reps or len(chains) != 1 or "autoregressive" in chains or any(x.get("bypasses") for x in reps):
+        return None
+    chain = [(kind, int(gamma)) for kind, _, gamma in (e.partition(":") for e in chains.pop().split(","))]
+    return chain, sum(x["speculative_tokens"] for x in reps), sum(x["autoregressive_tokens"] for x in reps)
+
+
 def _predict_from_run(results: dict, ok: list[str], cm) -> None:
     """The cost model with the run's own steps: each speculative method's ``predicted_from_run`` speedup (and
     ``measured_over_predicted_from_run``) from :func:`~triforce.lab.costmodel.predict` with the observed acceptance
@@ -98,26 +110,37 @@ def _predict_from_run(results: dict, ok: list[str], cm) -> None:
     step. The microbenchmark's prediction (``predicted``) times the steps at another moment, which on a machine that
     runs in slow and fast phases moves it by more than the model's own error; this one tests the model (how
     acceptance and step costs make a speedup) on the same steps as the measurement. Forwards only: the token
-    selection between them is left out on both sides."""
+    selection between them is left out on both sides.
+
+    ``auto`` is predicted too where it ran one speculative hierarchy in every repetition without a bypass
+    (:func:`_auto_chain`): its plain tokens (``p`` of ``N``) at the decode step's cost, the others at the model's
+    speedup ``S``: ``N / ((N - p) / S + p)``."""
     ar = results.get("autoregressive", {}).get("step_seconds", {}).get("target") if "autoregressive" in ok else None
     if cm is None or not ar:
         return
     for m in ok:
         r = results[m]
-        if m not in OUR_SPECULATIVE or not r.get("acceptance") or not r.get("step_seconds"):
+        auto = _auto_chain(r) if m == "auto" else None
+        if (m not in OUR_SPECULATIVE and auto is None) or not r.get("acceptance") or not r.get("step_seconds"):
             continue
+        chain = auto[0] if auto else [tuple(e) for e in r["chain"]]
         lat = {"full_decode": ar, "ngram_propose": 0.0}
         for tier, seconds in r["step_seconds"].items():
             lat.update({key: seconds for key in _RUN_STEP_KEYS.get(tier, ())})
         rates, lengths = acceptance_inputs(r["acceptance"])
         try:
-            pred = cm.predict([tuple(e) for e in r["chain"]], lat, rates, accepted_lengths=lengths)
+            speedup = cm.predict(chain, lat, rates, accepted_lengths=lengths)["speedup"]
         except ValueError as e:
             r["predicted_from_run"] = {"status": "failed", "reason": str(e)}
             continue
-        r["predicted_from_run"] = {"latencies": lat, "speedup": round(pred["speedup"], 4)}
+        if auto:
+            spec_tokens, plain = auto[1:]
+            speedup = (spec_tokens + plain) / (spec_tokens / speedup + plain)
+        r["predicted_from_run"] = {"latencies": lat, "speedup": round(speedup, 4)}
+        if auto:
+            r["predicted_from_run"]["chain"] = [list(e) for e in chain]
         if r.get("speedup_vs_autoregressive"):
-            r["measured_over_predicted_from_run"] = round(r["speedup_vs_autoregressive"] / pred["speedup"], 4)
+            r["measured_over_predicted_from_run"] = round(r["speedup_vs_autoregressive"] / speedup, 4)
 
 
 def run_bench(args: argparse.Namespace) -> dict:
