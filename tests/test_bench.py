@@ -108,8 +108,10 @@ def test_cost_model_prediction_is_reported(bench_result):
 
 
 def test_auto_is_predicted_from_its_run_only_for_one_hierarchy_without_bypasses():
-    """auto's prediction from its run: the cost model's speedup S for the hierarchy it ran, its plain tokens (p of N)
-    at the decode step's cost, N / ((N - p) / S + p); no prediction where it bypassed or changed hierarchy."""
+    """auto's prediction from its run: the verification's time from the target's steps without the D decode steps of
+    its plain opening tokens, the cost model's speedup S for the hierarchy it ran, and of the N tokens between
+    tokens the D plain ones at the decode step's cost: N / ((N - D) / S + D); no prediction where it bypassed,
+    changed hierarchy or decoded plainly."""
     from triforce.lab import costmodel
     from triforce.lab.bench.run import _predict_from_run
 
@@ -118,21 +120,26 @@ def test_auto_is_predicted_from_its_run_only_for_one_hierarchy_without_bypasses(
         return {"autoregressive": {"step_seconds": {"target": 0.030}},
                 "auto": {"auto": [reps[0], dict(reps[1], **rep)], "chain": [], "speedup_vs_autoregressive": 1.2,
                          "step_seconds": {"target": 0.061, "retrieval": 0.0083},
-                         "acceptance": {"target": {"acceptance_rate": 0.78, "accepted_lengths": [9, 8, 6, 7, 5, 8, 68]}}}}
+                         "acceptance": {"target": {"acceptance_rate": 0.78, "verifications": 40,
+                                                   "accepted_lengths": [9, 8, 6, 7, 5, 8, 68]}}}}
 
     r = results()
     _predict_from_run(r, ["auto", "autoregressive"], costmodel)
-    lat = {"full_decode": 0.030, "ngram_propose": 0.0, "full_pass": 0.061, "retrieval_decode": 0.0083,
+    d = 2 * 3  # 4 plain tokens per request, the first from the prefill
+    full_pass = (0.061 * (40 + d) - d * 0.030) / 40
+    lat = {"full_decode": 0.030, "ngram_propose": 0.0, "full_pass": full_pass, "retrieval_decode": 0.0083,
            "retrieval_pass": 0.0083}
     s = costmodel.predict([("retrieval", 6)], lat, {"target": 0.78},
                           accepted_lengths={"target": [9, 8, 6, 7, 5, 8, 68]})["speedup"]
-    by_hand = 256 / (248 / s + 8)
+    by_hand = (248 + d) / (248 / s + d)
     assert 1 < by_hand < s
     got = r["auto"]["predicted_from_run"]
-    assert got["chain"] == [["retrieval", 6]] and got["latencies"] == lat
+    assert got["chain"] == [["retrieval", 6]]
+    assert got["latencies"] == pytest.approx(lat, rel=1e-9)
     assert got["speedup"] == pytest.approx(by_hand, rel=1e-3)
     assert r["auto"]["measured_over_predicted_from_run"] == pytest.approx(1.2 / by_hand, rel=1e-3)
-    for rep in (dict(bypasses=1), dict(hierarchy="self:4,retrieval:6"), dict(hierarchy="autoregressive")):
+    for rep in (dict(bypasses=1), dict(hierarchy="self:4,retrieval:6"), dict(hierarchy="autoregressive"),
+                dict(hierarchy=None), dict(speculative_tokens="x")):
         r = results(**rep)
         _predict_from_run(r, ["auto", "autoregressive"], costmodel)
         assert "predicted_from_run" not in r["auto"], rep

@@ -10,6 +10,7 @@ projections are fused at load time into one matmul each, which halves the kernel
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping
 
 import torch
@@ -92,11 +93,20 @@ def compile_forward(fn, mode: str):
     later replay; a block's norm output still read after that failed on an H200 with "accessing tensor output of
     CUDAGraphs that has been overwritten by a subsequent run" (``bench/gpu_check.py --stages compiled``,
     bench/results/gpu_h200_2026-12-04/). The clone (one activation-sized copy) is the remedy PyTorch's message names.
+
+    Args:
+        fn: a block's norm or MLP ``forward`` (bound method) returning one tensor, e.g. (B, T, d).
+        mode: a ``torch.compile`` mode (:attr:`Transformer.COMPILE_MODES`).
+
+    Returns:
+        The compiled callable; with ``reduce-overhead`` a plain function wrapping it (``functools.wraps(fn)``, but
+        no ``__self__``) whose result is a fresh tensor.
     """
     compiled = torch.compile(fn, mode=mode, dynamic=False)
     if mode != "reduce-overhead":
         return compiled
 
+    @functools.wraps(fn)
     def cloned(*args, **kwargs):
         return compiled(*args, **kwargs).clone()
     return cloned

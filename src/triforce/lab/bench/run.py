@@ -92,14 +92,20 @@ _RUN_STEP_KEYS = {"target": ("full_pass",), "retrieval": ("retrieval_decode", "r
 
 def _auto_chain(r: dict) -> tuple[list[tuple[str, int]], int, int] | None:
     """``auto``'s hierarchy if every repetition ran the same speculative one without a bypass:
-    ``(chain, speculative_tokens, plain_tokens)`` summed over the repetitions (the plain tokens are the few each
-    request opens with); None otherwise (the cost model covers one fixed hierarchy)."""
+    ``(chain, speculative_tokens, plain_steps)`` summed over the repetitions, where ``plain_steps`` are the decode
+    steps of the plain tokens each request opens with (the first of them comes from the prefill); None otherwise
+    (the cost model covers one fixed hierarchy) or where the run's record lacks a field."""
     reps = r.get("auto") or []
-    chains = {x.get("hierarchy") for x in reps}
-    if not reps or len(chains) != 1 or "autoregressive" in chains or any(x.get("bypasses") for x in reps):
+    try:
+        chains = {x["hierarchy"] for x in reps}
+        if not reps or len(chains) != 1 or "autoregressive" in chains or any(x["bypasses"] for x in reps):
+            return None
+        chain = [(kind.strip(), int(gamma)) for kind, _, gamma in (e.partition(":") for e in chains.pop().split(","))]
+        spec = sum(x["speculative_tokens"] for x in reps)
+        plain_steps = sum(max(0, x["autoregressive_tokens"] - 1) for x in reps)
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
-    chain = [(kind, int(gamma)) for kind, _, gamma in (e.partition(":") for e in chains.pop().split(","))]
-    return chain, sum(x["speculative_tokens"] for x in reps), sum(x["autoregressive_tokens"] for x in reps)
+    return (chain, spec, plain_steps) if spec > 0 else None
 
 
 def _predict_from_run(results: dict, ok: list[str], cm) -> None:
@@ -113,8 +119,10 @@ def _predict_from_run(results: dict, ok: list[str], cm) -> None:
     selection between them is left out on both sides.
 
     ``auto`` is predicted too where it ran one speculative hierarchy in every repetition without a bypass
-    (:func:`_auto_chain`): its plain tokens (``p`` of ``N``) at the decode step's cost, the others at the model's
-    speedup ``S``: ``N / ((N - p) / S + p)``."""
+    (:func:`_auto_chain`). Its target steps mix ``V`` verifications with the ``D`` decode steps of the plain tokens
+    each request opens with, so the verification's time is taken as ``(t_target (V + D) - D t_decode) / V``; of the
+    ``N`` tokens the time between tokens counts (all but each request's first), the ``D`` plain ones cost a decode
+    step and the others the model's speedup ``S``: ``N / ((N - D) / S + D)``."""
     ar = results.get("autoregressive", {}).get("step_seconds", {}).get("target") if "autoregressive" in ok else None
     if cm is None or not ar:
         return
@@ -128,6 +136,10 @@ def _predict_from_run(results: dict, ok: list[str], cm) -> None:
         for tier, seconds in r["step_seconds"].items():
             lat.update({key: seconds for key in _RUN_STEP_KEYS.get(tier, ())})
         rates, lengths = acceptance_inputs(r["acceptance"])
+        if auto and auto[2]:  # the target's steps without auto's plain decode steps
+            v = r["acceptance"].get("target", {}).get("verifications") or 0
+            if v and "full_pass" in lat:
+                lat["full_pass"] = (lat["full_pass"] * (v + auto[2]) - auto[2] * ar) / v
         try:
             speedup = cm.predict(chain, lat, rates, accepted_lengths=lengths)["speedup"]
         except ValueError as e:
