@@ -1,6 +1,6 @@
 """Our CPU kernels, built on first use, each with PyTorch's op as fallback: attention over the verifier's full KV
-cache (``csrc/attention.c``, SDPA otherwise: :mod:`triforce.sdpa`) and products of a few activation rows with a weight matrix
-(``csrc/qlinear.c``): the lower tiers' int8 weight-only projections, stored (out, in) (``aten._weight_int8pack_mm``
+cache (``csrc/attention.c``, SDPA otherwise: :mod:`triforce.sdpa`) and products of a few activation rows with a
+weight matrix (``csrc/qlinear.c``): the lower tiers' int8 weight-only projections, stored (out, in) (``aten._weight_int8pack_mm``
 otherwise), and the fp32 projections of verification blocks and batched steps, stored (in, out) (PyTorch's
 products otherwise).
 

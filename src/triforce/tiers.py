@@ -314,8 +314,9 @@ class RetrievalTier(ModelTier):
     #: after a bypass of at most this many committed tokens the tier catches up by feeding them (its next step is a
     #: pass over them) instead of re-selecting its chunks: at 8K tokens on this project's CPU a re-selection took
     #: 73.6 ms, a pass of SmolLM2's retrieval tier (its codes, 1,000 slots) 8.8 ms over 1 token, 18.3 over 5, 28.3
-    #: over 9 and 75.1 over 17 (``bench/resync.py``, ``bench/results/cost_model_2026-12-04/resync.json``). ``auto`` starts every request with 4 plain tokens, after which this re-selected
-    #: chunks chosen 4 tokens before; a real bypass lasts 16 tokens or more.
+    #: over 9 and 75.1 over 17 (``bench/resync.py``, ``bench/results/cost_model_2026-12-04/resync.json``). ``auto``
+    #: starts every request with 4 plain tokens, after which this re-selected chunks chosen 4 tokens before; a real
+    #: bypass lasts 16 tokens or more.
     CATCH_UP_TOKENS = 8
 
     def __init__(self, *args, full: FullKVCache, lookahead: int, rebuild_every: int | None = None,
@@ -371,19 +372,24 @@ class RetrievalTier(ModelTier):
             return False
         return sum(a for a, _ in self._recent) / proposed < self.rebuild_below
 
+    def _rebuild_due(self) -> bool:
+        """Whether the chunks must be re-selected: the cache has no room for another step's lookahead past the
+        verifier's committed tokens, or ``rebuild_every`` of them came since the last selection."""
+        since = self.full.length - self.cache.build_len
+        room = self.cache.generation_capacity - since
+        return room < self.lookahead + 1 or bool(self.rebuild_every and since >= self.rebuild_every)
+
     def commit(self, seq: list[int]) -> None:
         """After a top-level verification: copy exact KV of accepted tokens; re-select chunks when due."""
         self.cache.sync_from_full()
-        full_len = self.full.length  # == len(seq) - 1: the verifier holds every committed token but the newest
-        since = full_len - self.cache.build_len
-        room = self.cache.generation_capacity - since
         dropped = self._acceptance_dropped()
         if dropped:
             self._recent.clear()
             self.stats.extra["acceptance_rebuilds"] = self.stats.extra.get("acceptance_rebuilds", 0) + 1
-        if room < self.lookahead + 1 or (self.rebuild_every and since >= self.rebuild_every) or dropped:
+        if self._rebuild_due() or dropped:
             # like the first build: select among the positions before the verifier's newest token, with its query
-            self._build(seq, full_len - 1)
+            # (the verifier holds every committed token but the newest: full.length == len(seq) - 1)
+            self._build(seq, self.full.length - 1)
         super().commit(seq)
 
     def resync(self, seq: list[int]) -> None:
@@ -392,9 +398,7 @@ class RetrievalTier(ModelTier):
         feeds them at its next step, and the next commit replaces their KV with the verifier's exact KV, as for any
         token it generates. Either way only the proposals change, never the output (the verifier decides)."""
         behind = len(seq) - 1 - len(self.cached)  # committed tokens the tier has not fed (the newest is pending)
-        room = self.cache.generation_capacity - (self.full.length - self.cache.build_len)
-        if behind > self.CATCH_UP_TOKENS or room < self.lookahead + 1 or \
-                (self.rebuild_every and self.full.length - self.cache.build_len >= self.rebuild_every):
+        if behind > self.CATCH_UP_TOKENS or self._rebuild_due():
             self._build(seq, self.full.length - 1)
         super().resync(seq)
 
