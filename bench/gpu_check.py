@@ -7,7 +7,9 @@ Stages (``--stages``, all by default, run in this order):
    under each SDPA backend alone and each module's output, device against CPU.
 2. ``greedy``: greedy equality on the GPU for every mode (autoregressive, retrieval, draft, triforce, an n-gram
    hierarchy, int8 lower tiers, the self-drafting tier on the target's own int4 weights, ``auto`` with a three-tier
-   plan, the offloaded full cache): each must give the GPU's autoregressive tokens, which must equal the CPU's.
+   plan, the offloaded full cache, retrieval and ``triforce`` with CUDA graphs off): each must give the GPU's
+   autoregressive tokens, which must equal the CPU's. The retrieval tier's forwards replay CUDA graphs
+   (``--cuda-graphs on``, ``cudagraph.py``); the JSON counts the captures and replays.
 3. ``distribution``: exact distribution on the GPU: a 5-token vocabulary, 3 sampled tokens at T = 0.6 / top-p 0.9 /
    top-k 5; the exact distribution of the 125 sequences by enumeration with the same model on the same device,
    against sequences sampled by ``triforce`` and by ``self:2,retrieval:2``; chi-square p > 1e-3 (as
@@ -20,7 +22,8 @@ Stages (``--stages``, all by default, run in this order):
 6. ``latency``: per-tier step latency of a Llama-2-7B-shaped synthetic model (random weights, caches filled with
    random KV, no prefill; labelled synthetic) with a synthetic llama-68m draft, in bf16, at 32K, 64K and 120K
    tokens, with the full cache on the GPU, and at ``--offload-contexts`` (32K) offloaded to pinned host memory
-   (streamed layer by layer with one layer of prefetch).
+   (streamed layer by layer with one layer of prefetch). The retrieval tier's forwards with CUDA graphs
+   (``--cuda-graphs on``) and eager (off).
 
 The JSON is rewritten after each stage, so a run stopped by its time limit keeps what it finished.
 
@@ -47,12 +50,28 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+from triforce import cudagraph  # noqa: E402
 from triforce.caches import FullKVCache, StreamingCache  # noqa: E402
 from triforce.retrieval import RetrievalCache  # noqa: E402
 from triforce.engine import Engine, SpeculationConfig  # noqa: E402
 from triforce.sampling import SamplingParams, logits_to_probs  # noqa: E402
 from triforce.auto import plan_hierarchy  # noqa: E402
 from triforce.lab.synthetic import fill_random_kv, random_model, random_query, synthetic_config, synthetic_label  # noqa: E402
+
+
+class CountingBackend(cudagraph.Backend):
+    """CUDA graphs as the library captures them, counted (the greedy stage shows they ran)."""
+
+    def __init__(self) -> None:
+        self.captures = self.replays = 0
+
+    def capture(self, fn, device):
+        self.captures += 1
+        return super().capture(fn, device)
+
+    def replay(self, graph) -> None:
+        self.replays += 1
+        super().replay(graph)
 
 
 def _sync(device: torch.device) -> None:
@@ -131,6 +150,7 @@ def greedy_equality(device: torch.device) -> dict:
                   random_model(dcfg, torch.float32, "cpu", seed=3, std=0.2).to(d)) for d in ("cpu", device)}
     for t, dr in models.values():
         t.rope = dr.rope = None
+        t.cuda_graphs = dr.cuda_graphs = True  # --cuda-graphs on (nothing changes on the CPU)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (40, 150, 300)]
     greedy = SamplingParams(temperature=0)
@@ -153,6 +173,8 @@ def greedy_equality(device: torch.device) -> dict:
     dev_engine.plan_auto = lambda n, s, sp: plan_hierarchy(t.cfg, 1, torch.float32, n, "draft", s, gamma1=3, gamma2=5,
                                                            chunk_size=8, max_budget=64, device_type=device.type)
     off_engine = Engine(*models[device], offload_kv=True, on_chip_layers=1)
+    counts = cudagraph.BACKEND
+    before = (getattr(counts, "captures", 0), getattr(counts, "replays", 0))
     rows, ok = [], True
     for i, prompt in enumerate(prompts):
         ref_cpu = cpu_engine.generate(prompt, max_new_tokens=32, sampling=greedy)[0]
@@ -167,7 +189,14 @@ def greedy_equality(device: torch.device) -> dict:
             out = off_engine.generate(prompt, max_new_tokens=32, sampling=greedy, spec=spec)[0]
             row[name] = out == ref
             ok &= out == ref
+        models[device][0].cuda_graphs = False  # the retrieval tier's forwards eager (--cuda-graphs off)
+        for name in ("retrieval", "triforce"):
+            out = dev_engine.generate(prompt, max_new_tokens=32, sampling=greedy, spec=specs[name])[0]
+            row[f"{name}, CUDA graphs off"] = out == ref
+            ok &= out == ref
+        models[device][0].cuda_graphs = True
         rows.append(row)
+    graphs = {"captures": getattr(counts, "captures", 0) - before[0], "replays": getattr(counts, "replays", 0) - before[1]}
     # bf16 on the device (MHA: verification blocks through sdpa.lower_right_attention on CUDA), reported, not
     # required: a 7-token block and a 1-token step run different bf16 kernels, which may round a near-tie apart
     bf16 = Engine(*(copy.deepcopy(m).to(torch.bfloat16) for m in models[device]))
@@ -177,7 +206,7 @@ def greedy_equality(device: torch.device) -> dict:
         bf16_rows.append({"prompt_tokens": len(prompt), **{
             name: bf16.generate(prompt, max_new_tokens=32, sampling=greedy, spec=specs[name])[0] == ref
             for name in ("retrieval", "triforce")}})
-    return {"rows": rows, "ok": ok, "bfloat16_rows_not_required": bf16_rows}
+    return {"rows": rows, "ok": ok, "cuda_graphs": graphs, "bfloat16_rows_not_required": bf16_rows}
 
 
 def sampled_distribution(device: torch.device, n: int) -> dict:
@@ -190,6 +219,7 @@ def sampled_distribution(device: torch.device, n: int) -> dict:
     dcfg = synthetic_config("llama-68m", layers=1, vocab_size=V)
     target = random_model(tcfg, torch.float32, device, seed=21, std=0.02)
     draft = random_model(dcfg, torch.float32, device, seed=22, std=0.2)  # sharp: frequent rejections
+    target.cuda_graphs = True  # --cuda-graphs on
     prompt = torch.randint(0, V, (P,), generator=torch.Generator().manual_seed(5)).tolist()
     conts = list(itertools.product(range(V), repeat=NEW - 1))
     exact = torch.zeros((V,) * NEW, dtype=torch.float64)
@@ -336,9 +366,11 @@ def latencies(device: torch.device, contexts: list[int], layers: int, dtype: tor
                 if name == "full":
                     retr = RetrievalCache(tcfg, cache, budget, 8)
                     retr.build(n, random_query(tcfg, 1, 0, torch.float32, device))
-                    for label, t in (("decode", 1), ("pass", gamma1 + 1)):
-                        row[f"retrieval_{label}_s"], row[f"retrieval_{label}_spread_s"] = _time_forward(
-                            target, retr, n, t, reps)
+                    for graphs, suffix in ((True, ""), (False, "_eager")):  # --cuda-graphs on, then off
+                        target.cuda_graphs = graphs
+                        for label, t in (("decode", 1), ("pass", gamma1 + 1)):
+                            row[f"retrieval_{label}{suffix}_s"], row[f"retrieval_{label}{suffix}_spread_s"] = \
+                                _time_forward(target, retr, n, t, reps)
                     del retr
                 row["stage_seconds"][f"{name}_timed"] = round(time.perf_counter() - t0, 2)
                 del cache
@@ -379,6 +411,7 @@ def main() -> int:
     if args.smoke:
         args.contexts, args.layers, args.reps, args.samples, args.offload_contexts = [1024, 2048], 1, 2, 300, [1024]
     hw = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    cudagraph.BACKEND = CountingBackend()
     t0 = time.perf_counter()
     result = {"hardware": hw, "torch": torch.__version__, "device": str(device)}
     stages = args.stages.split(",")
@@ -418,14 +451,15 @@ def main() -> int:
         print(f"\n{hw}, synthetic llama2-7b ({lat['layers']} of 32 layers, random weights and KV), {lat['dtype']}, "
               f"ms per forward (median of {args.reps})\n")
         print("| context | full decode | full pass (7) | offloaded decode | offloaded pass (7) | retrieval decode "
-              "(4096) | retrieval pass (5) | draft step |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "(4096) | retrieval pass (5) | retrieval decode, eager | retrieval pass, eager | draft step |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in lat["rows"]:
         if "error" in r and "full_decode_s" not in r:
             print(f"| {r['context']} | {r['error']} |")
             continue
         cells = [r.get(k) for k in ("full_decode_s", "full_pass_s", "full_offloaded_decode_s", "full_offloaded_pass_s",
-                                    "retrieval_decode_s", "retrieval_pass_s", "draft_step_s")]
+                                    "retrieval_decode_s", "retrieval_pass_s", "retrieval_decode_eager_s",
+                                    "retrieval_pass_eager_s", "draft_step_s")]
         print(f"| {r['context']} | " + " | ".join("-" if c is None else f"{1000 * c:.2f}" for c in cells) + " |")
     print(f"\nchecks {'passed' if ok else 'FAILED'}; {result['seconds']:.0f} s; JSON: {args.out}")
     return 0 if ok else 1

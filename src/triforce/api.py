@@ -163,6 +163,13 @@ class TriForce:
         if self.draft is not None:
             self.draft.model.compile_blocks(mode)
 
+    def set_cuda_graphs(self, on: bool) -> None:
+        """Replay the target's (and the draft's) fixed-shape forwards on a GPU as CUDA graphs (True) or run every
+        forward eagerly (False, ``DEFAULTS["cuda_graphs"]``); see ``cudagraph.py``. Nothing changes on a CPU."""
+        self.target.model.cuda_graphs = bool(on)
+        if self.draft is not None:
+            self.draft.model.cuda_graphs = bool(on)
+
     @property
     def default_mode(self) -> str:
         """``DEFAULTS["mode"]``, ``auto``: the hierarchy chosen per request and bypassed while it does not pay

@@ -85,6 +85,15 @@ class KVCache(ABC):
         """
         return None
 
+    def graph_key(self) -> tuple | None:
+        """For the forward begun by :meth:`begin_forward`: a key under which a CUDA graph of it may be replayed
+        (``cudagraph.py``), or None (the default: its attention reads shapes or tensors that change between steps).
+
+        A key promises that every :meth:`attend` of this forward, and of any later forward with the same key, reads
+        and writes only tensors that keep their storage (the KV buffers, index and mask buffers refreshed in place)
+        with the same shapes. A cache that gives keys holds its graphs in a ``cuda_graphs`` dict attribute."""
+        return None
+
     def query_buffer(self) -> torch.Tensor | None:
         """Where a one-call forward (:meth:`one_query_rows`) writes every layer's rotated query, or None (the
         default: this cache keeps no queries)."""

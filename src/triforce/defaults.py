@@ -24,6 +24,8 @@ LOWER_KV_DTYPES = ("bfloat16", "float16", "float32")
 PACKED_WEIGHTS = ("auto", "on", "off")
 #: ``--compile`` modes (``torch.compile``)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+#: ``--cuda-graphs`` values
+CUDA_GRAPHS = ("on", "off")
 
 #: options shared by ``generate``, ``serve``, ``bench``, ``analyze`` and the Python API
 DEFAULTS: dict[str, object] = {
@@ -37,6 +39,8 @@ DEFAULTS: dict[str, object] = {
     "quantize": None,
     "packed_weights": "auto",
     "compile": None,
+    # the retrieval tier's forwards on a GPU (cudagraph.py): off until bench/gpu_check.py has run them on a GPU
+    "cuda_graphs": "off",
     "offload_kv": False,
     "on_chip_layers": None,  # chosen by the memory planner
     "tp": 1,

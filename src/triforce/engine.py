@@ -141,6 +141,7 @@ class Engine:
         # prefix reuse: the verifier's full cache and the tokens it holds, kept from the previous request
         self._full: FullKVCache | None = None
         self._full_tokens: list[int] = []
+        self._retrieval: RetrievalCache | None = None  # the last request's retrieval cache (RetrievalCache.reset_or_new)
         self.tier_verify: dict[str, VerifyFn] = {}  # per-tier override of the verification rule (tests)
         self.governor_factory: Callable = SpeedGovernor  # mode auto: decides when to bypass the drafters (tests swap it)
 
@@ -149,6 +150,11 @@ class Engine:
     def full_cache(self) -> FullKVCache | None:
         """The verifier's full KV cache kept from the last request (prefix reuse), or None. Read-only use."""
         return self._full
+
+    @property
+    def retrieval_cache(self) -> RetrievalCache | None:
+        """The retrieval cache of the last request, which the next reuses where its settings match. Read-only use."""
+        return self._retrieval
 
     @property
     def prefix_tokens(self) -> list[int]:
@@ -169,8 +175,9 @@ class Engine:
         self._full, self._full_tokens = cache, list(tokens)
 
     def forget_prefix(self) -> None:
-        """Drop the kept full KV cache: the next request prefills its whole prompt (and allocates anew)."""
-        self._full, self._full_tokens = None, []
+        """Drop the kept full KV cache (and the retrieval cache kept with it): the next request prefills its whole
+        prompt (and allocates anew)."""
+        self._full, self._full_tokens, self._retrieval = None, [], None
 
     def lower_model(self, model: Transformer, weights: str | None) -> Transformer:
         """``model`` itself (``weights`` None), or its lower-precision copy for the tiers below the verifier
@@ -275,6 +282,8 @@ class Engine:
         total = plan.full_capacity
         common = dict(sampling=sampling, generator=generator, eos_ids=self.eos_ids, tp=self.target.tp)
         full, reused = self._full, list(self._full_tokens)
+        if self._retrieval is not None:  # a kept retrieval cache must not keep a full cache alive
+            self._retrieval.full = None
         placement = plan.placement
         on_chip = placement.on_chip_layers if placement else self.target.cfg.num_hidden_layers
         moved = full is not None and (full.offload != self.offload_kv or full.on_chip_layers != on_chip)
@@ -315,8 +324,10 @@ class Engine:
                 node = StreamingTier(kind, d, cache, drafter=drafter, gamma=gamma,
                                      prefill_chunk=DRAFT_PREFILL_CHUNK, verify_fn=verify, **adaptive, **common)
             else:
-                cache = RetrievalCache(self.target.cfg, full, spec.budget, spec.chunk_size, spec.chunk_score,
-                                       dtype=KV_DTYPES[spec.lower_kv_dtype] if spec.lower_kv_dtype else None)
+                previous, self._retrieval = self._retrieval, None  # kept from the last request, with its CUDA graphs
+                cache = self._retrieval = RetrievalCache.reset_or_new(
+                    previous, self.target.cfg, full, spec.budget, spec.chunk_size, spec.chunk_score,
+                    dtype=KV_DTYPES[spec.lower_kv_dtype] if spec.lower_kv_dtype else None)
                 refeed = max(refeed, cache.query_window)  # the prompt's last forward records its query window
                 node = RetrievalTier("retrieval", self.lower_model(self.target, spec.lower_weights), cache, drafter=drafter, gamma=gamma, full=full,
                                      lookahead=spec.reach(index) + 1,
@@ -381,7 +392,7 @@ class Engine:
                 raise ValueError(f"batched generation: the {name}'s RoPE is dynamic NTK, whose frequencies depend on "
                                  "each request's length; generate one prompt at a time (--max-batch 1)")
         other = copy.copy(self)
-        other._full, other._full_tokens, other.placement, other.last_stats = None, [], None, None
+        other._full, other._full_tokens, other.placement, other.last_stats, other._retrieval = None, [], None, None, None
         return other
 
     # ------------------------------------------------------------------ generation

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from .blockcodes import blockcode_linear, blockcode_linear_q8
 from .caches import KVCache, RaggedCache
 from .config import ModelConfig
+from .cudagraph import graphs_apply, run_graphed
+from .defaults import DEFAULTS
 from .kernels import LINEAR_MAX_ROWS, f32_beats_onednn, f32_linear, f32_one_row_pays, rms_norm
 from .rope import RotaryEmbedding, apply_rope
 
@@ -188,6 +190,8 @@ class Transformer(nn.Module):
         self.compile_mode: str | None = None  # set by compile_blocks (lower-precision copies compile their own MLPs)
         # (x, cos, sin, cache) -> hidden state after the last layer, or None: set on int8 copies (quant.py)
         self.decode_step = None
+        # replay fixed-shape forwards as CUDA graphs on a GPU (cudagraph.py; --cuda-graphs)
+        self.cuda_graphs = DEFAULTS["cuda_graphs"] == "on"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -216,6 +220,9 @@ class Transformer(nn.Module):
                 num_logits: int | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run the model on a block of tokens, reading and extending ``cache``.
 
+        On a GPU with :attr:`cuda_graphs` set, a forward whose cache keeps its shapes from step to step (the retrieval
+        tier's) replays a CUDA graph of it (``cudagraph.py``): the same kernels and logits, one launch.
+
         Args:
             input_ids: (B, T) int64 token ids.
             positions: (T,) int64 absolute positions, ``cache.length .. cache.length + T - 1``.
@@ -232,6 +239,17 @@ class Transformer(nn.Module):
         if self.rope is None:
             self.rope = RotaryEmbedding(self.cfg, device=self.device)
         cache.begin_forward(positions)
+        key = cache.graph_key() if rows is None and graphs_apply(self, cache) else None
+        logits = None if key is None else run_graphed(self, cache, key, input_ids, positions, num_logits)
+        if logits is None:
+            logits = self.forward_begun(input_ids, positions, cache, num_logits, rows)
+        cache.end_forward()
+        return logits
+
+    def forward_begun(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                      num_logits: int | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`forward` between ``cache.begin_forward`` and ``cache.end_forward``, which the caller makes (what a
+        CUDA graph captures, ``cudagraph.py``); same arguments and result."""
         x = self.embed(input_ids)  # (B, T, d)
         cos, sin = self.rope.cos_sin(positions, x.dtype)  # (T, hs) each
         y = self.decode_step(x, cos, sin, cache) if self.decode_step is not None else None
@@ -240,7 +258,6 @@ class Transformer(nn.Module):
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, cache, i)
-        cache.end_forward()
         if rows is not None:
             x = x.index_select(1, rows)
         elif num_logits is not None:

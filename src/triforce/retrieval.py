@@ -151,6 +151,26 @@ class RetrievalCache(KVCache):
         self.length = 0
         self.synced = 0  # positions [build_len, synced) hold the full cache's KV
         self.builds = 0
+        # per block length T: (slot of each token (T,) int64, mask (T, budget) bool), refreshed in place by
+        # begin_forward so that a CUDA graph of a forward reads this step's (graph_key; cudagraph.py)
+        self._step_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.cuda_graphs: dict | None = {}  # cudagraph.py: this cache's captured forwards (None: off)
+
+    @classmethod
+    def reset_or_new(cls, previous: "RetrievalCache | None", cfg: ModelConfig, full: FullKVCache, budget: int,
+                     chunk_size: int, score: str = "mean", dtype: torch.dtype | None = None) -> "RetrievalCache":
+        """A cache for a new request: ``previous`` emptied and reading ``full`` where it was made with the same
+        arguments for a full cache of the same layout (its buffers, and the CUDA graphs captured over them, are
+        kept: ``cudagraph.py``), else a new one (same arguments and errors as the constructor)."""
+        same = (previous is not None and previous.cfg is cfg and (previous.budget, previous.chunk_size, previous.score)
+                == (budget, chunk_size, score) and previous.k.dtype == (dtype or full.k.dtype)
+                and previous.k.device == full.device and previous.k.shape[:3] == full.k.shape[:3])
+        if not same:
+            return cls(cfg, full, budget, chunk_size, score, dtype)
+        previous.full = full
+        previous.n_selected = previous._gen_from = previous.build_len = previous.length = previous.synced = 0
+        previous.builds = 0
+        return previous
 
     @property
     def generation_capacity(self) -> int:
@@ -262,7 +282,11 @@ class RetrievalCache(KVCache):
             raise CacheError(f"retrieval cache budget {self.budget} exhausted: {end - self.build_len} generated "
                              f"tokens since the last build; it must be rebuilt first")
         self._start, self._t = start, t
-        self._slot_idx = self._slots(positions)
+        if t not in self._step_buffers:
+            self._step_buffers[t] = (torch.empty(t, dtype=torch.long, device=self.k.device),
+                                     torch.empty((t, self.budget), dtype=torch.bool, device=self.k.device))
+        self._slot_idx, mask = self._step_buffers[t]
+        self._slot_idx.copy_(self._slots(positions))
         gen_end = end - self.build_len  # generated tokens held once the block is written
         first_gen_slot = self.budget - gen_end
         self._gen_from = first_gen_slot  # generated slots [first_gen_slot, budget) hold positions up to `end`
@@ -273,7 +297,13 @@ class RetrievalCache(KVCache):
         q_pos = positions[:, None]  # (T, 1)
         gen_pos = self.build_len + (self.budget - 1 - slot)  # position held by a generated slot
         is_gen = slot >= first_gen_slot
-        self._mask = torch.where(is_gen[None, :], gen_pos[None, :] <= q_pos, (slot < self.n_selected)[None, :].expand(t, -1))
+        self._mask = mask.copy_(torch.where(is_gen[None, :], gen_pos[None, :] <= q_pos,
+                                            (slot < self.n_selected)[None, :].expand(t, -1)))
+
+    def graph_key(self) -> tuple:
+        """(T, whether the block has a mask): the budget is fixed, and begin_forward refreshes the slot and mask
+        buffers of each T in place (see :meth:`~triforce.caches.KVCache.graph_key`)."""
+        return self._t, self._mask is None
 
     def one_query_rows(self):
         if self.k.shape[1] != 1:

@@ -69,6 +69,7 @@ def load_from_args(args: argparse.Namespace, tp=None):
                        threads="auto" if args.threads is None else args.threads)
     if args.compile:
         tf.compile(args.compile)
+    tf.set_cuda_graphs(args.cuda_graphs == "on")
     return tf
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..defaults import (COMPILE_MODES, DEFAULTS, DTYPE_NAMES, LOWER_KV_DTYPES, LOWER_WEIGHTS, PACKED_WEIGHTS,
+from ..defaults import (COMPILE_MODES, CUDA_GRAPHS, DEFAULTS, DTYPE_NAMES, LOWER_KV_DTYPES, LOWER_WEIGHTS, PACKED_WEIGHTS,
                         SELF_WEIGHTS, default)
 from ..hierarchy import MODES, SpeculationConfig
 from ..retrieval import CHUNK_SCORES
@@ -93,6 +93,9 @@ _ALL = [  # by the kind of value; the groups of each subcommand are the tuples b
                                "the free memory)", choices=PACKED_WEIGHTS),
     Option("--compile", "torch.compile each block's norms and MLP (reduce-overhead: CUDA graphs on GPUs); the first "
                         "steps are slow while kernels compile", choices=COMPILE_MODES),
+    Option("--cuda-graphs", "on a GPU, replay the forwards that keep their shapes (the retrieval tier's decode steps "
+                            "and verification blocks) as CUDA graphs: the same kernels, one launch (default {default}: "
+                            "not yet run on a GPU)", choices=CUDA_GRAPHS),
     Option("--mode", "auto (default: the hierarchy is chosen per request and bypassed while it does not pay), "
                      "autoregressive, retrieval, draft, triforce", choices=MODES),
     Option("--self-weights", "weights of the --draft self tier (default {default})", choices=SELF_WEIGHTS),
@@ -116,6 +119,7 @@ _ALL = [  # by the kind of value; the groups of each subcommand are the tuples b
 OPTIONS: dict[str, Option] = {o.dest: o for o in _ALL}
 #: the groups of ``generate`` and ``serve``, by title
 MODEL_OPTIONS = ("model", "draft", "dtype", "device", "threads", "kv_dtype", "quantize", "packed_weights", "compile",
+                 "cuda_graphs",
                  "offload_kv", "on_chip_layers", "tp")
 SAMPLING_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 SPECULATION_OPTIONS = ("mode", "self_weights", "gamma1", "gamma2", "budget", "chunk_size", "chunk_score", "stop_below",
