@@ -22,8 +22,8 @@ Stages (``--stages``, all by default, run in this order):
 6. ``latency``: per-tier step latency of a Llama-2-7B-shaped synthetic model (random weights, caches filled with
    random KV, no prefill; labelled synthetic) with a synthetic llama-68m draft, in bf16, at 32K, 64K and 120K
    tokens, with the full cache on the GPU, and at ``--offload-contexts`` (32K) offloaded to pinned host memory
-   (streamed layer by layer with one layer of prefetch). The retrieval tier's forwards with CUDA graphs
-   (``--cuda-graphs on``) and eager (off).
+   (streamed layer by layer with one layer of prefetch). The retrieval tier's and the draft's forwards with CUDA
+   graphs (``--cuda-graphs on``) and eager (off).
 
 The JSON is rewritten after each stage, so a run stopped by its time limit keeps what it finished.
 
@@ -51,7 +51,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from triforce import cudagraph  # noqa: E402
-from triforce.caches import FullKVCache, StreamingCache  # noqa: E402
+from triforce.caches import FullKVCache  # noqa: E402
+from triforce.streaming import StreamingCache  # noqa: E402
 from triforce.retrieval import RetrievalCache  # noqa: E402
 from triforce.engine import Engine, SpeculationConfig  # noqa: E402
 from triforce.sampling import SamplingParams, logits_to_probs  # noqa: E402
@@ -376,9 +377,11 @@ def latencies(device: torch.device, contexts: list[int], layers: int, dtype: tor
                 del cache
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-            sc = StreamingCache(dcfg, 16, 240, 64, draft.rope, dtype, device)
-            fill_random_kv(sc, n)
-            row["draft_step_s"], row["draft_step_spread_s"] = _time_forward(draft, sc, n, 1, reps)
+            for graphs, suffix in ((True, ""), (False, "_eager")):  # --cuda-graphs on (fixed-shape cache), then off
+                draft.cuda_graphs = graphs
+                sc = StreamingCache(dcfg, 16, 240, 64, draft.rope, dtype, device, fixed_shape=graphs)
+                fill_random_kv(sc, n)
+                row[f"draft_step{suffix}_s"], row[f"draft_step{suffix}_spread_s"] = _time_forward(draft, sc, n, 1, reps)
         except (RuntimeError, MemoryError) as e:  # e.g. out of (pinned) memory at 120K: say so, keep going
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
@@ -451,15 +454,16 @@ def main() -> int:
         print(f"\n{hw}, synthetic llama2-7b ({lat['layers']} of 32 layers, random weights and KV), {lat['dtype']}, "
               f"ms per forward (median of {args.reps})\n")
         print("| context | full decode | full pass (7) | offloaded decode | offloaded pass (7) | retrieval decode "
-              "(4096) | retrieval pass (5) | retrieval decode, eager | retrieval pass, eager | draft step |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "(4096) | retrieval pass (5) | retrieval decode, eager | retrieval pass, eager | draft step | draft step, "
+              "eager |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in lat["rows"]:
         if "error" in r and "full_decode_s" not in r:
             print(f"| {r['context']} | {r['error']} |")
             continue
         cells = [r.get(k) for k in ("full_decode_s", "full_pass_s", "full_offloaded_decode_s", "full_offloaded_pass_s",
                                     "retrieval_decode_s", "retrieval_pass_s", "retrieval_decode_eager_s",
-                                    "retrieval_pass_eager_s", "draft_step_s")]
+                                    "retrieval_pass_eager_s", "draft_step_s", "draft_step_eager_s")]
         print(f"| {r['context']} | " + " | ".join("-" if c is None else f"{1000 * c:.2f}" for c in cells) + " |")
     print(f"\nchecks {'passed' if ok else 'FAILED'}; {result['seconds']:.0f} s; JSON: {args.out}")
     return 0 if ok else 1

@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triforce.caches import FullKVCache, StreamingCache
+from triforce.caches import FullKVCache
+from triforce.streaming import StreamingCache
 from triforce.retrieval import RetrievalCache
 from triforce.config import ModelConfig
 from triforce.rope import RotaryEmbedding, apply_rope

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from triforce.caches import FullKVCache, StreamingCache
+from triforce.caches import FullKVCache
+from triforce.streaming import StreamingCache
 from triforce.retrieval import RetrievalCache
 from triforce.config import ModelConfig
 from triforce.lab.costmodel import expected_tokens, measure_tier_latencies, predict

@@ -20,6 +20,7 @@ from triforce import cudagraph
 from triforce.caches import FullKVCache
 from triforce.engine import Engine, SpeculationConfig
 from triforce.retrieval import RetrievalCache
+from triforce.streaming import StreamingCache
 from triforce.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
@@ -99,31 +100,64 @@ def test_graphs_are_off_where_they_do_not_apply(stand_in):
     assert stand_in.captures == stand_in.replays == 0
 
 
-def test_retrieval_cache_forwards_with_one_key_use_the_same_storage():
-    """The promise a graph relies on: the slot indices and the mask each forward of a key reads are the same
-    tensors, refreshed in place, with this forward's values."""
-    target, draft = pair(seed=3)
+def test_forwards_with_one_graph_key_use_the_same_storage(stand_in, monkeypatch):
+    """The promise a graph relies on: the slot indices, mask and sink rotation each forward of a key reads are the
+    same tensors, refreshed in place, with this forward's values (retrieval and StreamingLLM caches; the stand-in
+    re-runs each replayed forward, so every step's values are checked)."""
+    target, draft = _graphed_pair()
     engine = Engine(target, draft)
     seen: dict[tuple, set] = {}
-    original = RetrievalCache.attend
+    attends = {cls: cls.attend for cls in (RetrievalCache, StreamingCache)}
 
-    def attend(self, layer, q, k, v, q_pre):
+    def retrieval(self, layer, q, k, v, q_pre):
         mask = self._mask
-        ptrs = (self.k.data_ptr(), self.v.data_ptr(), self._slot_idx.data_ptr(), None if mask is None else mask.data_ptr())
-        seen.setdefault((id(self), self.graph_key()), set()).add(ptrs)
+        ptrs = (self.k.data_ptr(), self._slot_idx.data_ptr(), None if mask is None else mask.data_ptr())
+        seen.setdefault(("retrieval", id(self), self.graph_key()), set()).add(ptrs)
         expected = self.budget - 1 - (torch.arange(self._start, self._start + self._t) - self.build_len)
-        assert torch.equal(self._slot_idx.cpu(), expected)
-        return original(self, layer, q, k, v, q_pre)
+        assert torch.equal(self._slot_idx, expected)
+        return attends[RetrievalCache](self, layer, q, k, v, q_pre)
 
-    RetrievalCache.attend = attend
-    try:
-        for spec in SPECS:
-            engine.generate(_prompt(70), max_new_tokens=30, sampling=GREEDY, spec=spec)
-    finally:
-        RetrievalCache.attend = original
-    keys = {key for _, key in seen}
-    assert (1, True) in keys and (3, False) in keys  # decode steps without a mask, triforce's blocks with one
+    def streaming(self, layer, q, k, v, q_pre):
+        if self._fixed is not None:
+            seen.setdefault(("streaming", id(self), self.graph_key()), set()).add(
+                (self.k.data_ptr(),) + tuple(t.data_ptr() for t in self._fixed))
+            slots, mask = self._fixed[:2]
+            assert torch.equal(slots, torch.arange(self._slot_lo, self._slot_lo + self._t))
+            n = self._n_sink + self._n_win
+            assert torch.equal(mask[:, :n], self._mask) and not mask[:, n:].any()
+        return attends[StreamingCache](self, layer, q, k, v, q_pre)
+
+    monkeypatch.setattr(RetrievalCache, "attend", retrieval)
+    monkeypatch.setattr(StreamingCache, "attend", streaming)
+    for spec in SPECS:
+        engine.generate(_prompt(70), max_new_tokens=30, sampling=GREEDY, spec=spec)
+    keys = {(kind, key) for kind, _, key in seen}
+    # decode steps without a mask and triforce's blocks with one; the draft's steps
+    assert {("retrieval", (1, True)), ("retrieval", (3, False)), ("streaming", (1,))} <= keys
     assert all(len(ptrs) == 1 for ptrs in seen.values())
+
+
+@pytest.mark.parametrize("sink", [0, 4])
+def test_fixed_shape_streaming_attention_equals_the_sliced_one(sink):
+    """StreamingCache(fixed_shape=True) attends over every slot with the others masked out: the draft's logits
+    equal the sliced cache's within fp32 rounding, through prefill, decode steps, blocks, rollbacks and
+    evictions."""
+    _, draft = pair(seed=3)
+    caches = [StreamingCache(draft.cfg, sink, 12, 8, draft.rope, fixed_shape=f) for f in (False, True)]
+    g = torch.Generator().manual_seed(1)
+    pos = 0
+    for step in range(40):
+        t = 9 if step == 0 else int(torch.randint(1, 4, (1,), generator=g))
+        ids = torch.randint(3, 96, (1, t), generator=g)
+        for c in caches:
+            c.floor = pos  # no rollback below the block's start (what the tiers promise)
+        outs = [draft(ids, torch.arange(pos, pos + t), c) for c in caches]
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+        keep = pos + t - (int(torch.randint(0, t, (1,), generator=g)) if step % 3 == 0 else 0)
+        for c in caches:
+            c.rollback(keep)
+        pos = keep
+    assert caches[1]._fixed is not None and caches[0]._fixed is None
 
 
 def test_replayed_logits_equal_eager_ones_and_outlive_the_next_replay(stand_in):
@@ -172,14 +206,15 @@ def test_a_failed_capture_turns_graphs_off_for_the_cache_and_keeps_the_tokens(mo
 
 
 def test_the_next_request_reuses_the_retrieval_cache_and_its_graphs(stand_in):
-    """A request with the same retrieval settings gets the last request's cache (reset) and replays its graphs: no
-    capture the second time, the same tokens."""
+    """A request with the same retrieval settings gets the last request's cache (reset) and replays its graphs (the
+    same captured forwards, none added), the same tokens."""
     target, draft = _graphed_pair()
     engine = Engine(target, draft)
     prompt = _prompt(70)
     first, _ = engine.generate(prompt, max_new_tokens=20, sampling=GREEDY, spec=SPECS[1])
-    kept, captures = engine.retrieval_cache, stand_in.captures
+    kept = engine.retrieval_cache
+    graphs = dict(kept.cuda_graphs)
     second, _ = engine.generate(prompt, max_new_tokens=20, sampling=GREEDY, spec=SPECS[1])
-    assert second == first and engine.retrieval_cache is kept and stand_in.captures == captures
+    assert second == first and engine.retrieval_cache is kept and kept.cuda_graphs == graphs and graphs
     engine.generate(prompt, max_new_tokens=20, sampling=GREEDY, spec=replace(SPECS[1], budget=32))
     assert engine.retrieval_cache is not kept  # another budget: a new cache

@@ -7,11 +7,11 @@ Three policies, one interface (:class:`KVCache`):
   simply overwritten and rollback is O(1).
 * :class:`~triforce.retrieval.RetrievalCache` a budget of slots filled from the full cache by chunk retrieval (TriForce,
   arXiv 2404.11912, Sec. 4.1): the target model with this cache is the middle tier (tier 1).
-* :class:`StreamingCache` attention sinks + a recent window (StreamingLLM, arXiv 2309.17453): the tiny draft
-  model's cache (tier 0).
+* :class:`~triforce.streaming.StreamingCache` attention sinks + a recent window (StreamingLLM, arXiv 2309.17453): the
+  tiny draft model's cache (tier 0).
 
 Every cache stores keys after RoPE at their absolute positions, and every query is rotated at its true
-absolute position, except for the StreamingLLM sinks (see :class:`StreamingCache`).
+absolute position, except for the StreamingLLM sinks (see :class:`~triforce.streaming.StreamingCache`).
 
 The model calls, for one forward of T tokens at positions ``positions`` (T,) int64::
 
@@ -26,14 +26,12 @@ repeating keys: the g = nh // nkv query heads of a KV head are stacked along the
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 
 import torch
 
 from .config import ModelConfig
 from .kernels import gqa_attention_kernel
-from .rope import apply_rope
 from .sdpa import gqa_attention, lower_right_attention
 
 
@@ -349,145 +347,3 @@ class FullKVCache(KVCache):
         if not 0 <= i < self.queries[0].shape[2]:
             raise CacheError(f"full KV cache: no recorded query for position {position}")
         return torch.stack([q[:, :, i] for q in self.queries])
-
-
-class StreamingCache(KVCache):
-    """StreamingLLM cache (Xiao et al., arXiv 2309.17453): ``sink`` first tokens + a ``window`` of recent tokens.
-
-    Policy: a query at position t attends to the sinks (positions < sink) and to the window (t - window, t].
-    Evicted tokens are dropped from memory in batches; ``slack`` extra slots keep the tokens a rollback may still
-    need (a rejected speculation block) and the block being written.
-
-    Position scheme (StreamingLLM's, positions inside the cache): the cache is [sinks, window] with in-cache
-    positions 0..sink+window-1 and the query last. Window keys then keep their true distance to the query
-    (t - p), so they are stored rotated at their absolute positions and the query is rotated at t; only the sinks
-    move: their distance becomes ``min(t, sink + window - 1) - p``, obtained by rotating the query a second time, at
-    ``min(t, sink + window - 1)``, for the sink scores. A draft model trained on short contexts thus never sees a
-    relative distance above ``sink + window - 1``, however long the prompt.
-
-    Args:
-        cfg: the draft model's configuration.
-        sink: attention-sink tokens kept (>= 0).
-        window: recent tokens kept (>= 1).
-        slack: extra slots: at least the largest block written at once plus the deepest rollback.
-        rope: the draft model's :class:`~triforce.rope.RotaryEmbedding` (re-rotates queries for the sinks).
-        dtype, device, batch: storage.
-
-    Raises:
-        ValueError: sink < 0 or window < 1.
-        CacheError: (rollback) the window tokens the next query needs were already dropped.
-    """
-
-    def __init__(self, cfg: ModelConfig, sink: int, window: int, slack: int, rope, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", batch: int = 1) -> None:
-        if sink < 0:
-            raise ValueError(f"draft_sink must be >= 0, got {sink}")
-        if window < 1:
-            raise ValueError(f"draft_window must be >= 1, got {window}")
-        self.sink, self.window, self.slack, self.rope = sink, window, slack, rope
-        self.groups = cfg.num_kv_groups
-        self.capacity = sink + window + slack
-        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.length = 0
-        self.win_start = sink  # absolute position held by slot `sink`
-        self.floor = 0  # no rollback below this position will be asked for
-
-    def _slot(self, p: int) -> int:
-        return p if p < self.sink else self.sink + p - self.win_start
-
-    def begin_forward(self, positions: torch.Tensor) -> None:
-        start, t = self._check_block(positions)
-        end = start + t
-        if self._slot(end - 1) >= self.capacity:  # drop window tokens no query or rollback can need
-            keep_from = max(self.win_start, min(self.floor, start) - self.window)
-            n_keep = start - keep_from
-            if self.sink + n_keep + t > self.capacity:
-                raise CacheError(f"StreamingLLM cache: a block of {t} tokens does not fit (capacity {self.capacity}, "
-                                 f"{n_keep} window tokens still needed)")
-            src = self._slot(keep_from)
-            if src > self.sink and n_keep > 0:
-                self.k[:, :, :, self.sink:self.sink + n_keep] = self.k[:, :, :, src:src + n_keep].clone()
-                self.v[:, :, :, self.sink:self.sink + n_keep] = self.v[:, :, :, src:src + n_keep].clone()
-            self.win_start = keep_from
-        self._start, self._t = start, t
-        dev = self.k.device
-        n_sink = min(self.sink, end)
-        self._n_sink = n_sink
-        self._n_win = max(0, end - max(self.win_start, self.sink))
-        win_pos = torch.arange(self.win_start, self.win_start + self._n_win, device=dev)
-        sink_pos = torch.arange(n_sink, device=dev)
-        q_pos = positions[:, None]
-        sink_mask = sink_pos[None, :] <= q_pos  # (T, n_sink)
-        win_mask = (win_pos[None, :] <= q_pos) & (win_pos[None, :] > q_pos - self.window)  # (T, n_win)
-        # (g*T, n_sink + n_win): the g query heads of a KV head are stacked along time, as in gqa_attention
-        self._mask = torch.cat([sink_mask, win_mask], dim=1).repeat(self.groups, 1)
-        # query re-rotation for the sink scores: from t to min(t, sink + window - 1)
-        sink_q_pos = torch.clamp(positions, max=self.sink + self.window - 1)
-        self._sink_rope = self.rope.cos_sin(sink_q_pos, self.k.dtype) if n_sink else None
-        self._slot_lo = self._slot(start)
-
-    def attend(self, layer, q, k, v, q_pre):
-        t = self._t
-        self.k[layer, :, :, self._slot_lo:self._slot_lo + t] = k
-        self.v[layer, :, :, self._slot_lo:self._slot_lo + t] = v
-        ns, nw = self._n_sink, self._n_win
-        # slots [0, ns) hold the sinks and [sink, sink + nw) the window; nw > 0 only once every sink is in (ns == sink),
-        # so the visible keys and values are the contiguous slots [0, ns + nw): no copy
-        n = ns + nw
-        keys, vals = self.k[layer, :, :, :n], self.v[layer, :, :, :n]  # (B, nkv, ns + nw, hs)
-        b, nh, _, hs = q.shape
-        nkv = k.shape[1]
-        g = nh // nkv
-        scale = 1.0 / math.sqrt(hs)
-        out_dtype, q, q_pre = q.dtype, q.to(self.k.dtype), q_pre.to(self.k.dtype)  # attend in the cache's dtype
-        scores = q.reshape(b, nkv, g * t, hs) @ keys.transpose(-1, -2)  # (B, nkv, g*T, ns + nw)
-        if ns:  # the sinks are scored by the query re-rotated at its in-cache position
-            q_sink = apply_rope(q_pre, *self._sink_rope).reshape(b, nkv, g * t, hs)
-            scores[..., :ns] = q_sink @ keys[:, :, :ns].transpose(-1, -2)
-        scores = scores.float() * scale
-        scores = scores.masked_fill(~self._mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out = probs @ vals  # (B, nkv, g*T, hs)
-        return out.view(b, nh, t, hs).to(out_dtype)
-
-    def end_forward(self) -> None:
-        self.length = self._start + self._t
-
-    def rollback(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise CacheError(f"StreamingLLM cache: cannot roll back to {length} (length {self.length})")
-        needed_from = max(self.sink, length - self.window + 1)
-        if length > self.sink and self.win_start > needed_from:
-            raise CacheError(f"StreamingLLM cache: cannot roll back to {length}: window tokens from {needed_from} "
-                             f"were already dropped (kept from {self.win_start}); raise the cache's slack")
-        self.length = length
-
-    def skip_to(self, position: int) -> None:
-        """Continue at ``position`` without the tokens before it past the sinks (they are never computed).
-
-        For a long prompt only the sinks and the last tokens matter to a StreamingLLM cache: the window keeps the
-        most recent ``window`` tokens, whose keys and values depend on earlier tokens only through the windowed
-        attention of the layers below. Skipping the middle of the prompt changes a drafter's proposals slightly, its
-        exactness not at all (the tier above verifies every token). Nothing below ``position`` can be rolled back to.
-
-        Raises:
-            CacheError: ``position`` before the current length, or the sinks not yet filled.
-        """
-        if position < self.length or self.length < min(self.sink, position):
-            raise CacheError(f"StreamingLLM cache: cannot skip to {position} (length {self.length}, "
-                             f"{self.sink} sinks)")
-        self.length = self.win_start = self.floor = position
-
-    def visible_positions(self, query_position: int) -> list[int]:
-        """Positions a query at ``query_position`` (== length) would attend to, excluding itself (for tests)."""
-        t = query_position
-        sinks = list(range(min(self.sink, self.length)))
-        lo = max(self.win_start, self.sink, t - self.window + 1)
-        return sinks + list(range(lo, self.length))
-
-    def key_at(self, layer: int, position: int) -> torch.Tensor:
-        """Stored key (B, nkv, hs) of ``position`` in ``layer`` (for tests)."""
-        return self.k[layer, :, :, self._slot(position)]
-

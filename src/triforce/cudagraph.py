@@ -1,4 +1,4 @@
-"""Fixed-shape forwards replayed as CUDA graphs: the retrieval tier's decode steps and verification blocks on a GPU.
+"""Fixed-shape forwards replayed as CUDA graphs: the retrieval and draft tiers' steps and blocks on a GPU.
 
 On an H200 a Llama-2-7B forward of one token spent about 18 ms launching its kernels one by one from Python, whatever
 the cache (the retrieval tier's step over 4,096 slots cost 18.8-23.8 ms, the full cache's decode step over 32K-120K
@@ -9,9 +9,12 @@ code captures its draft and retrieval forwards and gpt-fast does through ``torch
 
 Which forwards: those whose cache gives a key (:meth:`~triforce.caches.KVCache.graph_key`) after ``begin_forward``,
 promising that every ``attend`` of that forward reads and writes only tensors that keep their storage (its KV buffers
-and the index and mask buffers ``begin_forward`` refreshes in place) with the same shapes. The retrieval cache's
-forwards qualify (its budget of slots is fixed); the full cache's and StreamingLLM's do not (their visible length
-changes every step). A graph replays the very kernels the eager forward runs, on the same inputs: the logits are the
+and the index and mask buffers ``begin_forward`` refreshes in place) with the same shapes, for blocks of up to
+``MAX_GRAPH_TOKENS`` tokens. The retrieval cache's forwards qualify (its budget of slots is fixed), and so do those
+of a StreamingLLM cache built with ``fixed_shape=True`` (it then attends over all its slots, the invisible ones masked
+out; the engine builds it so for a model with graphs on, :func:`model_graphs_apply`); the full cache's do not (its
+length grows every step). The engine keeps the last request's retrieval cache with its graphs for the next request
+(``RetrievalCache.reset_or_new``). A graph replays the very kernels the eager forward runs, on the same inputs: the logits are the
 eager ones, so greedy equality and the exact-distribution guarantee are untouched (``bench/gpu_check.py --stages
 greedy`` checks it on a GPU).
 
@@ -31,6 +34,8 @@ import torch
 #: devices where forwards are captured (tests widen it to run the capture and replay code on a CPU, with a stand-in
 #: ``BACKEND``)
 GRAPH_DEVICES = ("cuda",)
+#: longest block a cache offers a graph for (decode steps and verification blocks; prefill chunks run eagerly)
+MAX_GRAPH_TOKENS = 16
 #: graphs kept per cache (a forward key beyond them runs eagerly): T = 1 and the verification blocks of a few gammas
 MAX_GRAPHS_PER_CACHE = 16
 #: eager runs on a side stream before a capture (cuBLAS and SDPA set up their workspaces outside the graph)
@@ -77,10 +82,16 @@ class Backend:
 BACKEND = Backend()
 
 
+def model_graphs_apply(model) -> bool:
+    """Whether ``model``'s fixed-shape forwards may replay CUDA graphs (see the module docstring): a cache built for
+    it should then offer them (``StreamingCache(fixed_shape=True)``)."""
+    return (bool(getattr(model, "cuda_graphs", False)) and model.device.type in GRAPH_DEVICES and model.tp is None
+            and model.compile_mode is None)
+
+
 def graphs_apply(model, cache) -> bool:
     """Whether ``model``'s forward over ``cache`` may replay a CUDA graph (see the module docstring)."""
-    return (getattr(model, "cuda_graphs", False) and model.device.type in GRAPH_DEVICES and model.tp is None
-            and model.compile_mode is None and getattr(cache, "cuda_graphs", None) is not None)
+    return model_graphs_apply(model) and getattr(cache, "cuda_graphs", None) is not None
 
 
 def run_graphed(model, cache, key: tuple, input_ids: torch.Tensor, positions: torch.Tensor,

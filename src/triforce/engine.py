@@ -34,7 +34,9 @@ from typing import Callable, Generator
 import torch
 
 from .auto import SpeedGovernor, plan_hierarchy
-from .caches import FullKVCache, StreamingCache
+from .caches import FullKVCache
+from .cudagraph import model_graphs_apply
+from .streaming import StreamingCache
 from .defaults import DEFAULTS, SELF_WEIGHTS  # noqa: F401  (SELF_WEIGHTS re-exported)
 from .hierarchy import (DRAFTER_KINDS, MAX_SEED, MODES, TIER_KINDS,  # noqa: F401  (re-exported)
                         SpeculationConfig, _positive_int)
@@ -320,7 +322,7 @@ class Engine:
                     d, kv = self.lower_model(self.target, spec.self_weights), self.kv_dtype
                 kv = KV_DTYPES[spec.lower_kv_dtype] if spec.lower_kv_dtype else kv
                 cache = StreamingCache(d.cfg, spec.draft_sink, spec.draft_window, plan.streaming_extra, d.rope, kv,
-                                       d.device)
+                                       d.device, fixed_shape=model_graphs_apply(d))
                 node = StreamingTier(kind, d, cache, drafter=drafter, gamma=gamma,
                                      prefill_chunk=DRAFT_PREFILL_CHUNK, verify_fn=verify, **adaptive, **common)
             else:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .caches import CacheError, FullKVCache, KVCache
+from .cudagraph import MAX_GRAPH_TOKENS
 from .sdpa import gqa_attention
 from .kernels import gqa_attention_kernel, merge_attention
 from .config import ModelConfig
@@ -282,11 +283,15 @@ class RetrievalCache(KVCache):
             raise CacheError(f"retrieval cache budget {self.budget} exhausted: {end - self.build_len} generated "
                              f"tokens since the last build; it must be rebuilt first")
         self._start, self._t = start, t
-        if t not in self._step_buffers:
-            self._step_buffers[t] = (torch.empty(t, dtype=torch.long, device=self.k.device),
-                                     torch.empty((t, self.budget), dtype=torch.bool, device=self.k.device))
-        self._slot_idx, mask = self._step_buffers[t]
-        self._slot_idx.copy_(self._slots(positions))
+        if t > MAX_GRAPH_TOKENS:  # a long catch-up block: no graph, fresh tensors
+            self._slot_idx, mask = self._slots(positions), torch.empty((t, self.budget), dtype=torch.bool,
+                                                                      device=self.k.device)
+        else:
+            if t not in self._step_buffers:
+                self._step_buffers[t] = (torch.empty(t, dtype=torch.long, device=self.k.device),
+                                         torch.empty((t, self.budget), dtype=torch.bool, device=self.k.device))
+            self._slot_idx, mask = self._step_buffers[t]
+            self._slot_idx.copy_(self._slots(positions))
         gen_end = end - self.build_len  # generated tokens held once the block is written
         first_gen_slot = self.budget - gen_end
         self._gen_from = first_gen_slot  # generated slots [first_gen_slot, budget) hold positions up to `end`
@@ -300,10 +305,11 @@ class RetrievalCache(KVCache):
         self._mask = mask.copy_(torch.where(is_gen[None, :], gen_pos[None, :] <= q_pos,
                                             (slot < self.n_selected)[None, :].expand(t, -1)))
 
-    def graph_key(self) -> tuple:
+    def graph_key(self) -> tuple | None:
         """(T, whether the block has a mask): the budget is fixed, and begin_forward refreshes the slot and mask
-        buffers of each T in place (see :meth:`~triforce.caches.KVCache.graph_key`)."""
-        return self._t, self._mask is None
+        buffers of each T in place (see :meth:`~triforce.caches.KVCache.graph_key`); None above
+        ``MAX_GRAPH_TOKENS`` tokens."""
+        return (self._t, self._mask is None) if self._t <= MAX_GRAPH_TOKENS else None
 
     def one_query_rows(self):
         if self.k.shape[1] != 1:

@@ -37,7 +37,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from .caches import CacheError, FullKVCache, KVCache, StreamingCache
+from .caches import CacheError, FullKVCache, KVCache
+from .streaming import StreamingCache
 from .retrieval import RetrievalCache
 from .model import Transformer
 from .sampling import SamplingParams, logits_to_probs
@@ -404,10 +405,10 @@ class RetrievalTier(ModelTier):
 
 
 class StreamingTier(ModelTier):
-    """Tier 0: a small model (or the target's quantized copy) over a :class:`~triforce.caches.StreamingCache`.
+    """Tier 0: a small model (or the target's quantized copy) over a :class:`~triforce.streaming.StreamingCache`.
 
     Prefill feeds the sinks and the last ``PREFILL_WINDOWS`` windows of the prompt, skipping the middle
-    (:meth:`~triforce.caches.StreamingCache.skip_to`): a StreamingLLM cache keeps only those, so a long prompt costs
+    (:meth:`~triforce.streaming.StreamingCache.skip_to`): a StreamingLLM cache keeps only those, so a long prompt costs
     the drafter a few hundred tokens instead of all of them. This changes proposals slightly, never the output.
     """
 

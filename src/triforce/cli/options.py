@@ -93,9 +93,9 @@ _ALL = [  # by the kind of value; the groups of each subcommand are the tuples b
                                "the free memory)", choices=PACKED_WEIGHTS),
     Option("--compile", "torch.compile each block's norms and MLP (reduce-overhead: CUDA graphs on GPUs); the first "
                         "steps are slow while kernels compile", choices=COMPILE_MODES),
-    Option("--cuda-graphs", "on a GPU, replay the forwards that keep their shapes (the retrieval tier's decode steps "
-                            "and verification blocks) as CUDA graphs: the same kernels, one launch (default {default}: "
-                            "not yet run on a GPU)", choices=CUDA_GRAPHS),
+    Option("--cuda-graphs", "on a GPU, replay the forwards that keep their shapes (the retrieval and draft tiers' "
+                            "decode steps and verification blocks) as CUDA graphs: the same kernels, one launch "
+                            "(default {default}: not yet run on a GPU)", choices=CUDA_GRAPHS),
     Option("--mode", "auto (default: the hierarchy is chosen per request and bypassed while it does not pay), "
                      "autoregressive, retrieval, draft, triforce", choices=MODES),
     Option("--self-weights", "weights of the --draft self tier (default {default})", choices=SELF_WEIGHTS),

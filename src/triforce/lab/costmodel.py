@@ -23,7 +23,8 @@ from typing import Callable
 
 import torch
 
-from ..caches import FullKVCache, StreamingCache, kv_bytes
+from ..caches import FullKVCache, kv_bytes
+from ..streaming import StreamingCache
 from ..retrieval import RetrievalCache
 from ..defaults import DEFAULTS
 from ..model import Transformer

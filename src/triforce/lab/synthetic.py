@@ -32,7 +32,8 @@ from types import SimpleNamespace
 
 import torch
 
-from ..caches import FullKVCache, StreamingCache
+from ..caches import FullKVCache
+from ..streaming import StreamingCache
 from ..retrieval import RetrievalCache
 from ..config import ModelConfig
 from ..model import Transformer
@@ -222,7 +223,7 @@ def fill_random_kv(cache, length: int, seed: int = 0) -> None:
     Per cache type:
 
     * :class:`~triforce.caches.FullKVCache`: slots [0, length) of every layer are filled.
-    * :class:`~triforce.caches.StreamingCache`: the sink slots and the recent window (positions
+    * :class:`~triforce.streaming.StreamingCache`: the sink slots and the recent window (positions
       ``[max(sink, length - window), length)``) are filled, as the StreamingLLM policy would keep them.
     * :class:`~triforce.retrieval.RetrievalCache`: built (chunk selection, TriForce Sec. 4.1) from its full cache,
       which must already hold ``length`` positions, with :func:`random_query` (seed ``seed``).
