@@ -304,6 +304,26 @@ def test_measure_tier_latencies_times_the_lower_copy_and_token_selection(monkeyp
         measure_tier_latencies(target, None, [50], budget=32, chunk_size=4, sampling=0.7)
 
 
+def test_measure_tier_latencies_times_the_lower_caches_in_their_dtype(monkeypatch):
+    """lower_kv (--lower-kv-dtype): the retrieval and draft caches timed are allocated in it, and their bytes say so."""
+    import triforce.lab.costmodel as cm
+
+    made = []
+    for name in ("RetrievalCache", "StreamingCache"):
+        monkeypatch.setattr(cm, name, lambda *a, _cls=getattr(cm, name), **k: made.append(_cls(*a, **k)) or made[-1])
+    target, draft = random_model(tiny_cfg(), seed=0), random_model(tiny_cfg(num_hidden_layers=1), seed=1)
+    kw = dict(gamma1=2, gamma2=3, budget=32, chunk_size=4, draft_sink=4, draft_window=16, reps=1)
+    low = measure_tier_latencies(target, draft, [50], lower_kv=torch.bfloat16, **kw)[0]
+    assert [c.k.dtype for c in made] == [torch.bfloat16, torch.bfloat16]
+    plain = measure_tier_latencies(target, draft, [50], **kw)[0]
+    assert [c.k.dtype for c in made[2:]] == [torch.float32, torch.float32]
+    for key in ("retrieval_kv", "draft_kv"):
+        assert 2 * low["bytes"][key] == plain["bytes"][key] > 0
+    assert low["bytes"]["full_kv"] == plain["bytes"]["full_kv"]  # the verifier's cache keeps its dtype
+    with pytest.raises(ValueError, match="lower_kv must be a torch dtype"):
+        measure_tier_latencies(target, None, [50], budget=32, chunk_size=4, lower_kv="bfloat16")
+
+
 def test_observed_run_lengths_replace_the_independent_model():
     """Acceptance in runs: with the same rate, the observed run lengths give the tokens per verification exactly."""
     from triforce.lab.costmodel import accepted_length_distribution, predict

@@ -82,7 +82,7 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
                            budget: int = DEFAULTS["budget"], chunk_size: int = DEFAULTS["chunk_size"],
                            draft_sink: int = DEFAULTS["draft_sink"], draft_window: int = DEFAULTS["draft_window"],
                            reps: int = 5, progress: Callable[[int], None] | None = None,
-                           seed: int = 0, lower: Transformer | None = None,
+                           seed: int = 0, lower: Transformer | None = None, lower_kv: torch.dtype | None = None,
                            sampling: SamplingParams | None = None,
                            selection_logits: torch.Tensor | None = None) -> list[dict]:
     """Median latency of each tier's step at each context length, caches filled with random KV (no prefill).
@@ -143,6 +143,7 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
         lower: the copy of the target the tiers below the verifier run (``Engine.lower_model``: int8, int4 or block
             codes with int8 activations), timed for ``retrieval_decode`` and ``retrieval_pass``; None: the target.
             It must share the target's config (its retrieval cache is built from the target's full cache).
+        lower_kv: dtype of the retrieval and draft caches (``--lower-kv-dtype``); None: the models' dtypes.
         sampling: time each step's token selection with these parameters too (see above); None: forwards only.
         selection_logits: (R, V) fp32 logits the token selection works on instead of the forward's own (a step of
             t tokens takes the next t rows, cycling), e.g. :func:`text_logits`; None: the forward's.
@@ -164,11 +165,8 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
         raise ValueError(f"target must be a triforce Transformer, got {type(target).__name__}")
     if draft is not None and not isinstance(draft, Transformer):
         raise ValueError(f"draft must be a triforce Transformer or None, got {type(draft).__name__}")
-    if isinstance(contexts, (str, bytes)) or not hasattr(contexts, "__iter__"):
-        raise ValueError(f"contexts must be a list of integers >= 1, got {contexts!r}")
-    contexts = list(contexts)
-    if not contexts:
-        raise ValueError("contexts must list at least one context length")
+    if isinstance(contexts, (str, bytes)) or not hasattr(contexts, "__iter__") or not (contexts := list(contexts)):
+        raise ValueError(f"contexts must be a non-empty list of integers >= 1, got {contexts!r}")
     for n in contexts:
         _check_int("contexts", n, 1)
     for name, value, minimum in (("gamma1", gamma1, 1), ("gamma2", gamma2, 1), ("chunk_size", chunk_size, 1),
@@ -178,6 +176,8 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
     if lower is not None and (not isinstance(lower, Transformer) or lower.cfg != target.cfg):
         raise ValueError("lower must be a triforce Transformer with the target's config (a copy of its weights, "
                          f"Engine.lower_model), got {type(lower).__name__}")
+    if lower_kv is not None and not isinstance(lower_kv, torch.dtype):
+        raise ValueError(f"lower_kv must be a torch dtype or None, got {lower_kv!r}")
     if sampling is not None and not isinstance(sampling, SamplingParams):
         raise ValueError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
     if selection_logits is not None and (not isinstance(selection_logits, torch.Tensor) or selection_logits.dim() != 2
@@ -200,13 +200,13 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
         target.set_request_length(capacity)
         full = FullKVCache(cfg, capacity, target.dtype, dev)
         fill_random_kv(full, n, seed)
-        retrieval = RetrievalCache(cfg, full, budget, chunk_size)
+        retrieval = RetrievalCache(cfg, full, budget, chunk_size, dtype=lower_kv)
         fill_random_kv(retrieval, n, seed + 1)
         stream = None
         if draft is not None:
             draft.set_request_length(capacity)
-            slack = gamma1 + gamma2 + 4
-            stream = StreamingCache(draft.cfg, draft_sink, draft_window, slack, draft.rope, draft.dtype, draft.device)
+            stream = StreamingCache(draft.cfg, draft_sink, draft_window, gamma1 + gamma2 + 4, draft.rope,  # slack
+                                    lower_kv or draft.dtype, draft.device)
             fill_random_kv(stream, n, seed + 2)
 
         def ids(t: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,9 +266,9 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
             "target_weights": target.weight_bytes(),
             "lower_weights": low.weight_bytes(),
             "full_kv": kv_bytes(cfg, n, target.dtype),
-            "retrieval_kv": kv_bytes(cfg, budget, target.dtype),
+            "retrieval_kv": kv_bytes(cfg, budget, lower_kv or target.dtype),
             "draft_weights": draft.weight_bytes() if draft is not None else 0,
-            "draft_kv": kv_bytes(draft.cfg, min(n, draft_sink + draft_window), draft.dtype) if draft is not None else 0,
+            "draft_kv": kv_bytes(draft.cfg, min(n, draft_sink + draft_window), lower_kv or draft.dtype) if draft else 0,
         }
         results.append(row)
         del full, retrieval, stream, kinds

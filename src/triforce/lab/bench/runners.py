@@ -153,6 +153,8 @@ class _OursRunner:
 
     def predict(self, context: int, acceptance: dict, reps: int) -> dict:
         """The cost model's prediction for this method at ``context`` tokens (issue 4, item 2)."""
+        from ...engine import KV_DTYPES
+
         cm = _costmodel_module()
         s = self.spec
         draft = self.draft
@@ -160,9 +162,8 @@ class _OursRunner:
             draft = self.engine.lower_model(self.target, s.self_weights)
         elif draft is not None and s.lower_weights:  # the draft tier runs the draft's lower copy (Engine)
             draft = self.engine.lower_model(draft, s.lower_weights)
-        # one interleaved loop: the verifier's steps and the lower tiers' (their copy of the weights), each with its
-        # token selection under this method's sampling, as the engine runs them (the lower tiers' caches in the
-        # model's dtype: a lower_kv_dtype is not applied here)
+        # one interleaved loop: the verifier's steps and the lower tiers' (their copy of the weights, their caches'
+        # dtype), each with its token selection under this method's sampling, as the engine runs them
         lower = self.engine.lower_model(self.target, s.lower_weights) if s.lower_weights else None
         # the token selection works on real text's distributions: the last prompt tokens' (random KV gives flat ones)
         real = None
@@ -171,6 +172,7 @@ class _OursRunner:
         latencies = cm.measure_tier_latencies(self.target, draft, [context], gamma1=s.gamma1, gamma2=s.gamma2,
                                               budget=s.budget, chunk_size=s.chunk_size, draft_sink=s.draft_sink,
                                               draft_window=s.draft_window, reps=reps, progress=None, lower=lower,
+                                              lower_kv=KV_DTYPES[s.lower_kv_dtype] if s.lower_kv_dtype else None,
                                               sampling=self.sampling, selection_logits=real)[0]
         rates, lengths = acceptance_inputs(acceptance)
         pred = cm.predict(s.chain, latencies, rates, accepted_lengths=lengths)
