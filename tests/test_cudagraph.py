@@ -88,16 +88,23 @@ def test_graphed_retrieval_forwards_keep_greedy_equality(stand_in, spec):
 
 
 def test_graphs_are_off_where_they_do_not_apply(stand_in):
-    """--cuda-graphs off, and a device not in GRAPH_DEVICES: every forward eager."""
+    """--cuda-graphs off (which the lower tiers' int8 copy follows), and a device not in GRAPH_DEVICES: every forward
+    eager."""
     target, draft = _graphed_pair()
     engine = Engine(target, draft)
+    specs = (SPECS[0], replace(SPECS[0], lower_weights="int8"))
+    engine.generate(_prompt(70), max_new_tokens=12, sampling=GREEDY, spec=specs[1])
+    assert stand_in.captures > 0  # the int8 copy's forwards, with the target's setting
+    before = (stand_in.captures, stand_in.replays)
     target.cuda_graphs = False
-    engine.generate(_prompt(70), max_new_tokens=12, sampling=GREEDY, spec=SPECS[0])
-    assert stand_in.captures == stand_in.replays == 0
+    for spec in specs:
+        engine.generate(_prompt(70), max_new_tokens=12, sampling=GREEDY, spec=spec)
+    assert (stand_in.captures, stand_in.replays) == before
     target.cuda_graphs = True
     cudagraph.GRAPH_DEVICES = ("cuda",)  # monkeypatch restores it
-    engine.generate(_prompt(70), max_new_tokens=12, sampling=GREEDY, spec=SPECS[0])
-    assert stand_in.captures == stand_in.replays == 0
+    for spec in specs:
+        engine.generate(_prompt(70), max_new_tokens=12, sampling=GREEDY, spec=spec)
+    assert (stand_in.captures, stand_in.replays) == before
 
 
 def test_forwards_with_one_graph_key_use_the_same_storage(stand_in, monkeypatch):

@@ -183,7 +183,8 @@ class Engine:
 
     def lower_model(self, model: Transformer, weights: str | None) -> Transformer:
         """``model`` itself (``weights`` None), or its lower-precision copy for the tiers below the verifier
-        (``int8``, ``int4``, ``bfloat16``; ``quant.py``), made once and kept; its RoPE follows ``model``'s."""
+        (``int8``, ``int4``, ``bfloat16``; ``quant.py``), made once and kept; its RoPE and its CUDA-graph setting
+        (``cudagraph.py``) follow ``model``'s."""
         if weights is None:
             return model
         key = (id(model), weights)
@@ -193,6 +194,7 @@ class Engine:
             self._lower[key] = lower_precision_copy(model, weights)
         lower = self._lower[key]
         lower.rope = model.rope  # RoPE is fixed per request (dynamic NTK): follow the source model
+        lower.cuda_graphs = model.cuda_graphs
         return lower
 
     # ------------------------------------------------------------------ planning
