@@ -8,7 +8,7 @@ equals autoregressive decoding token for token, and sampled sequences follow the
 import pytest
 import torch
 
-from test_distribution import SETTINGS, chi2_pvalue, empirical, exact_distribution
+from test_distribution import N_FEATURE, SETTINGS, chi2_pvalue, empirical, exact_distribution
 from test_distribution import models  # noqa: F401  (fixture)
 from tiny import hf_model, ours, pair
 from triforce.auto import (RETRIEVAL_BUDGET_BOUNDS, RETRIEVAL_MIN_KV_SHARE, RETRIEVAL_MIN_KV_SHARE_SAMPLING,
@@ -351,7 +351,7 @@ def test_auto_matches_exact_distribution_through_bypasses(models):  # noqa: F811
     # a 20-token prompt is below the retrieval threshold: force the three-tier plan to exercise the retrieval resync
     engine.plan_auto = lambda n, s, sp: plan_hierarchy(target.cfg, 1, torch.float32, n, "draft", s, gamma1=2,
                                                        gamma2=2, chunk_size=2, max_budget=8)
-    counts = empirical(engine, prompt, params, spec, 4000, seed=95)
+    counts = empirical(engine, prompt, params, spec, N_FEATURE, seed=95)
     assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
 
 

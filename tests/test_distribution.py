@@ -19,9 +19,10 @@ from triforce.engine import Engine, SpeculationConfig
 from triforce.sampling import SamplingParams, logits_to_probs, sample
 
 V, NEW, PROMPT_LEN = 5, 3, 20
-N_FAST, N_SLOW = 4000, 20000
-# CI time: a feature on top of a mode (depth 4, adaptive gamma, int8 / bf16 lower tiers) is sampled fewer times than
-# the modes and the broken middle tier (whose failure at N_FAST shows the test's power)
+N_FAST, N_SLOW = 3000, 20000
+# CI time: a feature on top of a mode (depth 4, adaptive gamma, int8 / bf16 lower tiers, and in other files the self
+# tier, the attn chunk score, auto's bypasses) is sampled fewer times than the modes and the broken middle tier (whose
+# failure at N_FAST shows the test's power)
 N_FEATURE = 2500
 SETTINGS = {"T1": SamplingParams(1.0, 1.0, 0), "T0.6-p0.9-k5": SamplingParams(0.6, 0.9, 5)}
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from test_distribution import N_FAST, SETTINGS as DIST_SETTINGS, chi2_pvalue, empirical, exact_distribution
+from test_distribution import N_FEATURE, SETTINGS as DIST_SETTINGS, chi2_pvalue, empirical, exact_distribution
 from test_distribution import models  # noqa: F401  (fixture)
 from test_greedy_equality import GREEDY, _prompts
 from test_greedy_equality import engine  # noqa: F401  (fixture)
@@ -152,7 +152,7 @@ def test_attn_rule_matches_exact_distribution(models, mode, setting):  # noqa: F
     params = DIST_SETTINGS[setting]
     spec = SpeculationConfig(mode=mode, budget=8, chunk_size=2, gamma1=2, gamma2=2, draft_sink=2, draft_window=4,
                              chunk_score="attn", rebuild_every=2)
-    counts = empirical(Engine(target, draft), prompt, params, spec, N_FAST, seed=1500 + len(setting) + len(mode))
+    counts = empirical(Engine(target, draft), prompt, params, spec, N_FEATURE, seed=1500 + len(setting) + len(mode))
     assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
 
 

@@ -8,7 +8,7 @@ enumeration (chi-square, p > 1e-3 with a fixed seed; under the null hypothesis a
 import pytest
 import torch
 
-from test_distribution import SETTINGS, chi2_pvalue, empirical, exact_distribution
+from test_distribution import N_FEATURE, SETTINGS, chi2_pvalue, empirical, exact_distribution
 from test_distribution import models  # noqa: F401  (fixture)
 from tiny import hf_model, ours
 from triforce.engine import Engine, SpeculationConfig
@@ -93,7 +93,7 @@ def test_self_hierarchy_matches_exact_distribution(models, setting):  # noqa: F8
     params = SETTINGS[setting]
     spec = SpeculationConfig(mode="triforce", drafter="self", budget=8, chunk_size=2, gamma1=2, gamma2=2,
                              draft_sink=2, draft_window=4, lower_weights="int8")
-    counts = empirical(Engine(target), prompt, params, spec, 4000, seed=91 + len(setting))
+    counts = empirical(Engine(target), prompt, params, spec, N_FEATURE, seed=91 + len(setting))
     assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
 
 
