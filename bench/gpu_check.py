@@ -190,12 +190,14 @@ def greedy_equality(device: torch.device) -> dict:
             out = off_engine.generate(prompt, max_new_tokens=32, sampling=greedy, spec=spec)[0]
             row[name] = out == ref
             ok &= out == ref
-        models[device][0].cuda_graphs = False  # the retrieval tier's forwards eager (--cuda-graphs off)
+        for m in models[device]:  # every tier's forwards eager (--cuda-graphs off)
+            m.cuda_graphs = False
         for name in ("retrieval", "triforce"):
             out = dev_engine.generate(prompt, max_new_tokens=32, sampling=greedy, spec=specs[name])[0]
             row[f"{name}, CUDA graphs off"] = out == ref
             ok &= out == ref
-        models[device][0].cuda_graphs = True
+        for m in models[device]:
+            m.cuda_graphs = True
         rows.append(row)
     graphs = {"captures": getattr(counts, "captures", 0) - before[0], "replays": getattr(counts, "replays", 0) - before[1]}
     # bf16 on the device (MHA: verification blocks through sdpa.lower_right_attention on CUDA), reported, not

@@ -14,9 +14,9 @@ and the index and mask buffers ``begin_forward`` refreshes in place) with the sa
 of a StreamingLLM cache built with ``fixed_shape=True`` (it then attends over all its slots, the invisible ones masked
 out; the engine builds it so for a model with graphs on, :func:`model_graphs_apply`); the full cache's do not (its
 length grows every step). The engine keeps the last request's retrieval cache with its graphs for the next request
-(``RetrievalCache.reset_or_new``). A graph replays the very kernels the eager forward runs, on the same inputs: the logits are the
-eager ones, so greedy equality and the exact-distribution guarantee are untouched (``bench/gpu_check.py --stages
-greedy`` checks it on a GPU).
+(``RetrievalCache.reset_or_new``). A graph replays the very kernels the eager forward runs, on the same inputs: the
+logits are the eager ones, so greedy equality and the exact-distribution guarantee are untouched
+(``bench/gpu_check.py --stages greedy`` checks it on a GPU).
 
 Off (eager forwards) on the CPU, under tensor parallelism, with ``torch.compile`` (its own CUDA graphs), for a
 batched (ragged) forward, and unless ``Transformer.cuda_graphs`` is set (``--cuda-graphs on``; off by default until
@@ -76,6 +76,7 @@ class Backend:
         return graph, out
 
     def replay(self, graph) -> None:
+        """Replay a graph :meth:`capture` returned (its kernels on the tensors of its capture)."""
         graph.replay()
 
 
@@ -85,8 +86,7 @@ BACKEND = Backend()
 def model_graphs_apply(model) -> bool:
     """Whether ``model``'s fixed-shape forwards may replay CUDA graphs (see the module docstring): a cache built for
     it should then offer them (``StreamingCache(fixed_shape=True)``)."""
-    return (bool(getattr(model, "cuda_graphs", False)) and model.device.type in GRAPH_DEVICES and model.tp is None
-            and model.compile_mode is None)
+    return model.cuda_graphs and model.device.type in GRAPH_DEVICES and model.tp is None and model.compile_mode is None
 
 
 def graphs_apply(model, cache) -> bool:
