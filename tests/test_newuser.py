@@ -58,6 +58,46 @@ def test_openmp_spin_is_short_unless_chosen(preset, first, expect):
     assert out.stdout.strip() == str(expect)
 
 
+THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+@pytest.mark.parametrize("preset,expect", [({}, "1"), ({"THP_MEM_ALLOC_ENABLE": "0"}, "0")])
+def test_huge_pages_are_on_unless_chosen(preset, expect):
+    env = clean_env(**preset)
+    if not preset:
+        env.pop("THP_MEM_ALLOC_ENABLE", None)
+    out = subprocess.run([sys.executable, "-c", "import os, triforce; print(os.environ.get('THP_MEM_ALLOC_ENABLE'))"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == (expect if sys.platform.startswith("linux") else str(preset.get("THP_MEM_ALLOC_ENABLE")))
+
+
+def test_huge_pages_back_a_large_tensor():
+    """After ``import triforce`` a 128 MiB tensor sits mostly on 2 MiB pages where the kernel gives them on
+    ``madvise``; with ``THP_MEM_ALLOC_ENABLE=0`` it does not (under ``[madvise]``: ``[always]`` gives them anyway)."""
+    try:
+        with open(THP_MODE_FILE) as f:
+            mode = f.read()
+    except OSError:
+        pytest.skip(f"no {THP_MODE_FILE}: not Linux, or no transparent huge pages")
+    if "[never]" in mode:
+        pytest.skip("transparent huge pages are off on this machine ([never])")
+    code = ("import triforce, torch; t = torch.ones(32 << 20); "
+            "print(next(int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')))")
+    huge = {}
+    for setting in ("default", "0"):
+        env = clean_env()
+        env.pop("THP_MEM_ALLOC_ENABLE", None)
+        if setting == "0":
+            env["THP_MEM_ALLOC_ENABLE"] = "0"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        huge[setting] = int(out.stdout.strip())  # KiB
+    assert huge["default"] >= 64 << 10, huge  # at least half of the 128 MiB
+    if "[madvise]" in mode:
+        assert huge["0"] < 64 << 10, huge
+
+
 def test_default_threads_follow_the_affinity_mask():
     code = ("import os; os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]}); "
             "from triforce.threads import default_threads; print(default_threads())")

@@ -19,9 +19,11 @@ Where things happen:
 
 __version__ = "0.1.0"
 
+from .hugepages import configure_huge_pages  # noqa: E402  (torch-free; must run before the first CPU tensor)
 from .threads import configure_openmp  # noqa: E402  (torch-free; must run before anything imports torch)
 
 configure_openmp()
+configure_huge_pages()
 
 from .api import GenerationResult, TokenEvent, TriForce  # noqa: E402
 from .engine import MODES, Engine, GenerationStats, SpeculationConfig  # noqa: E402
