@@ -145,6 +145,39 @@ def test_auto_is_predicted_from_its_run_only_for_one_hierarchy_without_bypasses(
         assert "predicted_from_run" not in r["auto"], rep
 
 
+def test_an_ngram_drafters_empty_proposals_count_as_one_token_steps():
+    """The retrieval tier over an n-gram drafter ran 10 forwards for 4 verifications: the other 6 were one-token
+    steps where the drafter found no match. From the run's own step times (the tier's decode and pass at the same
+    per-forward cost) the prediction counts every forward of the tier once and every token it emitted once; by hand
+    with the cost model's formula c_i = (P_{i-1} + V_i) / E_i (costmodel.predict): the tier emits
+    (1 + 2 + 3 + 5 + 6) / 10 tokens per forward, the target 7 per verification."""
+    from triforce.lab import costmodel
+    from triforce.lab.bench.run import _predict_from_run
+    from triforce.lab.bench.stats import with_empty_proposals
+
+    acc = {"retrieval": {"acceptance_rate": 0.6, "verifications": 4, "forward_passes": 10,
+                         "accepted_lengths": [1, 1, 1, 0, 1]},
+           "target": {"acceptance_rate": 1.0, "verifications": 3, "forward_passes": 3,
+                      "accepted_lengths": [0, 0, 0, 0, 0, 0, 3]}}
+    lengths = {"retrieval": [1, 1, 1, 0, 1], "target": [0, 0, 0, 0, 0, 0, 3]}
+    chain = [("ngram", 4), ("retrieval", 6)]
+    assert with_empty_proposals(lengths, acc, chain)["retrieval"] == [7, 1, 1, 0, 1]
+    assert lengths["retrieval"] == [1, 1, 1, 0, 1]  # not changed in place
+    assert with_empty_proposals(lengths, acc, [("retrieval", 6)]) == lengths  # no n-gram drafter
+    assert with_empty_proposals(lengths, acc, [("ngram", 4)]) == lengths  # the target's forwards hold plain steps too
+    t_r, v_t, d = 0.005, 0.030, 0.015
+    r = {"autoregressive": {"step_seconds": {"target": d}},
+         "triforce": {"chain": [list(e) for e in chain], "acceptance": acc, "speedup_vs_autoregressive": 1.5,
+                      "step_seconds": {"ngram": 0.0, "retrieval": t_r, "target": v_t}}}
+    _predict_from_run(r, ["triforce", "autoregressive"], costmodel)
+    c_retrieval = t_r / ((1 + 2 + 3 + 5 + 6) / 10)
+    by_hand = d / ((6 * c_retrieval + v_t) / 7)
+    assert r["triforce"]["predicted_from_run"]["speedup"] == pytest.approx(by_hand, rel=1e-3)
+    without = costmodel.predict(chain, r["triforce"]["predicted_from_run"]["latencies"], {"retrieval": 0.6, "target": 1.0},
+                                accepted_lengths=lengths)["speedup"]
+    assert without > 1.1 * by_hand  # leaving the 6 one-token forwards out over-predicts (by 16% here)
+
+
 def test_step_seconds_leave_the_prompt_out():
     from triforce.lab.bench.stats import step_seconds
 

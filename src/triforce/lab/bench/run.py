@@ -18,7 +18,7 @@ from .methods import (DEFINITIONS, METHODS, OUR_SPECULATIVE, PAUSE_BETWEEN_RUNS_
                       WARMUP_NEW_TOKENS, WARMUP_PROMPT_TOKENS, BenchError, _costmodel_module, plan_methods,
                       validate_args)
 from .report import format_table, write_png
-from .stats import _speedups, _summarize, acceptance_inputs, compare_greedy
+from .stats import _speedups, _summarize, acceptance_inputs, compare_greedy, with_empty_proposals
 from .worker import Worker
 
 
@@ -122,7 +122,8 @@ def _predict_from_run(results: dict, ok: list[str], cm) -> None:
     (:func:`_auto_chain`). Its target steps mix ``V`` verifications with the ``D`` decode steps of the plain tokens
     each request opens with, so the verification's time is taken as ``(t_target (V + D) - D t_decode) / V``; of the
     ``N`` tokens the time between tokens counts (all but each request's first), the ``D`` plain ones cost a decode
-    step and the others the model's speedup ``S``: ``N / ((N - D) / S + D)``."""
+    step and the others the model's speedup ``S``: ``N / ((N - D) / S + D)``. Over an n-gram drafter, the steps where it
+    proposed nothing count as one-token steps of the tier above (:func:`~triforce.lab.bench.stats.with_empty_proposals`)."""
     ar = results.get("autoregressive", {}).get("step_seconds", {}).get("target") if "autoregressive" in ok else None
     if cm is None or not ar:
         return
@@ -136,6 +137,7 @@ def _predict_from_run(results: dict, ok: list[str], cm) -> None:
         for tier, seconds in r["step_seconds"].items():
             lat.update({key: seconds for key in _RUN_STEP_KEYS.get(tier, ())})
         rates, lengths = acceptance_inputs(r["acceptance"])
+        lengths = with_empty_proposals(lengths, r["acceptance"], chain)  # an n-gram drafter's misses: 1-token steps
         if auto and auto[2]:  # the target's steps without auto's plain decode steps
             v = r["acceptance"].get("target", {}).get("verifications") or 0
             if v and "full_pass" in lat:

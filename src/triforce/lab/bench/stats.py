@@ -128,6 +128,35 @@ def acceptance_inputs(acceptance: dict[str, dict]) -> tuple[dict[str, float], di
     return rates, lengths
 
 
+def with_empty_proposals(lengths: dict[str, list[int]], acceptance: dict[str, dict],
+                         chain: list[tuple[str, int]]) -> dict[str, list[int]]:
+    """``lengths`` (from :func:`acceptance_inputs`) with the steps where an n-gram bottom tier proposed nothing
+    counted as runs of length 0 of the tier above it, for :func:`~triforce.lab.costmodel.predict` on a run's own
+    step times.
+
+    An n-gram drafter without a match proposes no token; its tier then runs a one-token forward that emits one
+    token, which its stats count in ``forward_passes`` but not in ``verifications`` (``tiers.py``). The cost model
+    takes the drafter to propose gamma tokens at every step, so it left those forwards out and over-predicted
+    ``ngram:4,retrieval:6`` by 14-30% (docs/benchmarks.md, "2026-12-04, AVX-512"). Counted as a proposal rejected at
+    its first token (one forward, one token emitted), they cost exactly what they cost where the tier's decode and
+    pass latency are the same per-forward average, as ``predicted_from_run`` takes them (``step_seconds``). Only for
+    a tier below the target: the target's forwards also hold ``auto``'s plain decode steps. A tier's one-token steps
+    at the end of a truncated block are counted too (the stats do not tell them apart; at most one per block above).
+
+    Returns:
+        a new dict; ``lengths`` itself is not changed.
+    """
+    out = dict(lengths)
+    if len(chain) < 2 or chain[0][0] != "ngram":
+        return out
+    name = chain[1][0]
+    t = acceptance.get(name) or {}
+    empty = t.get("forward_passes", 0) - t.get("prefill_passes", 0) - t.get("verifications", 0)
+    if empty > 0 and out.get(name):
+        out[name] = [out[name][0] + empty] + list(out[name][1:])
+    return out
+
+
 def _summarize(res: dict, runs: list[dict]) -> None:
     """Fill one method's result from its timed runs (metrics, spread, tokens, acceptance)."""
     per = [rep_metrics(r["times"]) for r in runs]
