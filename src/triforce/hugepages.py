@@ -14,6 +14,9 @@ any tensor is made. ``import triforce`` calls it first thing (``import torch`` a
 covers the ``triforce`` command, the server and Python programs that import triforce before they make tensors.
 ``THP_MEM_ALLOC_ENABLE=0`` keeps 4 KiB pages. Not on the CUDA path: device memory and pinned host buffers come
 from CUDA's allocators.
+
+Sources: PyTorch's ``c10/core/impl/alloc_cpu.cpp`` (``THP_MEM_ALLOC_ENABLE``); the Linux kernel's
+``Documentation/admin-guide/mm/transhuge.rst`` (``madvise`` mode, ``AnonHugePages``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ def configure_huge_pages() -> bool:
         True when the variable was set now; False off Linux or when the environment already has it (the user's
         choice, ``0`` included, stands). It takes effect only if no CPU tensor was allocated before (see the module
         docstring).
+
+    Raises:
+        nothing: it only reads and writes ``os.environ``.
     """
     if not sys.platform.startswith("linux") or HUGE_PAGES_VAR in os.environ:
         return False
