@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                 ids = w.request(cmd="encode", text=text, max_prompt_tokens=a.prompt_tokens)["ids"]
         runs = []
         for rep in range(-1, a.reps):  # rep -1: the warm-up, as in triforce bench
-            shift = (rep % len(workers)) if a.order == "rotate" and rep >= 0 else 0
-            order = list(range(len(workers)))[shift:] + list(range(len(workers)))[:shift]
+            shift = rep % len(workers) if a.order == "rotate" and rep >= 0 else 0
+            order = [(k + shift) % len(workers) for k in range(len(workers))]
             for place, i in enumerate(order):
                 w = workers[i]
                 if rep < 0:
@@ -145,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     by_place = {str(k): round(statistics.median(r["ms"] for r in runs if r["place"] == k), 3)
                 for k in range(len(methods))}
     emit_json({"command": "python bench/worker_order.py " + " ".join(sys.argv[1:] if argv is None else argv),
-               "tokens": len(ids), "runs": runs,
-               "anon_huge_pages_kib_by_worker": {f"{i} {m}": h for i, (m, h) in enumerate(zip(methods, huge))}, "median_ms_by_worker": by_worker, "median_ms_by_place": by_place},
+               "tokens": len(ids), "runs": runs, "median_ms_by_worker": by_worker, "median_ms_by_place": by_place,
+               "anon_huge_pages_kib_by_worker": {f"{i} {m}": h for i, (m, h) in enumerate(zip(methods, huge))}},
               a.out)
     return 0
 

@@ -63,9 +63,7 @@ THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 @pytest.mark.parametrize("preset,expect", [({}, "1"), ({"THP_MEM_ALLOC_ENABLE": "0"}, "0")])
 def test_huge_pages_are_on_unless_chosen(preset, expect):
-    env = clean_env(**preset)
-    if not preset:
-        env.pop("THP_MEM_ALLOC_ENABLE", None)
+    env = {k: v for k, v in clean_env().items() if k != "THP_MEM_ALLOC_ENABLE"} | preset
     out = subprocess.run([sys.executable, "-c", "import os, triforce; print(os.environ.get('THP_MEM_ALLOC_ENABLE'))"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -84,15 +82,12 @@ def test_huge_pages_back_a_large_tensor():
         pytest.skip("transparent huge pages are off on this machine ([never])")
     code = ("import triforce, torch; t = torch.ones(32 << 20); "
             "print(next(int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')))")
-    huge = {}
-    for setting in ("default", "0"):
-        env = clean_env()
-        env.pop("THP_MEM_ALLOC_ENABLE", None)
-        if setting == "0":
-            env["THP_MEM_ALLOC_ENABLE"] = "0"
+    huge = {}  # KiB of AnonHugePages, by setting
+    for setting, extra in (("default", {}), ("0", {"THP_MEM_ALLOC_ENABLE": "0"})):
+        env = {k: v for k, v in clean_env().items() if k != "THP_MEM_ALLOC_ENABLE"} | extra
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
         assert out.returncode == 0, out.stderr
-        huge[setting] = int(out.stdout.strip())  # KiB
+        huge[setting] = int(out.stdout.strip())
     assert huge["default"] >= 64 << 10, huge  # at least half of the 128 MiB
     if "[madvise]" in mode:
         assert huge["0"] < 64 << 10, huge

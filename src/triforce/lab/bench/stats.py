@@ -143,8 +143,16 @@ def with_empty_proposals(lengths: dict[str, list[int]], acceptance: dict[str, di
     a tier below the target: the target's forwards also hold ``auto``'s plain decode steps. A tier's one-token steps
     at the end of a truncated block are counted too (the stats do not tell them apart; at most one per block above).
 
+    Args:
+        lengths: tier name -> run-length histogram (counts of 0 .. gamma accepted tokens per verification).
+        acceptance: the method's per-tier stats (``verifications``, ``forward_passes``, ``prefill_passes``).
+        chain: ``[(kind, gamma), ...]`` bottom first, as ``SpeculationConfig.chain``.
+
     Returns:
         a new dict; ``lengths`` itself is not changed.
+
+    Raises:
+        nothing: a tier without stats or histogram is left as it is.
     """
     out = dict(lengths)
     if len(chain) < 2 or chain[0][0] != "ngram":
