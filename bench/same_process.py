@@ -8,6 +8,13 @@ between repetitions, and the medians of the engine's time between tokens are com
     python bench/same_process.py --book pg2701.txt --prompt-tokens 4000 --new-tokens 64 --reps 3 \
         --modes auto autoregressive --out bench/results/same_process_pg2701_4000.json
 
+A ``--modes`` entry is a mode with optional :class:`~triforce.hierarchy.SpeculationConfig` fields after commas, so
+one process can also compare settings of one mode, e.g. gamma2 of ``auto`` (``auto,gamma2=3``; integers are read as
+integers, ``none`` as None):
+
+    python bench/same_process.py --book pg1342.txt --prompt-tokens 8000 --new-tokens 128 --reps 5 \
+        --modes autoregressive auto,gamma2=3 auto,gamma2=6
+
 JSON on stdout (and to ``--out``): per mode the time between tokens of each repetition (ms), the median, what
 ``auto`` chose and what its governor measured in each repetition, and each mode's median over the first mode's.
 """
@@ -22,12 +29,28 @@ import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it,
 from common import add_run_options, emit_json  # noqa: E402  (bench/common.py, beside this script)
 
 
+def _spec(entry: str, config_class):
+    """``MODE[,FIELD=VALUE...]`` -> the SpeculationConfig (ints as ints, ``none`` as None, other values as text)."""
+    mode, *fields = entry.split(",")
+    kwargs = {}
+    for f in fields:
+        key, sep, value = f.partition("=")
+        if not sep:
+            raise SystemExit(f"--modes: {entry!r}: expected FIELD=VALUE after the mode, got {f!r}")
+        kwargs[key] = None if value.lower() == "none" else int(value) if value.lstrip("-").isdigit() else value
+    try:
+        return config_class(mode=mode, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"--modes: {entry!r}: {e}") from e
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--book", default="pg2701.txt")
     p.add_argument("--prompt-tokens", type=int, default=4000)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--modes", nargs="+", default=["auto", "autoregressive"])
+    p.add_argument("--modes", nargs="+", default=["auto", "autoregressive"],
+                   help="MODE[,FIELD=VALUE...]: a mode and SpeculationConfig fields (e.g. auto,gamma2=3)")
     add_run_options(p, None, reps=3)
     args = p.parse_args()
 
@@ -40,13 +63,14 @@ def main() -> int:
     with open(f"{BOOKS_DIR}/{args.book}") as f:
         ids = tf.encode(f.read())[:args.prompt_tokens]
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
+    specs = {m: _spec(m, SpeculationConfig) for m in args.modes}
     tbt: dict[str, list[float]] = {m: [] for m in args.modes}
     chose: dict[str, str] = {}
     governor: dict[str, list[dict]] = {}  # per repetition: what auto's governor saw, and the acceptance
     for rep in range(args.reps):
         order = args.modes if rep % 2 == 0 else args.modes[::-1]
         for mode in order:
-            stats = tf.generate(ids, max_new_tokens=args.new_tokens, spec=SpeculationConfig(mode=mode),
+            stats = tf.generate(ids, max_new_tokens=args.new_tokens, spec=specs[mode],
                                 sampling=sampling, seed=rep).stats
             tbt[mode].append(round(stats.mean_time_between_tokens_ms, 2))
             if stats.auto:

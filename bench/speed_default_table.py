@@ -79,8 +79,9 @@ def chart(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(rows)), 4.5))
-    width = 0.8 / len(METHODS)
-    for i, m in enumerate(METHODS):
+    methods = [m for m in METHODS if any(r["ms"][m] for r in rows)]  # the methods these runs measured
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
         xs = [j + i * width for j in range(len(rows))]
         ax.bar(xs, [r["ms"][m] or 0 for r in rows], width, label=m)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])

@@ -11,8 +11,8 @@ import torch
 from test_distribution import N_FEATURE, SETTINGS, chi2_pvalue, empirical, exact_distribution
 from test_distribution import models  # noqa: F401  (fixture)
 from tiny import hf_model, ours, pair
-from triforce.auto import (RETRIEVAL_BUDGET_BOUNDS, RETRIEVAL_MIN_KV_SHARE, RETRIEVAL_MIN_KV_SHARE_SAMPLING,
-                           WEIGHT_BOUND_LAYER_BYTES, SpeedGovernor, plan_hierarchy)
+from triforce.auto import (RETRIEVAL_BUDGET_BOUNDS, RETRIEVAL_GAMMA2_SAMPLING, RETRIEVAL_MIN_KV_SHARE,
+                           RETRIEVAL_MIN_KV_SHARE_SAMPLING, WEIGHT_BOUND_LAYER_BYTES, SpeedGovernor, plan_hierarchy)
 from triforce.caches import kv_bytes
 from triforce.engine import Engine, SpeculationConfig
 from triforce.loading import load_model  # noqa: F401  (import check: no cycle through auto)
@@ -58,7 +58,17 @@ def test_plan_adds_retrieval_only_when_the_kv_cache_outweighs_a_share_of_the_wei
     assert between.tiers == "" and "under sampling" in between.reason
     assert plan_hierarchy(cfg, w_between, torch.float32, long_p, None, GREEDY).tiers == "ngram:4,retrieval:6"
     w_small = int(kv_long / (1.5 * RETRIEVAL_MIN_KV_SHARE_SAMPLING))
-    assert plan_hierarchy(cfg, w_small, torch.float32, long_p, None, SamplingParams(0.6)).tiers == "retrieval:6"
+    # sampled, the tier alone verifies at most RETRIEVAL_GAMMA2_SAMPLING proposals on a CPU (a smaller gamma2 stays;
+    # greedy, on another device, or under a named drafter, gamma2 as asked)
+    sampled = plan_hierarchy(cfg, w_small, torch.float32, long_p, None, SamplingParams(0.6))
+    assert sampled.tiers == f"retrieval:{RETRIEVAL_GAMMA2_SAMPLING}" == "retrieval:3" and "gamma2 3" in sampled.reason
+    assert plan_hierarchy(cfg, w_small, torch.float32, long_p, None, SamplingParams(0.6), gamma2=2).tiers == \
+        "retrieval:2"
+    assert plan_hierarchy(cfg, w_small, torch.float32, long_p, None, SamplingParams(0.6),
+                          device_type="cuda").tiers == "retrieval:6"
+    assert plan_hierarchy(cfg, w_small, torch.float32, long_p, "draft", SamplingParams(0.6)).tiers == \
+        "draft:4,retrieval:6"
+    assert plan_hierarchy(cfg, w_small, torch.float32, long_p, None, GREEDY).tiers == "ngram:4,retrieval:6"
     for p in (short_p, long_p):  # a named self tier drafts directly for the target
         assert plan_hierarchy(cfg, w, torch.float32, p, "self", SamplingParams(0.6)).tiers == "self:4"
     long = plan_hierarchy(cfg, w, torch.float32, long_p, "draft", GREEDY, gamma1=3, gamma2=5)
@@ -370,11 +380,11 @@ def test_plan_leaves_out_a_retrieval_tier_that_reads_too_much_next_to_a_verifier
     t06 = SamplingParams(0.6, 0.9)
     for n in (4000, 8000):
         fp32 = plan_hierarchy(cfg, w, torch.float32, n, None, t06)
-        assert fp32.tiers == "retrieval:6" and fp32.lower_weights == "int8"
+        assert fp32.tiers == "retrieval:3" and fp32.lower_weights == "int8"
     plain = plan_hierarchy(cfg, w, torch.float32, 4000, None, t06, step_weight_bytes=codes)
     assert plain.tiers == "" and f"> {RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING}" in plain.reason
     sampled = plan_hierarchy(cfg, w, torch.float32, 8000, None, t06, step_weight_bytes=codes)
-    assert sampled.tiers == "retrieval:6" and sampled.lower_weights == "codes" and sampled.budget == 1000
+    assert sampled.tiers == "retrieval:3" and sampled.lower_weights == "codes" and sampled.budget == 1000
     short = plan_hierarchy(cfg, w, torch.float32, 4000, None, GREEDY, step_weight_bytes=codes)
     assert short.tiers == "ngram:6" and f"> {RETRIEVAL_MAX_STEP_BYTES_SHARE}" in short.reason
     coded = plan_hierarchy(cfg, w, torch.float32, 8000, None, GREEDY, step_weight_bytes=codes)

@@ -34,6 +34,9 @@ hierarchy only changes how many tokens each verification emits, never their dist
     tokens, T = 0.6): 3.22x plain decoding (acceptance 0.93); SmolLM2-135M (18 MB per layer) ran the same tier at
     0.86x at 1K tokens (``speed_default/pg1342_1000_t06.json``). A draft model the user named that reads
     at least as many bytes per step as the int8 copy has no place under it and is left out (the reason says so);
+  - under sampling, on a CPU, that tier (with nothing below it) verifies at most :data:`RETRIEVAL_GAMMA2_SAMPLING`
+    proposals at a time: a verification's attention is bound by the CPU's arithmetic past about 4 tokens, so a
+    shorter block pays unless nearly every proposal is accepted;
   - the bottom tier is the one the user named (a draft model, ``ngram``, or ``self``: the target's int4 copy over
     a StreamingLLM cache; ``self`` drafts directly for the target). Without one: the model-free n-gram drafter under
     greedy decoding (it costs no forward, and greedy text repeats itself); under sampling nothing below the
@@ -91,6 +94,15 @@ RETRIEVAL_MAX_STEP_BYTES_SHARE = 0.45
 #: pg2701 (medians of 3; 1.35-2.2x faster than llama.cpp in the same runs), and at 0.99x / 1.00x at 1K / 4K, where it
 #: decodes plainly (bench/results/speed_codes_2026-12-03): 8K (0.33) now takes the tier, 4K (0.46) does not
 RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING = 0.35
+#: under sampling, on a CPU, a retrieval tier chosen for the KV cache's share (no tier below it) proposes at most this
+#: many tokens per verification, whatever larger gamma2 the request names. The verification reads the whole KV cache
+#: for every token of its block, and past about 4 tokens its attention is bound by the CPU's arithmetic, not by the
+#: bytes: at 8K tokens on this project's AVX-512 CPU a forward of 4 tokens cost 1.44 decode steps and one of 7 2.07
+#: (bench/rows.py). Fewer tokens per verification then pay unless nearly all are accepted: gamma2 3 against 6, one
+#: process, T = 0.6, 8K tokens, medians of 6-10 repetitions: 1.33x against 1.16x plain decoding on pg1342, 1.22x
+#: against 1.03x on pg2701, 1.41x against 1.48x on pg84 (accepted most often); 4 was below 3 on all three
+#: (bench/results/gamma2_sampling_2026-12-05/)
+RETRIEVAL_GAMMA2_SAMPLING = 3
 #: on a CPU, the int8 retrieval tier goes under a target with at least this many weight bytes per layer whatever
 #: the KV share (module docstring: 254 MB per layer paid 3.22x, 18 MB did not pay)
 WEIGHT_BOUND_LAYER_BYTES = 64 * 2**20
@@ -133,7 +145,8 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
             ``self``; None: chosen here.
         sampling: the request's sampling (greedy favours the n-gram drafter's exact-match proposals; kept for the
             reason line).
-        gamma1, gamma2: proposals per verification of the bottom and the middle tier.
+        gamma1, gamma2: proposals per verification of the bottom and the middle tier (gamma2 at most
+            :data:`RETRIEVAL_GAMMA2_SAMPLING` for a retrieval tier alone under sampling on a CPU).
         chunk_size: retrieval chunk size.
         max_budget: the most retrieval slots (``SpeculationConfig.budget``; the budget is
             :data:`RETRIEVAL_BUDGET_SHARE` of the prompt, :data:`RETRIEVAL_BUDGET_SHARE_SAMPLING` under sampling,
@@ -195,6 +208,11 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
             why += f"; {who}"
     elif retrieval:
         why = f"{sizes} >= {threshold}: a {budget}-slot retrieval tier with {lower} ({steps}); {who}"
+    if (retrieval and not weight_bound and not sampling.greedy and bottom is None and device_type == "cpu"
+            and gamma2 > RETRIEVAL_GAMMA2_SAMPLING):
+        gamma2 = RETRIEVAL_GAMMA2_SAMPLING
+        why += (f"; gamma2 {gamma2}: on a CPU a verification of more tokens is bound by its attention's arithmetic, "
+                "so shorter ones pay under sampling")
     if weight_bound or retrieval:
         tiers = f"{bottom}:{gamma1},retrieval:{gamma2}" if bottom else f"retrieval:{gamma2}"
     else:
