@@ -59,11 +59,11 @@ def main() -> int:
     from triforce.lab.books import BOOKS_DIR
     from triforce.sampling import SamplingParams
 
+    specs = {m: _spec(m, SpeculationConfig) for m in args.modes}  # bad entries fail before the model loads
     tf = TriForce.load(threads=args.threads)
     with open(f"{BOOKS_DIR}/{args.book}") as f:
         ids = tf.encode(f.read())[:args.prompt_tokens]
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
-    specs = {m: _spec(m, SpeculationConfig) for m in args.modes}
     tbt: dict[str, list[float]] = {m: [] for m in args.modes}
     chose: dict[str, str] = {}
     governor: dict[str, list[dict]] = {}  # per repetition: what auto's governor saw, and the acceptance
