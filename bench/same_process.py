@@ -9,8 +9,8 @@ between repetitions, and the medians of the engine's time between tokens are com
         --modes auto autoregressive --out bench/results/same_process_pg2701_4000.json
 
 A ``--modes`` entry is a mode with optional :class:`~triforce.hierarchy.SpeculationConfig` fields after commas, so
-one process can also compare settings of one mode, e.g. gamma2 of ``auto`` (``auto,gamma2=3``; integers are read as
-integers, ``none`` as None):
+one process can also compare settings of one mode, e.g. gamma2 of ``auto`` (``auto,gamma2=3``; numbers are read as
+numbers, ``none`` as None):
 
     python bench/same_process.py --book pg1342.txt --prompt-tokens 8000 --new-tokens 128 --reps 5 \
         --modes autoregressive auto,gamma2=3 auto,gamma2=6
@@ -29,15 +29,26 @@ import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it,
 from common import add_run_options, emit_json  # noqa: E402  (bench/common.py, beside this script)
 
 
+def _number(value: str):
+    """``value`` as an int, else a float, else the text itself."""
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
 def _spec(entry: str, config_class):
-    """``MODE[,FIELD=VALUE...]`` -> the SpeculationConfig (ints as ints, ``none`` as None, other values as text)."""
+    """``MODE[,FIELD=VALUE...]`` -> the SpeculationConfig (numbers as int or float, ``none`` as None, other values
+    as text); exits with a message naming the entry where it does not make one."""
     mode, *fields = entry.split(",")
     kwargs = {}
     for f in fields:
         key, sep, value = f.partition("=")
         if not sep:
             raise SystemExit(f"--modes: {entry!r}: expected FIELD=VALUE after the mode, got {f!r}")
-        kwargs[key] = None if value.lower() == "none" else int(value) if value.lstrip("-").isdigit() else value
+        kwargs[key] = None if value.lower() == "none" else _number(value)
     try:
         return config_class(mode=mode, **kwargs)
     except (TypeError, ValueError) as e:

@@ -208,8 +208,8 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
             why += f"; {who}"
     elif retrieval:
         why = f"{sizes} >= {threshold}: a {budget}-slot retrieval tier with {lower} ({steps}); {who}"
-    if (retrieval and not weight_bound and not sampling.greedy and bottom is None and device_type == "cpu"
-            and gamma2 > RETRIEVAL_GAMMA2_SAMPLING):
+    shorter = retrieval and not sampling.greedy and bottom is None and device_type == "cpu"
+    if shorter and gamma2 > RETRIEVAL_GAMMA2_SAMPLING:
         gamma2 = RETRIEVAL_GAMMA2_SAMPLING
         why += (f"; gamma2 {gamma2}: on a CPU a verification of more tokens is bound by its attention's arithmetic, "
                 "so shorter ones pay under sampling")
