@@ -12,7 +12,8 @@ runs on the kernel built from that file (``baseline``), interleaved with ours (o
 outputs are compared bitwise (``baseline_bitwise_equal``). With ``--q8`` the same sweep also runs the integer dot
 products over the same codes (``blockcode_linear_q8``: activations quantized to int8, the retrieval tier's
 ``--lower-weights codes``), interleaved too, with their error against the exact products (``q8_relative_error``: the
-largest ||y_q8 - y|| / ||y|| over the matrices). GB/s is code bytes (codes, scales, minima) read per second. JSON on
+largest ||y_q8 - y|| / ||y|| over the matrices), and with ``--baseline-source`` on that build too
+(``q8_speedup_over_baseline``, ``q8_baseline_bitwise_equal``). GB/s is code bytes (codes, scales, minima) read per second. JSON on
 stdout (and to ``--out``).
 """
 
@@ -74,6 +75,8 @@ def main() -> int:
     variants = {name: (lambda xs, lib=lib: sweep(lib, xs)) for name, lib in libs.items()}
     if args.q8:
         variants["q8"] = lambda xs: sweep(ours, xs, blockcodes.blockcode_linear_q8)
+        if "baseline" in libs:
+            variants["baseline_q8"] = lambda xs: sweep(libs["baseline"], xs, blockcodes.blockcode_linear_q8)
 
     gen = torch.Generator().manual_seed(0)
     results = []
@@ -99,6 +102,9 @@ def main() -> int:
             row["q8_speedup_over_ours"] = round(row["ours_ms"] / row["q8_ms"], 3)
             row["q8_relative_error"] = round(max(float((a - b).norm() / b.norm()) for a, b in zip(outs["q8"],
                                                                                               outs["ours"])), 5)
+        if "baseline_q8" in variants:
+            row["q8_speedup_over_baseline"] = round(row["baseline_q8_ms"] / row["q8_ms"], 3)
+            row["q8_baseline_bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(outs["q8"], outs["baseline_q8"]))
         results.append(row)
     out = {"model": "SmolLM2-135M-Instruct (embedded)", "threads": args.threads, "reps": args.reps,
            "interleaved": True, "kernel": ours.status, "baseline": args.baseline_source, "results": results}

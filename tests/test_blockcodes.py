@@ -22,6 +22,20 @@ pytestmark = pytest.mark.skipif(not blockcodes.blockcodes_status().startswith("o
                                 reason=f"block-code kernel: {blockcodes.blockcodes_status()}")
 
 
+@pytest.fixture(params=["native", "avx2"])
+def blockcode_build(request, monkeypatch):
+    """The block-code kernels as this CPU's build (AVX-512 or AVX2), and the AVX2 build too where the native one is
+    AVX-512, so both paths of csrc/blockcodes.c are checked on an AVX-512 machine."""
+    if request.param == "avx2":
+        if "AVX2" in blockcodes.blockcodes_status():
+            pytest.skip("the native build is the AVX2 one")
+        forced = blockcodes.blockcodes_build("AVX2")
+        if forced.load() is None:
+            pytest.skip(f"AVX2 build {forced.status}")
+        monkeypatch.setattr(blockcodes, "_blockcodes", forced)
+    return request.param
+
+
 def q4_1(w: torch.Tensor) -> torch.Tensor:
     """ggml's Q4_1 round trip of an (out, in) matrix along in (llama.cpp quantize_row_q4_1_ref, gguf-py dequantize):
     fp16 scale (max - min) / 15 and fp16 minimum per block of 32; returns the dequantized fp32 weights."""
@@ -51,14 +65,14 @@ def gguf_like(hf, embed=q8_0, proj=q4_1):
 
 @pytest.mark.parametrize("fmt,bits", [(q4_1, 4), (q8_0, 8)])
 @pytest.mark.parametrize("n_in,n_out", [(64, 96), (576, 960), (1536, 576)])
-def test_codes_reproduce_every_weight_and_the_fp32_product_bitwise(fmt, bits, n_in, n_out):
+def test_codes_reproduce_every_weight_and_the_fp32_product_bitwise(fmt, bits, n_in, n_out, blockcode_build):
     torch.manual_seed(n_in + n_out + bits)
     w_t = fmt(torch.randn(n_out, n_in) * 0.05).T.contiguous()  # (in, out), as Linear stores it
     codes = find_block_codes(w_t)
     assert codes is not None and codes.bits == bits
     assert torch.equal(codes.dequantize(), w_t)
     assert codes.nbytes <= w_t.numel() * (0.75 if bits == 4 else 1.25)
-    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 17, LINEAR_MAX_ROWS):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, LINEAR_MAX_ROWS):
         x = torch.randn(rows, n_in)
         y = blockcode_linear(x, codes)
         ref = f32_linear(x, w_t)
@@ -102,7 +116,7 @@ def q8_dot_reference(x: torch.Tensor, codes) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt,bits", [(q4_1, 4), (q8_0, 8)])
 @pytest.mark.parametrize("n_in,n_out", [(64, 96), (576, 960), (1536, 576)])
-def test_int8_activation_products_compute_their_definition(fmt, bits, n_in, n_out):
+def test_int8_activation_products_compute_their_definition(fmt, bits, n_in, n_out, blockcode_build):
     """blockcode_linear_q8: the definition computed in float64 to fp32 rounding (its integer sums are exact), for
     every row count of a pass (1-4 rows at a time, remainders), a row alone = the row in a block, bitwise the same
     over 1, 2 and 3 threads; within a few percent of the exact product (it is an approximation, for the tiers below
@@ -130,6 +144,29 @@ def test_int8_activation_products_compute_their_definition(fmt, bits, n_in, n_ou
         torch.set_num_threads(threads)
     assert blockcode_linear_q8(torch.randn(LINEAR_MAX_ROWS + 1, n_in), codes) is None
     assert blockcode_linear_q8(torch.randn(2, n_in + 32), codes) is None
+
+
+@pytest.mark.parametrize("fmt", [q4_1, q8_0])
+def test_every_build_gives_bitwise_the_same_products(fmt, monkeypatch):
+    """The AVX2, AVX-512 and AVX-512 VNNI builds of csrc/blockcodes.c (those this CPU runs): the exact products
+    bitwise equal (one chain of FMAs per output in each), and the integer dot products too (the same integer sums,
+    vpdpbusd or vpmaddubsw + vpmaddwd)."""
+    torch.manual_seed(7)
+    w_t = fmt(torch.randn(960, 576) * 0.05).T.contiguous()
+    codes = find_block_codes(w_t)
+    x = torch.randn(9, 576)
+    results = {}
+    for isa in blockcodes._BUILDS:
+        build = blockcodes.blockcodes_build(isa)
+        if build.load() is None:
+            continue
+        monkeypatch.setattr(blockcodes, "_blockcodes", build)
+        results[isa] = [(blockcode_linear(x[:m], codes), blockcode_linear_q8(x[:m], codes)) for m in (1, 2, 4, 7, 9)]
+    assert len(results) >= 1
+    first = next(iter(results.values()))
+    for isa, outs in results.items():
+        for (exact, q8), (exact0, q80) in zip(outs, first):
+            assert torch.equal(exact, exact0) and torch.equal(q8, q80), isa
 
 
 def test_int8_activation_products_refuse_q8_0_codes_of_minus_128():

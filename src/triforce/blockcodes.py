@@ -23,7 +23,7 @@ from functools import cached_property
 
 import torch
 
-from .kernels import _I, _P, BLOCKCODES_CFLAGS, BLOCKCODES_ENV_SWITCH, LINEAR_MAX_ROWS, _Library
+from .kernels import _I, _P, BLOCKCODES_CFLAGS, BLOCKCODES_ENV_SWITCH, LINEAR_MAX_ROWS, _cpu_flags, _Library
 
 #: inputs per block (ggml's QK4_1 = QK8_0 = 32)
 GROUP = 32
@@ -31,11 +31,41 @@ GROUP = 32
 #: codes costs one small check
 _PROBE_BLOCKS = 32
 
-_blockcodes = _Library("blockcodes.c", BLOCKCODES_ENV_SWITCH, ("avx2", "fma", "f16c"),
-                       lambda: (BLOCKCODES_CFLAGS, "AVX2"), {
-                           "triforce_blockcode_linear": (_I, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I]),
-                           "triforce_blockcode_linear_q8": (_I, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _P]),
-                           "triforce_blockcode_fit": (_I, [_P, _I, _I, _I, _P, _P, _P])})
+#: the builds of csrc/blockcodes.c: the CPU features each needs and its flags (the AVX-512 path of the exact product,
+#: 16 outputs a vector; the AVX2 one, 8)
+_BUILDS = {"AVX-512 VNNI": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+                            BLOCKCODES_CFLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
+           "AVX-512": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"),
+                       BLOCKCODES_CFLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl")),
+           "AVX2": (("avx2", "fma", "f16c"), BLOCKCODES_CFLAGS)}
+_SYMBOLS = {"triforce_blockcode_linear": (_I, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I]),
+            "triforce_blockcode_linear_q8": (_I, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _P]),
+            "triforce_blockcode_fit": (_I, [_P, _I, _I, _I, _P, _P, _P])}
+
+
+def blockcodes_build(isa: str) -> _Library:
+    """The block-code kernels built for ``isa`` whatever this CPU's best build, so that tests and
+    ``bench/blockcodes.py`` check and time the AVX2 path of ``csrc/blockcodes.c`` on an AVX-512 machine (swap it in as
+    ``blockcodes._blockcodes``).
+
+    Args:
+        isa: "AVX-512" or "AVX2".
+
+    Raises:
+        ValueError: for another ``isa``.
+    """
+    if isa not in _BUILDS:
+        raise ValueError(f"isa must be one of {sorted(_BUILDS)}, got {isa!r}")
+    needs, cflags = _BUILDS[isa]
+    return _Library("blockcodes.c", BLOCKCODES_ENV_SWITCH, needs, lambda: (cflags, isa), _SYMBOLS)
+
+
+def _best_build():
+    isa = next(isa for isa, (needs, _) in _BUILDS.items() if set(needs) <= _cpu_flags())  # AVX2's are checked first
+    return _BUILDS[isa][1], isa
+
+
+_blockcodes = _Library("blockcodes.c", BLOCKCODES_ENV_SWITCH, _BUILDS["AVX2"][0], _best_build, _SYMBOLS)
 
 
 def blockcodes_status() -> str:
