@@ -390,3 +390,50 @@ def test_plan_leaves_out_a_retrieval_tier_that_reads_too_much_next_to_a_verifier
     coded = plan_hierarchy(cfg, w, torch.float32, 8000, None, GREEDY, step_weight_bytes=codes)
     # the tier reads the verifier's own codes (fewer bytes than an int8 copy) with int8 activations
     assert coded.tiers == "ngram:4,retrieval:6" and coded.lower_weights == "codes" and "block codes" in coded.reason
+
+
+def test_plan_gives_the_retrieval_tier_a_bf16_cache_where_the_kernel_reads_it():
+    """SmolLM2's shape at 8K tokens on block codes: where the attention kernel reads bf16 caches
+    (``bf16_cache_reads_fast``), the retrieval tier (alone, or under the n-gram drafter) gets a bf16 cache, half the
+    bytes a step reads of it; not under a named draft model (whose cache would follow it), not where the full cache is
+    bf16 already, not without the kernel, and not for plain decoding. A user's ``lower_kv_dtype`` wins; the same
+    decisions as with an fp32 tier cache at 4K and 8K (the step's share of bytes falls from 0.33 to 0.28 at 8K)."""
+    from triforce.auto import bf16_cache_reads_fast
+    from triforce.config import ModelConfig
+    from triforce.kernels import status
+
+    cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                      rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True)
+    w, codes = 538_090_000, 111_600_000
+    t06 = SamplingParams(0.6, 0.9)
+    half = plan_hierarchy(cfg, w, torch.float32, 8000, None, t06, step_weight_bytes=codes, lower_kv_bf16=True)
+    assert half.tiers == "retrieval:3" and half.lower_kv_dtype == "bfloat16" and "1000-slot bf16" in half.reason
+    assert "0.28 x its bytes" in half.reason
+    assert plan_hierarchy(cfg, w, torch.float32, 8000, None, t06, step_weight_bytes=codes).lower_kv_dtype is None
+    greedy = plan_hierarchy(cfg, w, torch.float32, 8000, None, GREEDY, step_weight_bytes=codes, lower_kv_bf16=True)
+    assert greedy.tiers == "ngram:4,retrieval:6" and greedy.lower_kv_dtype == "bfloat16"
+    for n, bottom, kv in ((4000, None, torch.float32), (8000, "draft", torch.float32), (8000, None, torch.bfloat16)):
+        plan = plan_hierarchy(cfg, w, kv, n, bottom, t06, step_weight_bytes=codes, lower_kv_bf16=True)
+        assert plan.lower_kv_dtype is None and "bf16" not in plan.reason, (n, bottom, kv)
+    assert plan_hierarchy(cfg, w, torch.float32, 4000, None, t06, step_weight_bytes=codes,
+                          lower_kv_bf16=True).tiers == ""
+    assert SpeculationConfig(mode="auto").resolve_auto(half).lower_kv_dtype == "bfloat16"
+    assert SpeculationConfig(mode="auto", lower_kv_dtype="float32").resolve_auto(half).lower_kv_dtype == "float32"
+    assert bf16_cache_reads_fast("cpu") == status().startswith("on") and not bf16_cache_reads_fast("cuda")
+
+
+def test_auto_with_a_bf16_retrieval_cache_equals_autoregressive_greedy():
+    """``auto``'s plan with a bf16 retrieval cache (forced on a tiny model, whose KV cache is too small to take the
+    tier): the same tokens as plain decoding."""
+    target, draft = pair(seed=11)
+    engine = Engine(target)
+    engine.plan_auto = lambda n, s, sp: plan_hierarchy(target.cfg, 1, torch.float32, n, None, s, gamma1=3, gamma2=4,
+                                                       chunk_size=4, max_budget=24, lower_kv_bf16=True)
+    g = torch.Generator().manual_seed(12)
+    for _ in range(3):
+        prompt = torch.randint(3, 96, (int(torch.randint(40, 70, (1,), generator=g)),), generator=g).tolist()
+        ref, _ = engine.generate(prompt, max_new_tokens=24, sampling=GREEDY)
+        out, stats = engine.generate(prompt, max_new_tokens=24, sampling=GREEDY, spec=SpeculationConfig(mode="auto"))
+        assert out == ref
+        assert stats.auto["hierarchy"] == "ngram:3,retrieval:4" and "bf16" in stats.auto["reason"]

@@ -145,14 +145,24 @@ def test_mode_matches_exact_distribution_20k(models, mode, setting):
     assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
 
 
-def test_int8_lower_tiers_with_bf16_caches_match_exact_distribution(models):
-    """Cheaper lower tiers (int8 weights, bf16 retrieval and draft caches) under the fp32 verifier stay exact."""
+def test_int8_lower_tiers_with_bf16_caches_match_exact_distribution(models, monkeypatch):
+    """Cheaper lower tiers (int8 weights, bf16 retrieval and draft caches) under the fp32 verifier stay exact; the
+    retrieval tier's steps over its bf16 cache run every layer in one call (``csrc/decode_step.c`` with the
+    attention kernel's bf16 path) where those kernels are on."""
+    from triforce import decode_step
+
     hf, target, draft, prompt = models
+    steps = []
+    real = decode_step.decode_layers
+    monkeypatch.setattr("triforce.decode_step.decode_layers",
+                        lambda *a: (r := real(*a), steps.append((a[2].dtype, r is not None)))[0])
     params = SETTINGS["T0.6-p0.9-k5"]
     spec = SpeculationConfig(mode="triforce", budget=8, chunk_size=2, gamma1=2, gamma2=2, draft_sink=2, draft_window=4,
                              lower_weights="int8", lower_kv_dtype="bfloat16")
     counts = empirical(Engine(target, draft), prompt, params, spec, N_FEATURE, seed=79)
     assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
+    if decode_step.decode_step_status().startswith("on"):
+        assert (torch.bfloat16, True) in steps
 
 
 @pytest.mark.slow  # CI time: the same driver runs the block-code verifier's test in every run (test_blockcodes.py)

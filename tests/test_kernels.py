@@ -63,6 +63,32 @@ def test_kernel_log_sum_exp_merges_two_key_ranges(t, split):
     assert kernels.gqa_attention_kernel(q, k, v, n, torch.empty(b, nh, t + 1)) is None  # lse of the wrong shape
 
 
+@pytest.mark.parametrize("b,nh,nkv,t,hs,n_keys,cap", [
+    (1, 9, 3, 1, 64, 1000, 1000),    # SmolLM2's retrieval step over a 1,000-slot cache (the AVX-512 path)
+    (1, 9, 3, 5, 64, 700, 720),      # a retrieval pass of 5 tokens
+    (2, 12, 2, 3, 128, 300, 320),    # Qwen2.5 shape, batch 2
+    (1, 6, 1, 2, 24, 257, 257),      # head_dim 24: the AVX2 path
+    (1, 10, 2, 4, 40, 700, 700),     # the AVX2 path, 20 rows per KV head, 5 value vectors
+])
+def test_kernel_over_a_bf16_cache_is_the_kernel_over_its_fp32_values(b, nh, nkv, t, hs, n_keys, cap):
+    """A bf16 cache (a lower tier's ``lower_kv_dtype``): each element widened exactly, so the output and the
+    log-sum-exp are bitwise the kernel's over the fp32 copy of the same cache, and agree with SDPA over it."""
+    g = torch.Generator().manual_seed(n_keys + t)
+    q = torch.randn(b, nh, t, hs, generator=g)
+    k = (torch.randn(b, nkv, cap, hs, generator=g) * 3).to(torch.bfloat16)
+    v = torch.randn(b, nkv, cap, hs, generator=g).to(torch.bfloat16)
+    lse16, lse32 = torch.empty(b, nh, t), torch.empty(b, nh, t)
+    out16 = kernels.gqa_attention_kernel(q, k, v, n_keys, lse16)
+    out32 = kernels.gqa_attention_kernel(q, k.float(), v.float(), n_keys, lse32)
+    assert out16 is not None and out16.dtype == torch.float32
+    assert torch.equal(out16, out32) and torch.equal(lse16, lse32)
+    mask = _causal_offset_mask(n_keys - t, t, n_keys, q.device)
+    exact = gqa_attention(q.double(), k[:, :, :n_keys].double(), v[:, :, :n_keys].double(), mask)
+    assert (out16.double() - exact).abs().max().item() < 1e-5
+    assert kernels.gqa_attention_kernel(q, k, v.float(), n_keys) is None  # keys and values of different dtypes
+    assert kernels.gqa_attention_kernel(q, k.half(), v.half(), n_keys) is None  # fp16: SDPA's
+
+
 def test_kernel_declines_what_it_does_not_handle():
     q, k = torch.randn(1, 2, 1, 12), torch.randn(1, 2, 10, 12)  # head_dim 12: not a multiple of 8
     assert kernels.gqa_attention_kernel(q, k, k, 10) is None

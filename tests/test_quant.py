@@ -170,8 +170,8 @@ def test_int8_decode_step_in_one_call_is_the_python_layers(family, heads, kv_hea
 
 
 def test_int8_decode_step_declines_what_it_does_not_take():
-    """Head sizes the attention kernel does not take (not a multiple of 8), other dtypes and bf16 caches: None, so the
-    model runs its layers in Python."""
+    """Head sizes the attention kernel does not take (not a multiple of 8), other dtypes, fp16 caches and caches whose
+    keys and values differ in dtype: None, so the model runs its layers in Python."""
     target = ours(hf_model(9, vocab=96, layers=3, hidden=48, heads=4, kv_heads=2))  # head_dim 12
     low = lower_precision_copy(target, "int8")
     full = FullKVCache(target.cfg, 64)
@@ -185,7 +185,8 @@ def test_int8_decode_step_declines_what_it_does_not_take():
     table = low.decode_step.table
     x, cos = torch.zeros(1, 1, 64), torch.zeros(1, 16)
     k = torch.zeros(3, 1, 2, 16, 16)
-    assert decode_step.decode_layers(table, x, k.bfloat16(), k.bfloat16(), 0, 16, cos, cos) is None
+    assert decode_step.decode_layers(table, x, k.half(), k.half(), 0, 16, cos, cos) is None  # fp16 caches: Python's
+    assert decode_step.decode_layers(table, x, k.bfloat16(), k, 0, 16, cos, cos) is None  # keys and values differ
     assert decode_step.decode_layers(table, x.double(), k, k, 0, 16, cos, cos) is None
     assert decode_step.decode_layers(table, x, k, k, 16, 16, cos, cos) is None  # slot outside the rows
     assert lower_precision_copy(target, "bfloat16").decode_step is None

@@ -65,6 +65,7 @@ import torch
 from .caches import kv_bytes
 from .config import ModelConfig
 from .defaults import DEFAULTS
+from .kernels import status as attention_kernel_status
 from .sampling import SamplingParams
 
 #: a retrieval tier goes into the hierarchy when the full KV cache is at least this share of the weights' bytes
@@ -110,6 +111,15 @@ WEIGHT_BOUND_LAYER_BYTES = 64 * 2**20
 COST_QUANTILE = 0.25
 
 
+def bf16_cache_reads_fast(device_type: str) -> bool:
+    """Whether a bf16 cache of a tier below the verifier is read at full speed on ``device_type`` (``"cpu"``,
+    ``"cuda"``): on a CPU where ``csrc/attention.c`` runs (its bf16 path: a retrieval step of SmolLM2 at 8K tokens
+    over 1,000 slots 4.45 ms against 5.06 with an fp32 cache, bench/results/bf16_retrieval_2026-12-05/). Without
+    the kernel PyTorch's SDPA reads a bf16 cache more slowly than the kernel an fp32 one, so :func:`plan_hierarchy`
+    keeps the full cache's dtype there."""
+    return device_type == "cpu" and attention_kernel_status().startswith("on")
+
+
 @dataclass(frozen=True)
 class AutoPlan:
     """The hierarchy ``--mode auto`` chose for a request and why.
@@ -121,19 +131,23 @@ class AutoPlan:
         lower_weights: weights of the tiers below the verifier: ``int8``, or ``codes`` (the target's own block codes
             with int8 activations, where the verifier reads block codes: fewer bytes than an int8 copy).
         reason: one sentence: the figures the choice rests on.
+        lower_kv_dtype: the retrieval cache's dtype (``SpeculationConfig.lower_kv_dtype``): ``bfloat16`` where our
+            attention kernel reads it (half the bytes of an fp32 cache per retrieval step), else None (the full
+            cache's).
     """
 
     tiers: str
     budget: int
     lower_weights: str | None
     reason: str
+    lower_kv_dtype: str | None = None
 
 
 def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, prompt_tokens: int, bottom: str | None,
                    sampling: SamplingParams, gamma1: int = DEFAULTS["gamma1"], gamma2: int = DEFAULTS["gamma2"],
                    chunk_size: int = DEFAULTS["chunk_size"], max_budget: int = DEFAULTS["budget"],
                    device_type: str = "cpu", draft_weight_bytes: int | None = None,
-                   step_weight_bytes: int | None = None) -> AutoPlan:
+                   step_weight_bytes: int | None = None, lower_kv_bf16: bool = False) -> AutoPlan:
     """Choose the hierarchy for a request of ``prompt_tokens`` (rules in the module docstring).
 
     Args:
@@ -159,6 +173,10 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
             A retrieval tier whose step would read more than :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE` (greedy) or
             :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING` of the verifier's step (weights and full KV cache) is
             left out; where these bytes are fewer than an int8 copy's, the tier reads the target's own weights.
+        lower_kv_bf16: whether a bf16 retrieval cache is read at full speed (``csrc/attention.c``'s bf16 path, on a
+            CPU; SDPA would read it 2x slower): then a retrieval tier with no model below it (nor the ``self`` tier)
+            gets a bf16 cache where the full one is fp32 (lossless: the tier only proposes; a retrieval step at 8K
+            tokens on this project's CPU reads a 1,000-slot cache of 23 MB instead of 46).
 
     Returns:
         :class:`AutoPlan`.
@@ -183,11 +201,13 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
     if weight_bound:
         budget = max(int(min(hi, max_budget)), chunk_size + gamma2 + 3)  # the whole prompt where it fits
     int8_bytes = weight_bytes // torch.empty((), dtype=kv_dtype).element_size()  # the weights' dtype, as a rule
+    half_cache = lower_kv_bf16 and kv_dtype == torch.float32 and bottom in (None, "ngram")
+    lower_kv = torch.bfloat16 if half_cache else kv_dtype
     verifier_bytes = weight_bytes if step_weight_bytes is None else step_weight_bytes
     # the tier reads the target's own weights where the verifier reads fewer bytes than an int8 copy (block codes)
     lower_weights, lower_bytes = ("int8", int8_bytes) if int8_bytes <= verifier_bytes else ("codes", verifier_bytes)
     lower = "int8 weights" if lower_weights == "int8" else "the target's own block codes and int8 activations"
-    step_share = (lower_bytes + kv_bytes(cfg, budget, kv_dtype)) / max(1, verifier_bytes + kv)
+    step_share = (lower_bytes + kv_bytes(cfg, budget, lower_kv)) / max(1, verifier_bytes + kv)
     max_step_share = RETRIEVAL_MAX_STEP_BYTES_SHARE if sampling.greedy else RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING
     if weight_bound:  # measured at 0.25 (fp32 weights); a tier reading as much as the verifier cannot pay
         max_step_share = 1.0
@@ -198,8 +218,8 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
         weight_bound = retrieval = False
     if weight_bound:
         why = (f"{sizes}, {layer_bytes / 2**20:.0f} MiB of weights per layer >= "
-               f"{WEIGHT_BOUND_LAYER_BYTES / 2**20:.0f}: steps bound by the weights' bytes, a {budget}-slot "
-               f"retrieval tier with {lower} ({steps})")
+               f"{WEIGHT_BOUND_LAYER_BYTES / 2**20:.0f}: steps bound by the weights' bytes, a {budget}-slot"
+               f"{' bf16' if half_cache else ''} retrieval tier with {lower} ({steps})")
         if bottom == "draft" and draft_weight_bytes is not None and draft_weight_bytes >= lower_bytes:
             why += (f"; the draft model ({draft_weight_bytes / 2**20:.0f} MiB) reads more per step than the tier's "
                     f"{lower} ({lower_bytes / 2**20:.0f} MiB), so it is left out")
@@ -207,7 +227,8 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
         elif bottom:
             why += f"; {who}"
     elif retrieval:
-        why = f"{sizes} >= {threshold}: a {budget}-slot retrieval tier with {lower} ({steps}); {who}"
+        why = (f"{sizes} >= {threshold}: a {budget}-slot{' bf16' if half_cache else ''} retrieval tier with {lower} "
+               f"({steps}); {who}")
     shorter = retrieval and not sampling.greedy and bottom is None and device_type == "cpu"
     if shorter and gamma2 > RETRIEVAL_GAMMA2_SAMPLING:
         gamma2 = RETRIEVAL_GAMMA2_SAMPLING
@@ -221,7 +242,8 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
                else f"{sizes}: no retrieval tier" + ("" if bottom == "self" else
                     f" (below {threshold}{'' if sampling.greedy else ' under sampling'} or the prompt fits the budget)"))
         why += f"; {who}"
-    return AutoPlan(tiers=tiers, budget=budget, lower_weights=lower_weights, reason=why)
+    tier_cache = "bfloat16" if half_cache and (weight_bound or retrieval) else None
+    return AutoPlan(tiers=tiers, budget=budget, lower_weights=lower_weights, reason=why, lower_kv_dtype=tier_cache)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 :mod:`triforce.kernels` (and :mod:`triforce.blockcodes`) called back to back from C, so that neither Python nor
 sleeping OpenMP threads sit between two products. Models whose projections are all int8 (the lower tiers' copies,
 ``quant.py``) or all block codes (a GGUF model's verifier, ``blockcodes.py``) get a :class:`DecodeStep`; the cache
-says where it applies (:meth:`~triforce.caches.KVCache.one_query_rows`: a retrieval step, a full-cache decode step).
+says where it applies (:meth:`~triforce.caches.KVCache.one_query_rows`: a retrieval step, a full-cache decode step),
+over an fp32 or a bf16 cache (a lower tier's ``lower_kv_dtype``, which ``auto`` picks for its retrieval tier).
 For the int8 retrieval tier of SmolLM2 at 8K tokens on this project's 2-core AVX2 CPU it was 1.75x faster than one
 Python call per operation (``bench/decode_step.py``). ``TRIFORCE_DECODE_STEP_KERNEL=0`` turns it off; feature
 detection with a fallback (None: the model runs its layers in Python)."""
@@ -19,8 +20,8 @@ from .kernels import (_F, _I, _I64, _P, CHUNK, DECODE_STEP_CFLAGS, DECODE_STEP_E
                       _Library, _linear, _norm_rope)
 
 _decode_step = _Library("decode_step.c", DECODE_STEP_ENV_SWITCH, (), lambda: (DECODE_STEP_CFLAGS, "C"), {
-    "triforce_decode_layers": (_I, [_P, _P] + [_I] * 7 + [_F] + [_P] * 9 + [_I64] * 2 + [_I] * 3 + [_P] * 2
-                               + [_I, _F, _I, _P, _P])})
+    "triforce_decode_layers": (_I, [_P, _P] + [_I] * 7 + [_F] + [_P] * 8 + [_I, _P] + [_I64] * 2 + [_I] * 3
+                               + [_P] * 2 + [_I, _F, _I, _P, _P])})
 _fn_table = None  # the kernels' addresses in the order csrc/decode_step.c takes them, built on first use
 #: most tokens of one call (csrc/decode_step.c's MAX_T): decode steps and verification blocks (gamma + 1)
 MAX_BLOCK = 16
@@ -117,8 +118,10 @@ def decode_layers(table: LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.
     Args:
         table: the model's weights (:class:`LayerTable`).
         x: (1, T, d) fp32, the embedded tokens, 1 <= T <= :data:`MAX_BLOCK` (not modified).
-        k, v: (L, 1, nkv, capacity, hs) fp32 contiguous CPU caches; rows ``slot .. slot + T - 1`` of every layer and
-            head are written.
+        k, v: (L, 1, nkv, capacity, hs) contiguous CPU caches, both fp32 or both bf16 (a lower tier's
+            ``lower_kv_dtype``: the rows written are rounded to nearest even as ``Tensor.to`` rounds, and the block
+            attends to its own keys and values as rounded, as to the others); rows ``slot .. slot + T - 1`` of every
+            layer and head are written.
         slot: the row of the block's first key and value, 0 <= slot, slot + T <= n_keys.
         n_keys: the rows [0, n_keys) the queries attend over, n_keys <= capacity: token i of the block sees rows
             j <= n_keys - T + i (T > 1 needs n_keys = slot + T, the full cache's causal block).
@@ -144,8 +147,9 @@ def decode_layers(table: LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.
         rows_ok = 0 <= shared <= slot - T + 1 and slot < n_keys
     if (x.shape != (1, T, d) or not 1 <= T <= MAX_BLOCK or not rows_ok or x.dtype != torch.float32
             or x.device.type != "cpu" or k.shape != v.shape
-            or k.dim() != 5 or tuple(k.shape[:3]) != (L, 1, nkv) or k.shape[4] != hs or k.dtype != torch.float32
-            or v.dtype != torch.float32 or k.device.type != "cpu" or v.device.type != "cpu" or not k.is_contiguous()
+            or k.dim() != 5 or tuple(k.shape[:3]) != (L, 1, nkv) or k.shape[4] != hs
+            or k.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype
+            or k.device.type != "cpu" or v.device.type != "cpu" or not k.is_contiguous()
             or not v.is_contiguous() or n_keys > k.shape[3] or hs % 8
             or hs > MAX_HEAD_DIM or nh % nkv or cos.shape != (T, hs) or sin.shape != (T, hs)
             or cos.dtype != torch.float32 or sin.dtype != torch.float32 or not cos.is_contiguous()
@@ -163,8 +167,10 @@ def decode_layers(table: LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.
     if _fn_table is None:
         fns = [libs[0]["triforce_int8_linear"], libs[1]["triforce_rms_norm"], libs[1]["triforce_rope"],
                libs[2]["triforce_gqa_attention"]] + ([codes["triforce_blockcode_linear"],
-                                                      codes["triforce_blockcode_linear_q8"]] if codes else [])
-        _fn_table = (ctypes.c_void_p * 6)(*[ctypes.cast(f, ctypes.c_void_p).value for f in fns])
+                                                      codes["triforce_blockcode_linear_q8"]] if codes else [None, None])
+        fns.append(libs[2]["triforce_gqa_attention_bf16"])
+        _fn_table = (ctypes.c_void_p * 7)(*[None if f is None else ctypes.cast(f, ctypes.c_void_p).value
+                                            for f in fns])
     threads = torch.get_num_threads()
     rows = nh // nkv * T
     scratch = torch.empty(nkv * -(-n_keys // CHUNK) * rows * (hs + 2) + threads * rows * CHUNK, dtype=torch.float32)
@@ -172,7 +178,7 @@ def decode_layers(table: LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.
     cap = k.shape[3]
     rc = libs[3]["triforce_decode_layers"](
         _fn_table, out.data_ptr(), T, L, d, nh, nkv, hs, inter, table.eps, table.norms, table.qs, table.scales,
-        table.mins, table.bits, table.biases, k.data_ptr(), v.data_ptr(),
+        table.mins, table.bits, table.biases, k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
         None if queries is None else queries.data_ptr(), nkv * cap * hs, cap * hs, slot, n_keys,
         -1 if shared is None else shared, cos.data_ptr(), sin.data_ptr(), CHUNK, 1.0 / math.sqrt(hs), threads,
         table.work.data_ptr(), scratch.data_ptr())

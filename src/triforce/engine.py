@@ -33,7 +33,7 @@ from typing import Callable, Generator
 
 import torch
 
-from .auto import SpeedGovernor, plan_hierarchy
+from .auto import SpeedGovernor, bf16_cache_reads_fast, plan_hierarchy
 from .caches import FullKVCache
 from .cudagraph import model_graphs_apply
 from .streaming import StreamingCache
@@ -220,7 +220,8 @@ class Engine:
                               sampling, gamma1=spec.gamma1, gamma2=spec.gamma2, chunk_size=spec.chunk_size,
                               max_budget=spec.budget, device_type=self.target.device.type,
                               draft_weight_bytes=self.draft.weight_bytes() if self.draft is not None else None,
-                              step_weight_bytes=self.target.step_weight_bytes())
+                              step_weight_bytes=self.target.step_weight_bytes(),
+                              lower_kv_bf16=bf16_cache_reads_fast(self.target.device.type))
 
     def plan(self, prompt_ids: list[int], max_new_tokens: int, spec: SpeculationConfig) -> RequestPlan:
         """Check a request before any heavy work and size and place it once (:class:`~triforce.plan.RequestPlan`).

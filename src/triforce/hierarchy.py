@@ -215,7 +215,8 @@ class SpeculationConfig:
         if self.mode != "auto" or self.tiers is not None:
             return self
         return replace(self, mode="autoregressive", tiers=plan.tiers or None, budget=plan.budget,
-                       lower_weights=self.lower_weights or plan.lower_weights)
+                       lower_weights=self.lower_weights or plan.lower_weights,
+                       lower_kv_dtype=self.lower_kv_dtype or plan.lower_kv_dtype)
 
     def reach(self, index: int) -> int:
         """Most tokens the tier at ``index`` of :attr:`chain` may run ahead of the committed sequence.

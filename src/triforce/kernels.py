@@ -12,7 +12,8 @@ chunks with the log-sum-exp rule (see the C file's header for the equations and 
 ``bench/attention_kernel.py`` (docs/benchmarks.md, "Attention kernel").
 
 The kernel is C with AVX2/FMA intrinsics (and an AVX-512 path for head sizes that are multiples of 16, built where
-the CPU has AVX-512: 16 lanes, the values' weighted sum for 6 query rows at once) and OpenMP, compiled once per
+the CPU has AVX-512: 16 lanes, the values' weighted sum for 6 query rows at once), reads fp32 or bf16 caches (a lower
+tier's, half the bytes; each element widened exactly) and uses OpenMP, compiled once per
 machine with the system C compiler
 (``cc``, ``$CC`` overrides) into ``<triforce cache>/kernels/``; the library links the ``libgomp`` torch already
 loaded, so both share one OpenMP thread pool. Feature detection with a fallback: where there is no compiler, no
@@ -194,7 +195,8 @@ def _attention_flags():
 
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _attention = _Library("attention.c", ENV_SWITCH, ("avx2", "fma"), _attention_flags, {
-    "triforce_gqa_attention": (_I, [_P] * 5 + [_I] * 5 + [_I64] * 2 + [_I] * 2 + [_F, _I, _P])})
+    "triforce_gqa_attention": (_I, [_P] * 5 + [_I] * 5 + [_I64] * 2 + [_I] * 2 + [_F, _I, _P]),
+    "triforce_gqa_attention_bf16": (_I, [_P] * 5 + [_I] * 5 + [_I64] * 2 + [_I] * 2 + [_F, _I, _P])})
 _LINEAR_BUILDS = {"AVX-512": (("avx512f", "avx512bw", "avx512vl"), LINEAR_CFLAGS),
                   "AVX2": (("avx2", "fma"), LINEAR_AVX2_CFLAGS)}  # the #if and #else branches of csrc/qlinear.c
 _LINEAR_SYMBOLS = {"triforce_int8_linear": (_I, [_P] * 4 + [_I] * 4),
@@ -245,14 +247,17 @@ def gqa_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_ke
 
     Args:
         q: (B, nh, T, hs) fp32 queries (after RoPE).
-        k, v: (B, nkv, capacity, hs) fp32 views of one layer's cache whose last dim is contiguous, capacity >= n_keys.
+        k, v: (B, nkv, capacity, hs) views of one layer's cache whose last dim is contiguous, capacity >= n_keys; both
+            fp32, or both bf16 (a lower tier's cache: each element widened to fp32 exactly, so the result is bitwise
+            the kernel's over the fp32 copy of the cache, from half the bytes).
         n_keys: keys the block sees, the cache length after this block's tokens were written.
         lse: None, or a (B, nh, T) fp32 contiguous tensor that receives each query's log-sum-exp of its scaled
             scores, log sum_j exp(q . k_j / sqrt(hs)), to merge this attention with one over other keys (the
             flash-decoding rule, :func:`merge_attention`).
 
     Returns:
-        (B, nh, T, hs) fp32, or None when the kernel does not apply (not CPU/fp32, hs not a multiple of 8 or over
+        (B, nh, T, hs) fp32, or None when the kernel does not apply (not CPU, q not fp32, k and v not both fp32 or
+        both bf16, hs not a multiple of 8 or over
         :data:`MAX_HEAD_DIM`, shapes that do not match, nh not a multiple of nkv, or the kernel unavailable): the caller
         then uses SDPA, which raises on bad shapes.
     """
@@ -260,7 +265,8 @@ def gqa_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_ke
         return None
     b, nh, t, hs = q.shape
     nkv = k.shape[1]
-    if (q.device.type != "cpu" or q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32
+    if (q.device.type != "cpu" or q.dtype != torch.float32 or k.dtype not in (torch.float32, torch.bfloat16)
+            or v.dtype != k.dtype
             or k.shape[0] != b or k.shape[3] != hs or nkv < 1 or nh % nkv or t < 1
             or hs % 8 or hs > MAX_HEAD_DIM or k.stride(-1) != 1 or v.stride() != k.stride() or k.stride(2) != hs
             or n_keys < t or n_keys > k.shape[2]):
@@ -273,7 +279,7 @@ def gqa_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_ke
     fns = _attention.load()
     if fns is None:
         return None
-    fn = fns["triforce_gqa_attention"]
+    fn = fns["triforce_gqa_attention_bf16" if k.dtype == torch.bfloat16 else "triforce_gqa_attention"]
     q = q.contiguous()  # (B, nh, T, hs) == (B, nkv, g*T, hs): head h = kv * g + j, rows ordered (j, token)
     out = torch.empty_like(q)
     threads = torch.get_num_threads()

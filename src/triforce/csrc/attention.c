@@ -1,4 +1,4 @@
-/* Attention of a few query rows over a long fp32 KV cache, split over key chunks (flash-decoding).
+/* Attention of a few query rows over a long fp32 (or bf16) KV cache, split over key chunks (flash-decoding).
  *
  * What a decode step (T = 1) and a verification block (T = gamma + 1) of the verifier run at every layer: the g*T
  * query rows of each KV head (grouped-query attention, g = nh / nkv) against that head's keys and values. PyTorch's
@@ -20,8 +20,9 @@
  * with bitwise the same outputs: bench/attention_kernel.py --baseline-source, which also measures the kernel against
  * the floor; bench/results/attention_kernel_avx2_prefetch_2026-12-03.json).
  *
- * Built at first use by triforce/kernels.py with -O3 -mavx2 -mfma -fopenmp; the Python side checks every
- * precondition below before calling. Causal mask: the row of token i (rows are ordered (g, T): row r is token r % T)
+ * triforce_gqa_attention_bf16 reads bf16 keys and values (a lower tier's cache, half the bytes) with the same
+ * arithmetic in fp32. Built at first use by triforce/kernels.py with -O3 -mavx2 -mfma -fopenmp; the Python side
+ * checks every precondition below before calling. Causal mask: the row of token i (rows are ordered (g, T): row r is token r % T)
  * sees keys j <= n_keys - T + i, as the full KV cache's block mask.
  */
 #include <immintrin.h>
@@ -59,11 +60,29 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {  /* the
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-/* L2 prefetch of rows [j, min(j + nk, end)) of hs floats from base. The P passes over a chunk share its prefetches:
+/* Keys and values are fp32 or bf16 (BF, a constant after inlining: csrc/decode_step.c's bf16 caches of the tiers below
+ * the verifier). A bf16 element is the top half of the fp32 with the same bits (torch.bfloat16), so loading one is a
+ * widening and a shift, exact: the kernel over a bf16 cache computes bitwise what it computes over the fp32 copy of
+ * that cache, from half the bytes. ES: bytes per element; kv_at: element i of p. */
+#define ES(BF) ((BF) ? 2 : 4)
+static inline __attribute__((always_inline)) const void* kv_at(const void* p, int64_t i, const int BF) {
+    return (const char*)p + i * ES(BF);
+}
+
+/* 8 keys' or values' elements from element i of p, as fp32 */
+static inline __attribute__((always_inline)) __m256 load8(const void* p, int64_t i, const int BF) {
+    if (BF)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+            _mm_loadu_si128((const __m128i*)((const uint16_t*)p + i))), 16));
+    return _mm256_loadu_ps((const float*)p + i);
+}
+
+/* L2 prefetch of rows [j, min(j + nk, end)) of hs elements of es bytes from base. The P passes over a chunk share its prefetches:
  * pass p takes the steps whose index is p mod P, so the requests spread evenly over the item's time (a counter
  * counts the steps down: no division in the loops). */
-static inline __attribute__((always_inline)) void prefetch_rows(const char* base, int j, int nk, int end, int hs) {
-    for (int64_t o = (int64_t)j * hs * 4; o < (int64_t)(j + nk < end ? j + nk : end) * hs * 4; o += 64)
+static inline __attribute__((always_inline)) void prefetch_rows(const char* base, int j, int nk, int end, int hs,
+                                                                int es) {
+    for (int64_t o = (int64_t)j * hs * es; o < (int64_t)(j + nk < end ? j + nk : end) * hs * es; o += 64)
         _mm_prefetch(base + o, _MM_HINT_T1);
 }
 
@@ -71,35 +90,35 @@ static inline __attribute__((always_inline)) void prefetch_rows(const char* base
  * score is summed in the same order whichever step computes it, so a query's output does not depend on the other
  * rows of its block (a verification computes what a decode step would). Prefetches pf's rows of its share of the
  * 4-key steps (prefetch_rows). */
-static inline __attribute__((always_inline)) void scores(const float* Q, const int NR, const float* K, int n,
+static inline __attribute__((always_inline)) void scores(const float* Q, const int NR, const void* K, int n,
                                                          int hs, float scale, float* s, int ld, const char* pf,
-                                                         int part, int parts) {
+                                                         int part, int parts, const int BF) {
     const __m128 sc = _mm_set1_ps(scale);
     int j = 0;
     for (int wait = part; j + 4 <= n; j += 4, --wait) {
         if (!wait) {
-            prefetch_rows(pf, j, 4, n, hs);
+            prefetch_rows(pf, j, 4, n, hs, ES(BF));
             wait = parts;
         }
         __m256 a[3][4];
         for (int i = 0; i < NR; ++i)
             for (int u = 0; u < 4; ++u) a[i][u] = _mm256_setzero_ps();
-        const float* kj = K + (int64_t)j * hs;
+        const int64_t kj = (int64_t)j * hs;
         for (int d = 0; d < hs; d += 8) {
             __m256 qq[3];
             for (int i = 0; i < NR; ++i) qq[i] = _mm256_loadu_ps(Q + i * hs + d);
             for (int u = 0; u < 4; ++u) {
-                __m256 kk = _mm256_loadu_ps(kj + u * hs + d);
+                __m256 kk = load8(K, kj + u * hs + d, BF);
                 for (int i = 0; i < NR; ++i) a[i][u] = _mm256_fmadd_ps(qq[i], kk, a[i][u]);
             }
         }
         for (int i = 0; i < NR; ++i) _mm_storeu_ps(s + i * ld + j, _mm_mul_ps(hsum4(a[i][0], a[i][1], a[i][2], a[i][3]), sc));
     }
     for (; j < n; ++j) {
-        const float* kj = K + (int64_t)j * hs;
+        const int64_t kj = (int64_t)j * hs;
         for (int i = 0; i < NR; ++i) {
             __m256 a0 = _mm256_setzero_ps();
-            for (int d = 0; d < hs; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(Q + i * hs + d), _mm256_loadu_ps(kj + d), a0);
+            for (int d = 0; d < hs; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(Q + i * hs + d), load8(K, kj + d, BF), a0);
             s[i * ld + j] = _mm_cvtss_f32(hsum4(a0, a0, a0, a0)) * scale;  /* the 4-key path's order of additions */
         }
     }
@@ -111,19 +130,19 @@ static inline __attribute__((always_inline)) void scores(const float* Q, const i
  * are 7 passes, not 21 that each load every value vector: bench/attention_kernel.py, 1.17x on SmolLM2's shape,
  * 1.4x on Qwen2.5-1.5B's). Each output element is the same chain of FMAs over j in order whatever NB and NE, so a
  * row's result does not depend on the rows beside it. Prefetches pf's rows [0, npf) of its share of the keys. */
-static inline __attribute__((always_inline)) void pv(const float* P, int ldp, const int NB, const float* V, int n,
+static inline __attribute__((always_inline)) void pv(const float* P, int ldp, const int NB, const void* V, int n,
                                                      int hs, const int NE, float* A, int lda, const char* pf,
-                                                     int npf, int part, int parts) {
+                                                     int npf, int part, int parts, const int BF) {
     __m256 o[3][4];
     for (int b = 0; b < NB; ++b)
         for (int e = 0; e < NE; ++e) o[b][e] = _mm256_setzero_ps();
     for (int j = 0, wait = pf ? part : -1; j < n; ++j, --wait) {
         if (!wait) {
-            prefetch_rows(pf, j, 1, npf, hs);
+            prefetch_rows(pf, j, 1, npf, hs, ES(BF));
             wait = parts;
         }
         __m256 vv[4];
-        for (int e = 0; e < NE; ++e) vv[e] = _mm256_loadu_ps(V + (int64_t)j * hs + 8 * e);
+        for (int e = 0; e < NE; ++e) vv[e] = load8(V, (int64_t)j * hs + 8 * e, BF);
         for (int b = 0; b < NB; ++b) {
             const __m256 pj = _mm256_set1_ps(P[(int64_t)b * ldp + j]);
             for (int e = 0; e < NE; ++e) o[b][e] = _mm256_fmadd_ps(pj, vv[e], o[b][e]);
@@ -141,10 +160,11 @@ static inline __attribute__((always_inline)) void pv(const float* P, int ldp, co
         const int part = r0 / 3 * epasses + e0 / 4;                                                                \
         const float* P = sbuf + (int64_t)r0 * n;                                                                   \
         float* A = acc + (int64_t)r0 * hs + 8 * e0;                                                                \
-        if (ne == 4) pv(P, n, NB, V + 8 * e0, kmax, hs, 4, A, hs, knext, nnext, part, parts);                      \
-        else if (ne == 3) pv(P, n, NB, V + 8 * e0, kmax, hs, 3, A, hs, knext, nnext, part, parts);                 \
-        else if (ne == 2) pv(P, n, NB, V + 8 * e0, kmax, hs, 2, A, hs, knext, nnext, part, parts);                 \
-        else pv(P, n, NB, V + 8 * e0, kmax, hs, 1, A, hs, knext, nnext, part, parts);                              \
+        const void* Ve = kv_at(V, 8 * e0, BF);                                                                     \
+        if (ne == 4) pv(P, n, NB, Ve, kmax, hs, 4, A, hs, knext, nnext, part, parts, BF);                          \
+        else if (ne == 3) pv(P, n, NB, Ve, kmax, hs, 3, A, hs, knext, nnext, part, parts, BF);                     \
+        else if (ne == 2) pv(P, n, NB, Ve, kmax, hs, 2, A, hs, knext, nnext, part, parts, BF);                     \
+        else pv(P, n, NB, Ve, kmax, hs, 1, A, hs, knext, nnext, part, parts, BF);                                  \
     }
 
 #ifdef __AVX512F__
@@ -152,6 +172,14 @@ static inline __attribute__((always_inline)) void pv(const float* P, int ldp, co
  * rows per score step, and the weighted sum of values for up to 6 rows at once, so each value row is loaded once for
  * all of them. A row's operations are still the same whatever the rows beside it (each score in one fixed order; the
  * weighted sum over keys j in order, rows past their last visible key adding exact zeros). */
+
+/* load8 on 16 lanes */
+static inline __attribute__((always_inline)) __m512 load16(const void* p, int64_t i, const int BF) {
+    if (BF)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i))), 16));
+    return _mm512_loadu_ps((const float*)p + i);
+}
 
 /* exp8's polynomial on 16 lanes: the same value in every lane as exp8 gives */
 static inline __m512 exp16(__m512 x) {
@@ -190,19 +218,19 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 a[16]) {
 
 /* scores() on 16 lanes, up to 4 rows (NR a constant after inlining); the rows of a 4-row step missing from NR
  * are zero vectors in sum16 */
-static inline __attribute__((always_inline)) void scores16(const float* Q, const int NR, const float* K, int n,
-                                                           int hs, float scale, float* s, int ld) {
+static inline __attribute__((always_inline)) void scores16(const float* Q, const int NR, const void* K, int n,
+                                                           int hs, float scale, float* s, int ld, const int BF) {
     const __m512 sc = _mm512_set1_ps(scale);
     int j = 0;
     for (; j + 4 <= n; j += 4) {
         __m512 a[16];
         for (int x = 0; x < 16; ++x) a[x] = _mm512_setzero_ps();
-        const float* kj = K + (int64_t)j * hs;
+        const int64_t kj = (int64_t)j * hs;
         for (int d = 0; d < hs; d += 16) {
             __m512 qq[4];
             for (int i = 0; i < NR; ++i) qq[i] = _mm512_loadu_ps(Q + i * hs + d);
             for (int u = 0; u < 4; ++u) {
-                __m512 kk = _mm512_loadu_ps(kj + u * hs + d);
+                __m512 kk = load16(K, kj + u * hs + d, BF);
                 for (int i = 0; i < NR; ++i) a[4 * i + u] = _mm512_fmadd_ps(qq[i], kk, a[4 * i + u]);
             }
         }
@@ -210,26 +238,26 @@ static inline __attribute__((always_inline)) void scores16(const float* Q, const
         for (int i = 0; i < NR; ++i) _mm512_mask_storeu_ps(s + i * ld + j - 4 * i, (__mmask16)(0xF << (4 * i)), sums);
     }
     for (; j < n; ++j) {  /* the last keys one at a time, through the same tree */
-        const float* kj = K + (int64_t)j * hs;
+        const int64_t kj = (int64_t)j * hs;
         __m512 a[16];
         for (int x = 0; x < 16; ++x) a[x] = _mm512_setzero_ps();
         for (int i = 0; i < NR; ++i)
             for (int d = 0; d < hs; d += 16)
-                a[4 * i] = _mm512_fmadd_ps(_mm512_loadu_ps(Q + i * hs + d), _mm512_loadu_ps(kj + d), a[4 * i]);
+                a[4 * i] = _mm512_fmadd_ps(_mm512_loadu_ps(Q + i * hs + d), load16(K, kj + d, BF), a[4 * i]);
         const __m512 sums = _mm512_mul_ps(sum16(a), sc);
         for (int i = 0; i < NR; ++i) _mm512_mask_storeu_ps(s + i * ld + j - 4 * i, (__mmask16)(1 << (4 * i)), sums);
     }
 }
 
 /* A[b][0 : 16 NE) = sum_j P[b][j] V_j[0 : 16 NE) for NB (<= 6) rows over keys [0, n): each value vector loaded once */
-static inline __attribute__((always_inline)) void pv16(const float* P, int ldp, const int NB, const float* V, int n,
-                                                       int hs, const int NE, float* A, int lda) {
+static inline __attribute__((always_inline)) void pv16(const float* P, int ldp, const int NB, const void* V, int n,
+                                                       int hs, const int NE, float* A, int lda, const int BF) {
     __m512 o[6][4];
     for (int b = 0; b < NB; ++b)
         for (int e = 0; e < NE; ++e) o[b][e] = _mm512_setzero_ps();
     for (int j = 0; j < n; ++j) {
         __m512 v[4];
-        for (int e = 0; e < NE; ++e) v[e] = _mm512_loadu_ps(V + (int64_t)j * hs + 16 * e);
+        for (int e = 0; e < NE; ++e) v[e] = load16(V, (int64_t)j * hs + 16 * e, BF);
         for (int b = 0; b < NB; ++b) {
             const __m512 pj = _mm512_set1_ps(P[(int64_t)b * ldp + j]);
             for (int e = 0; e < NE; ++e) o[b][e] = _mm512_fmadd_ps(pj, v[e], o[b][e]);
@@ -244,22 +272,25 @@ static inline __attribute__((always_inline)) void pv16(const float* P, int ldp, 
         const int ne = nv - e0 < 4 ? nv - e0 : 4;                                                                  \
         const float* P = sbuf + (int64_t)r0 * n;                                                                   \
         float* A = acc + (int64_t)r0 * hs + 16 * e0;                                                               \
-        if (ne == 4) pv16(P, n, NB, V + 16 * e0, kmax, hs, 4, A, hs);                                              \
-        else if (ne == 3) pv16(P, n, NB, V + 16 * e0, kmax, hs, 3, A, hs);                                         \
-        else if (ne == 2) pv16(P, n, NB, V + 16 * e0, kmax, hs, 2, A, hs);                                         \
-        else pv16(P, n, NB, V + 16 * e0, kmax, hs, 1, A, hs);                                                      \
+        const void* Ve = kv_at(V, 16 * e0, BF);                                                                    \
+        if (ne == 4) pv16(P, n, NB, Ve, kmax, hs, 4, A, hs, BF);                                                   \
+        else if (ne == 3) pv16(P, n, NB, Ve, kmax, hs, 3, A, hs, BF);                                              \
+        else if (ne == 2) pv16(P, n, NB, Ve, kmax, hs, 2, A, hs, BF);                                              \
+        else pv16(P, n, NB, Ve, kmax, hs, 1, A, hs, BF);                                                           \
     }
 
 /* chunk_item() on the AVX-512 path (hs a multiple of 16) */
-static void chunk_item16(const float* Q, const float* K, const float* V, int R, int T, int hs, int j0, int n,
-                         int last0, float scale, float* acc, float* mrow, float* lrow, float* sbuf) {
+static inline __attribute__((always_inline)) void chunk_item16(const float* Q, const void* K, const void* V, int R,
+                                                               int T, int hs, int j0, int n, int last0, float scale,
+                                                               float* acc, float* mrow, float* lrow, float* sbuf,
+                                                               const int BF) {
     const int nmax = last0 + T - j0 < n ? last0 + T - j0 : n;  /* keys the last token's rows see */
     for (int r0 = 0, nr; nmax > 0 && r0 < R; r0 += nr) {
         nr = R - r0 == 5 ? 3 : R - r0 < 4 ? R - r0 : 4;  /* 5 rows left: 3 + 2, since a step costs one sum16 */
-        if (nr == 4) scores16(Q + (int64_t)r0 * hs, 4, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n);
-        else if (nr == 3) scores16(Q + (int64_t)r0 * hs, 3, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n);
-        else if (nr == 2) scores16(Q + (int64_t)r0 * hs, 2, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n);
-        else scores16(Q + (int64_t)r0 * hs, 1, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n);
+        if (nr == 4) scores16(Q + (int64_t)r0 * hs, 4, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n, BF);
+        else if (nr == 3) scores16(Q + (int64_t)r0 * hs, 3, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n, BF);
+        else if (nr == 2) scores16(Q + (int64_t)r0 * hs, 2, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n, BF);
+        else scores16(Q + (int64_t)r0 * hs, 1, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n, BF);
     }
     for (int r = 0; r < R; ++r) {  /* softmax numerators in place; zeros past the row's last visible key */
         const int nvis = last0 + r % T - j0 + 1 < n ? last0 + r % T - j0 + 1 : n;  /* causal: keys <= last0 + i */
@@ -318,17 +349,18 @@ static void chunk_item16(const float* Q, const float* K, const float* V, int R, 
 /* One (batch, head, chunk) work item: for every row, its chunk maximum m, sum l and unnormalised output a. The
  * scores' passes prefetch this chunk's values, the weighted sums' passes the next item's nnext keys at knext (NULL:
  * none). */
-static void chunk_item(const float* Q, const float* K, const float* V, int R, int T, int hs, int j0, int n,
-                       int last0, float scale, float* acc, float* mrow, float* lrow, float* sbuf, const char* knext,
-                       int nnext) {
+static inline __attribute__((always_inline)) void chunk_item(const float* Q, const void* K, const void* V, int R,
+                                                             int T, int hs, int j0, int n, int last0, float scale,
+                                                             float* acc, float* mrow, float* lrow, float* sbuf,
+                                                             const char* knext, int nnext, const int BF) {
     const int nmax = last0 + T - j0 < n ? last0 + T - j0 : n;  /* keys the last token's rows see */
     for (int r0 = 0; nmax > 0 && r0 < R; r0 += 3) {
         const int nr = R - r0 < 3 ? R - r0 : 3, part = r0 / 3, parts = (R + 2) / 3;
         const float* q = Q + (int64_t)r0 * hs;
         float* s = sbuf + (int64_t)r0 * n;
-        if (nr == 3) scores(q, 3, K, nmax, hs, scale, s, n, (const char*)V, part, parts);
-        else if (nr == 2) scores(q, 2, K, nmax, hs, scale, s, n, (const char*)V, part, parts);
-        else scores(q, 1, K, nmax, hs, scale, s, n, (const char*)V, part, parts);
+        if (nr == 3) scores(q, 3, K, nmax, hs, scale, s, n, (const char*)V, part, parts, BF);
+        else if (nr == 2) scores(q, 2, K, nmax, hs, scale, s, n, (const char*)V, part, parts, BF);
+        else scores(q, 1, K, nmax, hs, scale, s, n, (const char*)V, part, parts, BF);
     }
     for (int r = 0; r < R; ++r) {  /* softmax numerators in place; zeros past the row's last visible key */
         const int nvis = last0 + r % T - j0 + 1 < n ? last0 + r % T - j0 + 1 : n;  /* causal: keys <= last0 + i */
@@ -387,9 +419,11 @@ static void chunk_item(const float* Q, const float* K, const float* V, int R, in
  * partial results, then nthreads * R * chunk floats, each thread's scores; lse: NULL, or (B, nkv, R) floats that
  * receive each row's log-sum-exp of its scaled scores.
  * Returns 0, or -1 for arguments outside what the kernel handles (nothing written). */
-int triforce_gqa_attention(const float* q, const float* k, const float* v, float* out, float* scratch, int B,
-                           int nkv, int R, int T, int hs, int64_t bstride, int64_t hstride, int n_keys, int chunk,
-                           float scale, int nthreads, float* lse) {
+static inline __attribute__((always_inline)) int gqa_attention(const float* q, const void* k, const void* v, float* out,
+                                                               float* scratch, int B, int nkv, int R, int T, int hs,
+                                                               int64_t bstride, int64_t hstride, int n_keys,
+                                                               int chunk, float scale, int nthreads, float* lse,
+                                                               const int BF) {
     if (hs % 8 || hs > 256 || T < 1 || R % T || n_keys < T || chunk < 8 || nthreads < 1)
         return -1;
     const int nchunks = (n_keys + chunk - 1) / chunk, items = B * nkv * nchunks, last0 = n_keys - T;
@@ -409,21 +443,22 @@ int triforce_gqa_attention(const float* q, const float* k, const float* v, float
             if (it + 1 < items) {
                 const int c1 = (it + 1) % nchunks, bh1 = (it + 1) / nchunks;
                 nnext = n_keys - c1 * chunk < chunk ? n_keys - c1 * chunk : chunk;
-                knext = (const char*)(k + (bh1 / nkv) * bstride + (bh1 % nkv) * hstride + (int64_t)c1 * chunk * hs);
+                knext = (const char*)kv_at(k, (bh1 / nkv) * bstride + (bh1 % nkv) * hstride + (int64_t)c1 * chunk * hs,
+                                           BF);
             }
 #ifdef __AVX512F__
             if (hs % 16 == 0) {  /* the AVX-512 path: the next item's keys and values on their way to L1 at once */
                 const char* vnext = (const char*)v + (knext - (const char*)k);
-                for (int64_t o = 0; o < (int64_t)nnext * hs * (int64_t)sizeof(float); o += 64) {
+                for (int64_t o = 0; o < (int64_t)nnext * hs * ES(BF); o += 64) {
                     _mm_prefetch(knext + o, _MM_HINT_T0);
                     _mm_prefetch(vnext + o, _MM_HINT_T0);
                 }
-                chunk_item16(q + (int64_t)bh * R * hs, k + kv_off, v + kv_off, R, T, hs, j0, n, last0, scale,
-                             acc, acc + (int64_t)R * hs, acc + (int64_t)R * hs + R, sbuf);
+                chunk_item16(q + (int64_t)bh * R * hs, kv_at(k, kv_off, BF), kv_at(v, kv_off, BF), R, T, hs, j0, n,
+                             last0, scale, acc, acc + (int64_t)R * hs, acc + (int64_t)R * hs + R, sbuf, BF);
             } else
 #endif
-            chunk_item(q + (int64_t)bh * R * hs, k + kv_off, v + kv_off, R, T, hs, j0, n, last0, scale,
-                       acc, acc + (int64_t)R * hs, acc + (int64_t)R * hs + R, sbuf, knext, nnext);
+            chunk_item(q + (int64_t)bh * R * hs, kv_at(k, kv_off, BF), kv_at(v, kv_off, BF), R, T, hs, j0, n, last0,
+                       scale, acc, acc + (int64_t)R * hs, acc + (int64_t)R * hs + R, sbuf, knext, nnext, BF);
         }
         /* merge the chunks of every (batch, head, row) */
         #pragma omp for schedule(static)
@@ -451,4 +486,20 @@ int triforce_gqa_attention(const float* q, const float* k, const float* v, float
         }
     }
     return 0;
+}
+
+int triforce_gqa_attention(const float* q, const float* k, const float* v, float* out, float* scratch, int B,
+                           int nkv, int R, int T, int hs, int64_t bstride, int64_t hstride, int n_keys, int chunk,
+                           float scale, int nthreads, float* lse) {
+    return gqa_attention(q, k, v, out, scratch, B, nkv, R, T, hs, bstride, hstride, n_keys, chunk, scale, nthreads,
+                         lse, 0);
+}
+
+/* triforce_gqa_attention over bf16 keys and values (torch.bfloat16's bits, at the same element offsets): bitwise what
+ * it computes over their fp32 values */
+int triforce_gqa_attention_bf16(const float* q, const uint16_t* k, const uint16_t* v, float* out, float* scratch,
+                                int B, int nkv, int R, int T, int hs, int64_t bstride, int64_t hstride, int n_keys,
+                                int chunk, float scale, int nthreads, float* lse) {
+    return gqa_attention(q, k, v, out, scratch, B, nkv, R, T, hs, bstride, hstride, n_keys, chunk, scale, nthreads,
+                         lse, 1);
 }

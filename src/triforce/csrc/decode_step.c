@@ -38,6 +38,32 @@ typedef int (*attention_fn)(const float* q, const float* k, const float* v, floa
                             int nkv, int R, int T, int hs, int64_t bstride, int64_t hstride, int n_keys, int chunk,
                             float scale, int nthreads, float* lse);
 
+/* fp32 -> bf16 bits, rounding to nearest even as torch.Tensor.to(torch.bfloat16) does (c10::BFloat16; NaN -> 0x7FC0) */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (isnan(f)) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* n floats from src to row dst of a cache: fp32, or bf16 (kv_bf16) */
+static void store_row(void* dst, const float* src, int n, int kv_bf16) {
+    if (!kv_bf16) {
+        memcpy(dst, src, sizeof(float) * n);
+        return;
+    }
+    uint16_t* d = (uint16_t*)dst;
+    for (int i = 0; i < n; ++i) d[i] = to_bf16(src[i]);
+}
+
+/* x rounded to bf16 and back, in place (what a bf16 cache holds of it) */
+static void round_bf16(float* x, int n) {
+    for (int i = 0; i < n; ++i) {
+        const uint32_t u = (uint32_t)to_bf16(x[i]) << 16;
+        memcpy(x + i, &u, 4);
+    }
+}
+
 static void add_bias(float* y, const float* b, int n) {
     if (b)
         for (int i = 0; i < n; ++i) y[i] += b[i];
@@ -60,12 +86,15 @@ static int project(void* const* fns, int bits, const void* w, const float* s, co
     return ((blockcode_linear_fn)fns[4])(x, w, bits, s, mn, y, M, in, out, nthreads);
 }
 
-/* fns: {int8_linear, rms_norm, rope, attention, blockcode_linear or NULL, blockcode_linear_q8 or NULL}. x: (T, d) the
+/* fns: {int8_linear, rms_norm, rope, attention, blockcode_linear or NULL, blockcode_linear_q8 or NULL,
+ * attention over bf16 keys and values}. x: (T, d) the
  * hidden states of a block of T tokens (1 <= T <= MAX_T: a decode step, or a verification block over the full cache),
  * updated in place. norm_w: 2 per layer (input, post-attention). q, scale, mins, bits, bias: 4 per layer (qkv, o,
  * gate_up, down): with bits 0, (out, in) int8, (out,) fp32, unused; with bits 4 or 8 (plus Q8_ACTIVATIONS: the
- * integer dot products), the block codes, scales and minima (or NULL) of csrc/blockcodes.c's layout; bias (out,) fp32 or NULL. k_cache, v_cache: (L, 1, nkv, capacity, hs) fp32 contiguous,
- * layer_stride = nkv * capacity * hs, head_stride = capacity * hs; the block's keys and values go to rows
+ * integer dot products), the block codes, scales and minima (or NULL) of csrc/blockcodes.c's layout; bias (out,) fp32 or NULL. k_cache, v_cache: (L, 1, nkv, capacity, hs) contiguous,
+ * fp32, or bf16 with kv_bf16 (a lower tier's cache: keys and values rounded to nearest even as torch does, and a
+ * block attends to its own keys and values as rounded too, as to every other row of its cache), layer_stride =
+ * nkv * capacity * hs, head_stride = capacity * hs (elements); the block's keys and values go to rows
  * slot .. slot + T - 1 and its queries attend over rows [0, n_keys), token i of the block seeing rows
  * j <= n_keys - T + i (T > 1 needs n_keys = slot + T: the full cache's causal block). cos, sin: (T, hs) the block's
  * rotations. work: at least T (6 nh hs + 4 nkv hs + 2 d + 3 inter + 3 nh + 2 n_in + n_in / 16) + 8 floats (n_in
@@ -106,17 +135,20 @@ static void merge_partials(float* out, float* const* o, float* const* lse, int n
 
 int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int nh, int nkv, int hs, int inter,
                            float eps, const float* const* norm_w, const void* const* q, const float* const* scale,
-                           const float* const* mins, const int* bits, const float* const* bias, float* k_cache,
-                           float* v_cache, float* q_out, int64_t layer_stride, int64_t head_stride, int slot,
-                           int n_keys, int n_shared, const float* cos, const float* sin, int chunk, float attn_scale,
-                           int nthreads, float* work, float* attn_scratch) {
+                           const float* const* mins, const int* bits, const float* const* bias, void* k_cache,
+                           void* v_cache, int kv_bf16, float* q_out, int64_t layer_stride, int64_t head_stride,
+                           int slot, int n_keys, int n_shared, const float* cos, const float* sin, int chunk,
+                           float attn_scale, int nthreads, float* work, float* attn_scratch) {
     const int retrieval = n_shared >= 0;
     if (T < 1 || T > MAX_T) return -1;
     if (!retrieval && T > 1 && n_keys != slot + T) return -1;
     if (retrieval && (slot - T + 1 < n_shared || slot >= n_keys)) return -1;
     const rms_norm_fn norm = (rms_norm_fn)fns[1];
     const rope_fn rope = (rope_fn)fns[2];
-    const attention_fn attention = (attention_fn)fns[3];
+    const attention_fn attention = (attention_fn)fns[3];  /* over fp32 rows (the block's own, in the retrieval layout) */
+    const attention_fn cache_attention = (attention_fn)(kv_bf16 ? fns[6] : fns[3]);  /* over the cache's rows */
+    const int es = kv_bf16 ? 2 : 4;  /* bytes per cache element */
+    if (!cache_attention) return -1;
     const int nq = nh * hs, nk = nkv * hs, nqkv = nq + 2 * nk;
     float* const qkv = work;                   /* (T, nqkv) */
     float* const q_rot = qkv + T * nqkv;       /* (nh, T, hs): rows (g, T) per KV head, as the attention takes them */
@@ -142,8 +174,8 @@ int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int 
         const float* const* wm = mins + 4 * l;
         const int* wbits = bits + 4 * l;
         const float* const* wb = bias + 4 * l;
-        float* const kl = k_cache + l * layer_stride;
-        float* const vl = v_cache + l * layer_stride;
+        char* const kl = (char*)k_cache + l * layer_stride * es;
+        char* const vl = (char*)v_cache + l * layer_stride * es;
         /* attention */
         norm(x, norm_w[2 * l], h, T, d, eps);
         if ((rc = project(fns, wbits[0], wq[0], ws[0], wm[0], h, qkv, T, d, nqkv, nthreads, qwork))) return rc;
@@ -154,14 +186,19 @@ int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int 
         for (int j = 0; j < nkv; ++j)
             for (int t = 0; t < T; ++t) {
                 const int64_t row = retrieval ? slot - t : slot + t;
-                memcpy(kl + j * head_stride + row * hs, k_rot + (j * T + t) * hs, sizeof(float) * hs);
-                memcpy(vl + j * head_stride + row * hs, qkv + t * nqkv + nq + nk + j * hs, sizeof(float) * hs);
+                store_row(kl + (j * head_stride + row * hs) * es, k_rot + (j * T + t) * hs, hs, kv_bf16);
+                store_row(vl + (j * head_stride + row * hs) * es, qkv + t * nqkv + nq + nk + j * hs, hs, kv_bf16);
                 if (retrieval) memcpy(v_blk + (j * T + t) * hs, qkv + t * nqkv + nq + nk + j * hs, sizeof(float) * hs);
             }
         if (!retrieval) {
-            if ((rc = attention(q_rot, kl, vl, attn, attn_scratch, 1, nkv, rows, T, hs, layer_stride, head_stride,
-                                n_keys, chunk, attn_scale, nthreads, 0))) return rc;
+            if ((rc = cache_attention(q_rot, (const float*)kl, (const float*)vl, attn, attn_scratch, 1, nkv, rows, T,
+                                      hs, layer_stride, head_stride, n_keys, chunk, attn_scale, nthreads, 0)))
+                return rc;
         } else {
+            if (kv_bf16) {  /* the block's own keys and values as its cache holds them */
+                round_bf16(k_rot, T * nk);
+                round_bf16(v_blk, T * nk);
+            }
             /* the block's own keys, causal (token order: k_rot, v_blk), then the rows every token sees (T = 1 in
              * the kernel's terms: no mask over them) */
             if ((rc = attention(q_rot, k_rot, v_blk, attn, attn_scratch, 1, nkv, rows, T, hs, (int64_t)nk,
@@ -170,14 +207,16 @@ int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int 
             float* lses[3] = {lse0, lse1, lse2};
             int nc = 1;
             if (n_shared > 0) {
-                if ((rc = attention(q_rot, kl, vl, parts[nc], attn_scratch, 1, nkv, rows, 1, hs, layer_stride,
-                                    head_stride, n_shared, chunk, attn_scale, nthreads, lses[nc]))) return rc;
+                if ((rc = cache_attention(q_rot, (const float*)kl, (const float*)vl, parts[nc], attn_scratch, 1, nkv,
+                                          rows, 1, hs, layer_stride, head_stride, n_shared, chunk, attn_scale,
+                                          nthreads, lses[nc]))) return rc;
                 ++nc;
             }
             if (slot + 1 < n_keys) {
-                if ((rc = attention(q_rot, kl + (int64_t)(slot + 1) * hs, vl + (int64_t)(slot + 1) * hs, parts[nc],
-                                    attn_scratch, 1, nkv, rows, 1, hs, layer_stride, head_stride, n_keys - slot - 1,
-                                    chunk, attn_scale, nthreads, lses[nc]))) return rc;
+                if ((rc = cache_attention(q_rot, (const float*)(kl + (int64_t)(slot + 1) * hs * es),
+                                          (const float*)(vl + (int64_t)(slot + 1) * hs * es), parts[nc],
+                                          attn_scratch, 1, nkv, rows, 1, hs, layer_stride, head_stride,
+                                          n_keys - slot - 1, chunk, attn_scale, nthreads, lses[nc]))) return rc;
                 ++nc;
             }
             if (nc > 1) merge_partials(attn, parts, lses, nc, nh * T, hs);  /* in place: each element read first */
