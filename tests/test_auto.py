@@ -98,6 +98,12 @@ def test_plan_adds_the_int8_tier_under_a_weight_bound_target_on_a_cpu():
     assert light.tiers == "draft:4,retrieval:6"
     assert plan_hierarchy(cfg, big, torch.bfloat16, 100, "draft", t06, draft_weight_bytes=big // 4).tiers == \
         "draft:4,retrieval:6"  # bf16 weights: the int8 copy is half of them
+    # where the attention kernel reads bf16 caches, the tier's cache is bf16 unless a draft model stays below it
+    for bottom, draft_bytes, kv in ((None, None, "bfloat16"), ("draft", big // 4, "bfloat16"),
+                                    ("draft", big // 4 - 1, None)):
+        plan = plan_hierarchy(cfg, big, torch.float32, 100, bottom, t06, draft_weight_bytes=draft_bytes,
+                              lower_kv_bf16=True)
+        assert plan.lower_kv_dtype == kv and ("4096-slot bf16" in plan.reason) == (kv is not None), bottom
 
 
 @pytest.mark.parametrize("temperature", [0, 0.6])

@@ -201,12 +201,15 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
     if weight_bound:
         budget = max(int(min(hi, max_budget)), chunk_size + gamma2 + 3)  # the whole prompt where it fits
     int8_bytes = weight_bytes // torch.empty((), dtype=kv_dtype).element_size()  # the weights' dtype, as a rule
-    half_cache = lower_kv_bf16 and kv_dtype == torch.float32 and bottom in (None, "ngram")
-    lower_kv = torch.bfloat16 if half_cache else kv_dtype
     verifier_bytes = weight_bytes if step_weight_bytes is None else step_weight_bytes
     # the tier reads the target's own weights where the verifier reads fewer bytes than an int8 copy (block codes)
     lower_weights, lower_bytes = ("int8", int8_bytes) if int8_bytes <= verifier_bytes else ("codes", verifier_bytes)
     lower = "int8 weights" if lower_weights == "int8" else "the target's own block codes and int8 activations"
+    # a named draft model that reads at least the tier's bytes per step has no place under a weight-bound target
+    left_out = (weight_bound and bottom == "draft" and draft_weight_bytes is not None
+                and draft_weight_bytes >= lower_bytes)
+    half_cache = lower_kv_bf16 and kv_dtype == torch.float32 and (bottom in (None, "ngram") or left_out)
+    lower_kv = torch.bfloat16 if half_cache else kv_dtype
     step_share = (lower_bytes + kv_bytes(cfg, budget, lower_kv)) / max(1, verifier_bytes + kv)
     max_step_share = RETRIEVAL_MAX_STEP_BYTES_SHARE if sampling.greedy else RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING
     if weight_bound:  # measured at 0.25 (fp32 weights); a tier reading as much as the verifier cannot pay
@@ -220,7 +223,7 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
         why = (f"{sizes}, {layer_bytes / 2**20:.0f} MiB of weights per layer >= "
                f"{WEIGHT_BOUND_LAYER_BYTES / 2**20:.0f}: steps bound by the weights' bytes, a {budget}-slot"
                f"{' bf16' if half_cache else ''} retrieval tier with {lower} ({steps})")
-        if bottom == "draft" and draft_weight_bytes is not None and draft_weight_bytes >= lower_bytes:
+        if left_out:
             why += (f"; the draft model ({draft_weight_bytes / 2**20:.0f} MiB) reads more per step than the tier's "
                     f"{lower} ({lower_bytes / 2**20:.0f} MiB), so it is left out")
             bottom = None
