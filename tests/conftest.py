@@ -7,6 +7,17 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)  # tiny models: one thread avoids OpenMP overhead and contention
 
+def use_avx2_build(monkeypatch, module, attr: str, native_status: str, build):
+    """Swap ``module.attr`` (a kernel library) for its AVX2 build ``build("AVX2")``, so that the AVX2 path is checked on
+    an AVX-512 machine; skips where the native build is the AVX2 one or the AVX2 build does not load."""
+    if "AVX2" in native_status:
+        pytest.skip("the native build is the AVX2 one")
+    forced = build("AVX2")
+    if forced.load() is None:
+        pytest.skip(f"AVX2 build {forced.status}")
+    monkeypatch.setattr(module, attr, forced)
+
+
 BOOKS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "books")
 
 

@@ -8,6 +8,7 @@ whose verifier reads the codes must keep greedy equality with autoregressive dec
 import pytest
 import torch
 
+from conftest import use_avx2_build
 from test_distribution import NEW, SETTINGS, V, chi2_pvalue, empirical, exact_distribution
 from tiny import hf_model, ours, pair
 from triforce import blockcodes
@@ -27,12 +28,8 @@ def blockcode_build(request, monkeypatch):
     """The block-code kernels as this CPU's build (AVX-512 or AVX2), and the AVX2 build too where the native one is
     AVX-512, so both paths of csrc/blockcodes.c are checked on an AVX-512 machine."""
     if request.param == "avx2":
-        if "AVX2" in blockcodes.blockcodes_status():
-            pytest.skip("the native build is the AVX2 one")
-        forced = blockcodes.blockcodes_build("AVX2")
-        if forced.load() is None:
-            pytest.skip(f"AVX2 build {forced.status}")
-        monkeypatch.setattr(blockcodes, "_blockcodes", forced)
+        use_avx2_build(monkeypatch, blockcodes, "_blockcodes", blockcodes.blockcodes_status(),
+                       blockcodes.blockcodes_build)
     return request.param
 
 

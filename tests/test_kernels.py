@@ -11,6 +11,7 @@ from triforce.caches import FullKVCache, _causal_offset_mask
 from triforce.sdpa import gqa_attention
 from triforce.config import ModelConfig
 
+from conftest import use_avx2_build
 from tiny import hf_config
 
 pytestmark = pytest.mark.skipif(kernels.status().startswith("unavailable"), reason=f"kernel {kernels.status()}")
@@ -152,12 +153,7 @@ def linear_build(request, monkeypatch):
     """The linear kernels as this CPU's build (AVX-512 or AVX2), and the AVX2 build too where the native one is
     AVX-512, so both branches of csrc/qlinear.c are checked on an AVX-512 machine."""
     if request.param == "avx2":
-        if "AVX2" in kernels.linear_status():
-            pytest.skip("the native build is the AVX2 one")
-        forced = kernels.linear_build("AVX2")
-        if forced.load() is None:
-            pytest.skip(f"AVX2 build {forced.status}")
-        monkeypatch.setattr(kernels, "_linear", forced)
+        use_avx2_build(monkeypatch, kernels, "_linear", kernels.linear_status(), kernels.linear_build)
     return request.param
 
 

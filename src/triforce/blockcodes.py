@@ -23,7 +23,7 @@ from functools import cached_property
 
 import torch
 
-from .kernels import _I, _P, BLOCKCODES_CFLAGS, BLOCKCODES_ENV_SWITCH, LINEAR_MAX_ROWS, _cpu_flags, _Library
+from .kernels import _I, _P, BLOCKCODES_CFLAGS, BLOCKCODES_ENV_SWITCH, LINEAR_MAX_ROWS, _Library, best_build, forced_build
 
 #: inputs per block (ggml's QK4_1 = QK8_0 = 32)
 GROUP = 32
@@ -44,28 +44,20 @@ _SYMBOLS = {"triforce_blockcode_linear": (_I, [_P, _P, _I, _P, _P, _P, _I, _I, _
 
 
 def blockcodes_build(isa: str) -> _Library:
-    """The block-code kernels built for ``isa`` whatever this CPU's best build, so that tests and
-    ``bench/blockcodes.py`` check and time the AVX2 path of ``csrc/blockcodes.c`` on an AVX-512 machine (swap it in as
-    ``blockcodes._blockcodes``).
+    """The block-code kernels built for ``isa`` (:func:`~triforce.kernels.forced_build`): tests swap the AVX2 and
+    AVX-512 builds of ``csrc/blockcodes.c`` in as ``blockcodes._blockcodes`` on a machine with VNNI.
 
     Args:
-        isa: "AVX-512" or "AVX2".
+        isa: "AVX-512 VNNI", "AVX-512" or "AVX2".
 
     Raises:
         ValueError: for another ``isa``.
     """
-    if isa not in _BUILDS:
-        raise ValueError(f"isa must be one of {sorted(_BUILDS)}, got {isa!r}")
-    needs, cflags = _BUILDS[isa]
-    return _Library("blockcodes.c", BLOCKCODES_ENV_SWITCH, needs, lambda: (cflags, isa), _SYMBOLS)
+    return forced_build(_BUILDS, isa, "blockcodes.c", BLOCKCODES_ENV_SWITCH, _SYMBOLS)
 
 
-def _best_build():
-    isa = next(isa for isa, (needs, _) in _BUILDS.items() if set(needs) <= _cpu_flags())  # AVX2's are checked first
-    return _BUILDS[isa][1], isa
-
-
-_blockcodes = _Library("blockcodes.c", BLOCKCODES_ENV_SWITCH, _BUILDS["AVX2"][0], _best_build, _SYMBOLS)
+_blockcodes = _Library("blockcodes.c", BLOCKCODES_ENV_SWITCH, _BUILDS["AVX2"][0], lambda: best_build(_BUILDS),
+                       _SYMBOLS)
 
 
 def blockcodes_status() -> str:

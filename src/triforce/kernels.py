@@ -203,14 +203,29 @@ _LINEAR_SYMBOLS = {"triforce_int8_linear": (_I, [_P] * 4 + [_I] * 4),
                    "triforce_f32_linear": (_I, [_P] * 3 + [_I] * 4)}
 
 
-def _linear_flags():
-    isa = "AVX-512" if set(_LINEAR_BUILDS["AVX-512"][0]) <= _cpu_flags() else "AVX2"
-    return _LINEAR_BUILDS[isa][1], isa
+def best_build(builds: dict) -> tuple[tuple[str, ...], str]:
+    """(flags, name) of the first of ``builds`` (name -> (CPU features it needs, flags), best first) this CPU runs,
+    else the last one (whose load then says what the CPU lacks)."""
+    isa = next((isa for isa, (needs, _) in builds.items() if set(needs) <= _cpu_flags()), list(builds)[-1])
+    return builds[isa][1], isa
+
+
+def forced_build(builds: dict, isa: str, source: str, switch: str, symbols: dict) -> "_Library":
+    """The C file ``source`` built as ``builds[isa]`` whatever this CPU's best build, so that tests and benchmarks
+    check and time its other paths (the AVX2 one on an AVX-512 machine).
+
+    Raises:
+        ValueError: an ``isa`` not in ``builds``.
+    """
+    if isa not in builds:
+        raise ValueError(f"isa must be one of {sorted(builds)}, got {isa!r}")
+    needs, cflags = builds[isa]
+    return _Library(source, switch, needs, lambda: (cflags, isa), symbols)
 
 
 def linear_build(isa: str) -> "_Library":
-    """The linear kernels built for ``isa`` whatever this CPU's best build, so that tests and ``bench/qlinear.py``
-    check and time the AVX2 branch of ``csrc/qlinear.c`` on an AVX-512 machine (swap it in as ``kernels._linear``).
+    """The linear kernels built for ``isa`` (:func:`forced_build`): tests and ``bench/qlinear.py`` swap the AVX2 build
+    of ``csrc/qlinear.c`` in as ``kernels._linear`` on an AVX-512 machine.
 
     Args:
         isa: "AVX-512" or "AVX2".
@@ -218,13 +233,10 @@ def linear_build(isa: str) -> "_Library":
     Raises:
         ValueError: for another ``isa``.
     """
-    if isa not in _LINEAR_BUILDS:
-        raise ValueError(f"isa must be one of {sorted(_LINEAR_BUILDS)}, got {isa!r}")
-    needs, cflags = _LINEAR_BUILDS[isa]
-    return _Library("qlinear.c", LINEAR_ENV_SWITCH, needs, lambda: (cflags, isa), _LINEAR_SYMBOLS)
+    return forced_build(_LINEAR_BUILDS, isa, "qlinear.c", LINEAR_ENV_SWITCH, _LINEAR_SYMBOLS)
 
 
-_linear = _Library("qlinear.c", LINEAR_ENV_SWITCH, ("avx2", "fma"), _linear_flags, _LINEAR_SYMBOLS)
+_linear = _Library("qlinear.c", LINEAR_ENV_SWITCH, ("avx2", "fma"), lambda: best_build(_LINEAR_BUILDS), _LINEAR_SYMBOLS)
 _norm_rope = _Library("norm_rope.c", NORM_ROPE_ENV_SWITCH, ("avx2",), lambda: (NORM_ROPE_CFLAGS, "AVX2"), {
     "triforce_rms_norm": (None, [_P] * 3 + [_I64, _I, _F]),
     "triforce_rope": (None, [_P] + [_I64] * 3 + [_P] * 3 + [_I] * 4)})

@@ -50,6 +50,18 @@ static inline __attribute__((always_inline)) __m256 weights8(const void* codes, 
     return HAS_M ? _mm256_add_ps(w, mv) : w;
 }
 
+/* L1 prefetch of group g of column blocks [c_from, c_to): their codes, scales and minima */
+static inline __attribute__((always_inline)) void prefetch_group(const void* codes, const int BITS, const float* d,
+                                                                 const float* m, const int HAS_M, int64_t c_from,
+                                                                 int64_t c_to, int in, int groups, int g) {
+    for (int64_t u = c_from; u < c_to; ++u) {
+        const char* cn = (const char*)codes + (u * in + g * GROUP) * BITS;  /* 4 or 8 bytes an input */
+        for (int o = 0; o < GROUP * BITS; o += 64) _mm_prefetch(cn + o, _MM_HINT_T0);
+        _mm_prefetch((const char*)(d + (u * groups + g) * 8), _MM_HINT_T0);
+        if (HAS_M) _mm_prefetch((const char*)(m + (u * groups + g) * 8), _MM_HINT_T0);
+    }
+}
+
 /* y[m, 8 (c0 + u) : ... + 8) for R rows (constants after inlining) and NC column blocks c0 .. c0 + NC - 1; with PF,
  * each group of inputs also prefetches the same group of the next NC column blocks (their codes, scales, minima).
  * A tile reads 2 NC + NC short streams (a column block's codes are 2.3 KB for 576 inputs), too short for the hardware
@@ -68,13 +80,7 @@ static inline __attribute__((always_inline)) void tile(const float* x, const int
             dv[u] = _mm256_loadu_ps(d + ((c0 + u) * groups + g) * 8);
             mv[u] = HAS_M ? _mm256_loadu_ps(m + ((c0 + u) * groups + g) * 8) : _mm256_setzero_ps();
         }
-        if (PF)
-            for (int u = NC; u < 2 * NC; ++u) {
-                const char* cn = (const char*)codes + ((c0 + u) * in + g * GROUP) * BITS;  /* 4 or 8 bytes an input */
-                for (int o = 0; o < GROUP * BITS; o += 64) _mm_prefetch(cn + o, _MM_HINT_T0);
-                _mm_prefetch((const char*)(d + ((c0 + u) * groups + g) * 8), _MM_HINT_T0);
-                if (HAS_M) _mm_prefetch((const char*)(m + ((c0 + u) * groups + g) * 8), _MM_HINT_T0);
-            }
+        if (PF) prefetch_group(codes, BITS, d, m, HAS_M, c0 + NC, c0 + 2 * NC, in, groups, g);
         for (int i = g * GROUP; i < (g + 1) * GROUP; ++i) {
             __m256 w[4];
             for (int u = 0; u < NC; ++u) w[u] = weights8(codes, BITS, c0 + u, in, i, dv[u], mv[u], HAS_M);
@@ -161,13 +167,7 @@ static inline __attribute__((always_inline)) void tile16(const float* x, const i
             if (BITS == 4) dv[p] = _mm512_mul_ps(dv[p], _mm512_loadu_ps(UNSHIFT16));  /* d 2^-s: exact */
             mv[p] = HAS_M ? pair16(m, c0 + 2 * p, groups, g) : _mm512_setzero_ps();
         }
-        if (PF)
-            for (int u = 2 * NP; u < 4 * NP; ++u) {
-                const char* cn = (const char*)codes + ((c0 + u) * in + g * GROUP) * BITS;  /* 4 or 8 bytes an input */
-                for (int o = 0; o < GROUP * BITS; o += 64) _mm_prefetch(cn + o, _MM_HINT_T0);
-                _mm_prefetch((const char*)(d + ((c0 + u) * groups + g) * 8), _MM_HINT_T0);
-                if (HAS_M) _mm_prefetch((const char*)(m + ((c0 + u) * groups + g) * 8), _MM_HINT_T0);
-            }
+        if (PF) prefetch_group(codes, BITS, d, m, HAS_M, c0 + 2 * NP, c0 + 4 * NP, in, groups, g);
         for (int i = g * GROUP; i < (g + 1) * GROUP; ++i) {
             __m512 w[4];
             for (int p = 0; p < NP; ++p) w[p] = weights16(codes, BITS, c0 + 2 * p, in, i, dv[p], mv[p], HAS_M);
