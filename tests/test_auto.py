@@ -421,7 +421,9 @@ def test_plan_gives_the_retrieval_tier_a_bf16_cache_where_the_kernel_reads_it():
     assert greedy.tiers == "ngram:4,retrieval:6" and greedy.lower_kv_dtype == "bfloat16"
     for n, bottom, kv in ((4000, None, torch.float32), (8000, "draft", torch.float32), (8000, None, torch.bfloat16)):
         plan = plan_hierarchy(cfg, w, kv, n, bottom, t06, step_weight_bytes=codes, lower_kv_bf16=True)
-        assert plan.lower_kv_dtype is None and "bf16" not in plan.reason, (n, bottom, kv)
+        assert plan.lower_kv_dtype is None and "-slot bf16" not in plan.reason, (n, bottom, kv)
+        # the bytes it was weighed on are said: at 4K the tier would read 0.42 x the verifier's, a bf16 cache included
+        assert ("(bf16 cache) > 0.35" in plan.reason) == (n == 4000), plan.reason
     assert plan_hierarchy(cfg, w, torch.float32, 4000, None, t06, step_weight_bytes=codes,
                           lower_kv_bf16=True).tiers == ""
     assert SpeculationConfig(mode="auto").resolve_auto(half).lower_kv_dtype == "bfloat16"
@@ -443,3 +445,18 @@ def test_auto_with_a_bf16_retrieval_cache_equals_autoregressive_greedy():
         out, stats = engine.generate(prompt, max_new_tokens=24, sampling=GREEDY, spec=SpeculationConfig(mode="auto"))
         assert out == ref
         assert stats.auto["hierarchy"] == "ngram:3,retrieval:4" and "bf16" in stats.auto["reason"]
+
+
+def test_auto_plans_with_the_tier_cache_dtype_the_user_pinned():
+    """``--lower-kv-dtype float32`` with ``--mode auto``: the plan's bytes and reason are the fp32 cache's (no bf16
+    plan that the pinned dtype would then contradict); without it, a bf16 cache where the kernels read one."""
+    from triforce.auto import bf16_cache_reads_fast
+
+    target = ours(hf_model(seed=13))
+    engine = Engine(target)
+    t06 = SamplingParams(0.6, 0.9)
+    pinned = engine.plan_auto(2000, t06, SpeculationConfig(mode="auto", lower_kv_dtype="float32"))
+    assert "retrieval" in pinned.tiers and pinned.lower_kv_dtype is None and "bf16" not in pinned.reason
+    free = engine.plan_auto(2000, t06, SpeculationConfig(mode="auto"))
+    assert free.tiers == pinned.tiers
+    assert (free.lower_kv_dtype == "bfloat16") == bf16_cache_reads_fast("cpu") == ("bf16 cache" in free.reason)

@@ -149,19 +149,28 @@ def test_every_build_gives_bitwise_the_same_products(fmt, monkeypatch):
     bitwise equal (one chain of FMAs per output in each), and the integer dot products too (the same integer sums,
     vpdpbusd or vpmaddubsw + vpmaddwd)."""
     torch.manual_seed(7)
-    w_t = fmt(torch.randn(960, 576) * 0.05).T.contiguous()
-    codes = find_block_codes(w_t)
-    x = torch.randn(9, 576)
+    threads = torch.get_num_threads()
     results = {}
-    for isa in blockcodes._BUILDS:
-        build = blockcodes.blockcodes_build(isa)
-        if build.load() is None:
-            continue
-        monkeypatch.setattr(blockcodes, "_blockcodes", build)
-        results[isa] = [(blockcode_linear(x[:m], codes), blockcode_linear_q8(x[:m], codes)) for m in (1, 2, 4, 7, 9)]
+    try:
+        for n_in, n_out in ((576, 960), (64, 352)):  # 352 outputs: uneven thread ranges, 8-block spans and a 4-block tail
+            w_t = fmt(torch.randn(n_out, n_in) * 0.05).T.contiguous()
+            codes = find_block_codes(w_t)
+            x = torch.randn(9, n_in)
+            for isa in blockcodes._BUILDS:
+                build = blockcodes.blockcodes_build(isa)
+                if build.load() is None:
+                    continue
+                monkeypatch.setattr(blockcodes, "_blockcodes", build)
+                for n_threads in (1, 2, 3):
+                    torch.set_num_threads(n_threads)
+                    results.setdefault(isa, []).extend(
+                        (blockcode_linear(x[:m], codes), blockcode_linear_q8(x[:m], codes)) for m in (1, 2, 4, 7, 9))
+    finally:
+        torch.set_num_threads(threads)
     assert len(results) >= 1
     first = next(iter(results.values()))
     for isa, outs in results.items():
+        assert len(outs) == len(first)
         for (exact, q8), (exact0, q80) in zip(outs, first):
             assert torch.equal(exact, exact0) and torch.equal(q8, q80), isa
 

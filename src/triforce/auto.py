@@ -65,6 +65,7 @@ import torch
 from .caches import kv_bytes
 from .config import ModelConfig
 from .defaults import DEFAULTS
+from .decode_step import decode_step_status
 from .kernels import status as attention_kernel_status
 from .sampling import SamplingParams
 
@@ -115,11 +116,13 @@ COST_QUANTILE = 0.25
 
 def bf16_cache_reads_fast(device_type: str) -> bool:
     """Whether a bf16 cache of a tier below the verifier is read at full speed on ``device_type`` (``"cpu"``,
-    ``"cuda"``): on a CPU where ``csrc/attention.c`` runs (its bf16 path: a retrieval step of SmolLM2 at 8K tokens
+    ``"cuda"``): on a CPU where ``csrc/attention.c`` and the one-call decode step (``csrc/decode_step.c``, which runs
+    the tier's blocks of several tokens over the cache) run (the kernel's bf16 path: a retrieval step of SmolLM2 at 8K tokens
     over 1,000 slots 4.45 ms against 5.06 with an fp32 cache, bench/results/bf16_retrieval_2026-12-05/). Without
     the kernel PyTorch's SDPA reads a bf16 cache more slowly than the kernel an fp32 one, so :func:`plan_hierarchy`
     keeps the full cache's dtype there."""
-    return device_type == "cpu" and attention_kernel_status().startswith("on")
+    return (device_type == "cpu" and attention_kernel_status().startswith("on")
+            and decode_step_status().startswith("on"))
 
 
 @dataclass(frozen=True)
@@ -217,7 +220,7 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
     if weight_bound:  # measured at 0.25 (fp32 weights); a tier reading as much as the verifier cannot pay
         max_step_share = 1.0
     steps = (f"the verifier's step reads {verifier_bytes / 2**20:.0f} MiB of weights, a retrieval step "
-             f"{step_share:.2f} x its bytes")
+             f"{step_share:.2f} x its bytes{' (bf16 cache)' if half_cache else ''}")
     too_heavy = (weight_bound or retrieval) and step_share > max_step_share
     if too_heavy:
         weight_bound = retrieval = False

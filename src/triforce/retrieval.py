@@ -324,7 +324,7 @@ class RetrievalCache(KVCache):
     def attend(self, layer, q, k, v, q_pre):
         self.k[layer][:, :, self._slot_idx] = k.to(self.k.dtype)
         self.v[layer][:, :, self._slot_idx] = v.to(self.v.dtype)
-        if self._mask is None:  # one query over every slot: csrc/attention.c where it applies (fp32 on the CPU)
+        if self._mask is None:  # one query over every slot: csrc/attention.c where it applies (fp32 or bf16, CPU)
             out = gqa_attention_kernel(q, self.k[layer], self.v[layer], self.budget)
             if out is not None:
                 return out

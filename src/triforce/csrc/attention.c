@@ -20,8 +20,8 @@
  * with bitwise the same outputs: bench/attention_kernel.py --baseline-source, which also measures the kernel against
  * the floor; bench/results/attention_kernel_avx2_prefetch_2026-12-03.json).
  *
- * triforce_gqa_attention_bf16 reads bf16 keys and values (a lower tier's cache, half the bytes) with the same
- * arithmetic in fp32. Built at first use by triforce/kernels.py with -O3 -mavx2 -mfma -fopenmp; the Python side
+ * triforce_gqa_attention_bf16 reads bf16 keys and values (a lower tier's cache, or the full cache with --kv-dtype
+ * bfloat16: half the bytes) with the same arithmetic in fp32. Built at first use by triforce/kernels.py with -O3 -mavx2 -mfma -fopenmp; the Python side
  * checks every precondition below before calling. Causal mask: the row of token i (rows are ordered (g, T): row r is token r % T)
  * sees keys j <= n_keys - T + i, as the full KV cache's block mask.
  */

@@ -126,8 +126,9 @@ static const float UNSHIFT16[16] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0
                                     1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 0x1p-28f};
 
 /* 16 weights of column blocks c and c + 1 at input i, exactly as fp32. 4-bit codes are not shifted down: lane k
- * takes q 2^s (s = 4 (k % 8), exact as an unsigned conversion: 4 significant bits) times dv = d 2^-s (exact: a power
- * of two, far from fp32's subnormals), so fl(dv q 2^s) = fl(d q), the same weight as the AVX2 path's. */
+ * takes q 2^s (s = 4 (k % 8), exact as an unsigned conversion: 4 significant bits) times dv = d 2^-s, so
+ * fl(dv q 2^s) = fl(d q), the same weight as the AVX2 path's. dv is exact because every scale is an fp16 value or 0
+ * (GGUF stores them so; triforce_blockcode_fit only writes such): |d| >= 2^-24, so d 2^-28 stays a normal fp32. */
 static inline __attribute__((always_inline)) __m512 weights16(const void* codes, const int BITS, int64_t c, int in,
                                                               int i, __m512 dv, __m512 mv, const int HAS_M) {
     __m512 qf;
@@ -152,11 +153,11 @@ static inline __attribute__((always_inline)) __m512 pair16(const float* a, int64
 }
 
 /* tile() on 16 lanes: y[m, 8 c0 : 8 (c0 + 2 NP)) for R rows and the NP column-block pairs from c0 (c0 even); with
- * PF, each group also prefetches the same group of the next 2 NP column blocks */
+ * PF, each group also prefetches the same group of the next 2 NP column blocks below c1 (the thread's end) */
 static inline __attribute__((always_inline)) void tile16(const float* x, const int R, int in, const void* codes,
                                                          const int BITS, const float* d, const float* m,
                                                          const int HAS_M, int64_t c0, const int NP, float* y, int out,
-                                                         const int PF) {
+                                                         const int PF, int64_t c1) {
     __m512 acc[16];  /* R * NP <= 16 */
     for (int a = 0; a < R * NP; ++a) acc[a] = _mm512_setzero_ps();
     const int groups = in / GROUP;
@@ -167,7 +168,7 @@ static inline __attribute__((always_inline)) void tile16(const float* x, const i
             if (BITS == 4) dv[p] = _mm512_mul_ps(dv[p], _mm512_loadu_ps(UNSHIFT16));  /* d 2^-s: exact */
             mv[p] = HAS_M ? pair16(m, c0 + 2 * p, groups, g) : _mm512_setzero_ps();
         }
-        if (PF) prefetch_group(codes, BITS, d, m, HAS_M, c0 + 2 * NP, c0 + 4 * NP, in, groups, g);
+        if (PF) prefetch_group(codes, BITS, d, m, HAS_M, c0 + 2 * NP, c0 + 4 * NP < c1 ? c0 + 4 * NP : c1, in, groups, g);
         for (int i = g * GROUP; i < (g + 1) * GROUP; ++i) {
             __m512 w[4];
             for (int p = 0; p < NP; ++p) w[p] = weights16(codes, BITS, c0 + 2 * p, in, i, dv[p], mv[p], HAS_M);
@@ -184,7 +185,7 @@ static inline __attribute__((always_inline)) void tile16(const float* x, const i
 /* One thread's column blocks [c0, c1) (a multiple of 4), all M rows: one or two rows over 8 column blocks at a time
  * (4 independent FMA chains a row, so a one-row product is not bound by FMA latency), more rows over 4 (2 pairs),
  * up to 8 rows a pass; a pass over a span's first rows prefetches the next span while it is the thread's. */
-#define TILE16(BITS, HAS_M, R, NP, PF) tile16(xm, R, in, codes, BITS, d, m, HAS_M, cq, NP, ym, out, PF)
+#define TILE16(BITS, HAS_M, R, NP, PF) tile16(xm, R, in, codes, BITS, d, m, HAS_M, cq, NP, ym, out, PF, c1)
 #define SPAN16(BITS, HAS_M)                                                                                        \
     for (int64_t cq = c0, span; cq < c1; cq += span) {                                                             \
         span = M <= 2 && cq + 8 <= c1 ? 8 : 4;                                                                     \

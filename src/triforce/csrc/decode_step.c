@@ -38,11 +38,12 @@ typedef int (*attention_fn)(const float* q, const float* k, const float* v, floa
                             int nkv, int R, int T, int hs, int64_t bstride, int64_t hstride, int n_keys, int chunk,
                             float scale, int nthreads, float* lse);
 
-/* fp32 -> bf16 bits, rounding to nearest even as torch.Tensor.to(torch.bfloat16) does (c10::BFloat16; NaN -> 0x7FC0) */
+/* fp32 -> bf16 bits, rounding to nearest even as torch's vectorized conversion (Tensor.to, copy_ into a bf16 cache)
+ * does, NaN -> 0xFFFF as there */
 static inline uint16_t to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if (isnan(f)) return 0x7FC0;
+    if (isnan(f)) return 0xFFFF;
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
