@@ -20,14 +20,14 @@ import time
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 import torch
 import torch.nn.functional as F
-from common import emit_json  # noqa: E402  (bench/common.py, beside this script)
+from common import emit_json, positive_int  # noqa: E402  (bench/common.py, beside this script)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--context", type=int, default=8000)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 7])
+    p.add_argument("--context", type=positive_int, default=8000)
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 7])
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--out")
     args = p.parse_args()

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 import torch
-from common import add_run_options, emit_json  # noqa: E402  (bench/common.py, beside this script)
+from common import add_run_options, emit_json, positive_int  # noqa: E402  (bench/common.py, beside this script)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 7])
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 7])
     p.add_argument("--baseline-source", metavar="FILE", help="also time the kernel built from this blockcodes.c")
     p.add_argument("--q8", action="store_true", help="also time the integer dot products (int8 activations)")
     add_run_options(p, None, reps=15, sampling=False)

@@ -12,6 +12,17 @@ import time
 from triforce.defaults import DEFAULTS
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (row counts, repetitions, threads, contexts), refused before any model loads."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
 def add_run_options(p: argparse.ArgumentParser, out: str | None, reps: int = 1, threads: int | None = 2,
                     sampling: bool = True, out_help: str = "also write the JSON here") -> None:
     """Add ``--temperature`` / ``--top-p`` (with ``sampling``; defaults: ``triforce.defaults``), ``--reps``,
@@ -19,8 +30,8 @@ def add_run_options(p: argparse.ArgumentParser, out: str | None, reps: int = 1, 
     if sampling:
         p.add_argument("--temperature", type=float, default=DEFAULTS["temperature"])
         p.add_argument("--top-p", type=float, default=DEFAULTS["top_p"])
-    p.add_argument("--reps", type=int, default=reps)
-    p.add_argument("--threads", type=int, default=threads)
+    p.add_argument("--reps", type=positive_int, default=reps)
+    p.add_argument("--threads", type=positive_int, default=threads)
     p.add_argument("--out", default=out, help=out_help if out is None else f"JSON output ({out})")
 
 

@@ -17,13 +17,13 @@ import time
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 import torch
-from common import add_run_options, emit_json  # noqa: E402  (bench/common.py, beside this script)
+from common import add_run_options, emit_json, positive_int  # noqa: E402  (bench/common.py, beside this script)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", type=int, nargs="+", default=[256, 8000])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 7])
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 7])
     add_run_options(p, "bench/results/norm_rope.json", reps=15, sampling=False)
     args = p.parse_args()
     torch.set_num_threads(args.threads)

@@ -23,7 +23,7 @@ import time
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 import torch
-from common import add_run_options, emit_json  # noqa: E402  (bench/common.py, beside this script)
+from common import add_run_options, emit_json, positive_int  # noqa: E402  (bench/common.py, beside this script)
 
 SHAPES = {  # (out, in) of every projection and the LM head
     "smollm2": [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)],  # SmolLM2-135M
@@ -34,7 +34,7 @@ SHAPES = {  # (out, in) of every projection and the LM head
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_options(p, None, reps=9, sampling=False, out_help="write the JSON there")
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 5, 7, 8],
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 2, 4, 5, 7, 8],
                    help="activation row counts to time (1 to kernels.LINEAR_MAX_ROWS)")
     p.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2",
                    help="whose matrices (qwen2.5-1.5b: 7.1 GB of fp32 weights, 16 GB with the int8 and packed copies)")

@@ -21,12 +21,12 @@ import os
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 import torch
-from common import add_run_options  # noqa: E402  (bench/common.py, beside this script)
+from common import add_run_options, positive_int  # noqa: E402  (bench/common.py, beside this script)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--context", type=int, default=1000)
+    p.add_argument("--context", type=positive_int, default=1000)
     p.add_argument("--lower-kv-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
                    help="the retrieval and draft caches' dtypes to time, one line per scheme and dtype "
                         "(the full cache stays fp32)")

@@ -460,3 +460,17 @@ def test_auto_plans_with_the_tier_cache_dtype_the_user_pinned():
     free = engine.plan_auto(2000, t06, SpeculationConfig(mode="auto"))
     assert free.tiers == pinned.tiers
     assert (free.lower_kv_dtype == "bfloat16") == bf16_cache_reads_fast("cpu") == ("bf16 cache" in free.reason)
+
+
+def test_auto_leaves_budget_for_adaptive_gamma():
+    """``--budget 5 --adaptive-gamma`` under ``auto``: the budget it raises for its retrieval tier leaves room for
+    blocks of twice gamma2 (chunk + 2 gamma2 + 2 slots), so the plan passes the budget check, and greedy output is
+    plain decoding's."""
+    target = ours(hf_model(seed=14))
+    engine = Engine(target)
+    prompt = torch.randint(3, 96, (300,), generator=torch.Generator().manual_seed(15)).tolist()
+    spec = SpeculationConfig(mode="auto", budget=5, adaptive_gamma=True)
+    plan = engine.plan_auto(len(prompt), GREEDY, spec)
+    assert "retrieval" in plan.tiers and plan.budget >= spec.chunk_size + 2 * spec.gamma2 + 2
+    ref, _ = engine.generate(prompt, max_new_tokens=12, sampling=GREEDY)
+    assert engine.generate(prompt, max_new_tokens=12, sampling=GREEDY, spec=spec)[0] == ref

@@ -210,3 +210,20 @@ def test_int8_retrieval_tier_in_one_call_is_lossless_greedy(monkeypatch):
         assert engine.generate(prompt, max_new_tokens=24, sampling=GREEDY, spec=spec)[0] == ref
     if decode_step.decode_step_status().startswith("on"):
         assert steps and all(s is not None for s in steps)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4", "bfloat16", "codes"])
+def test_a_verifier_quantized_itself_gets_lower_copies(weights):
+    """``quantize="int8"`` makes the verifier an int8 copy; the tiers below it then copy its int8 weights (int8:
+    the same tensors; int4 / bf16 from their dequantized values; tied embeddings keep the source's matrix): the
+    retrieval tier runs, greedy output equals the int8 verifier's plain decoding."""
+    target, _ = pair(seed=8)
+    verifier = lower_precision_copy(target, "int8")
+    low = lower_precision_copy(verifier, weights)
+    if weights in ("int8", "codes"):
+        assert low.layers[0].mlp.down_proj is verifier.layers[0].mlp.down_proj
+    engine = Engine(verifier)
+    prompt = list(range(3, 60))
+    ref, _ = engine.generate(prompt, max_new_tokens=16, sampling=GREEDY)
+    spec = SpeculationConfig(mode="retrieval", budget=24, chunk_size=4, gamma2=4, lower_weights=weights)
+    assert engine.generate(prompt, max_new_tokens=16, sampling=GREEDY, spec=spec)[0] == ref

@@ -152,7 +152,8 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
                    sampling: SamplingParams, gamma1: int = DEFAULTS["gamma1"], gamma2: int = DEFAULTS["gamma2"],
                    chunk_size: int = DEFAULTS["chunk_size"], max_budget: int = DEFAULTS["budget"],
                    device_type: str = "cpu", draft_weight_bytes: int | None = None,
-                   step_weight_bytes: int | None = None, lower_kv_bf16: bool = False) -> AutoPlan:
+                   step_weight_bytes: int | None = None, lower_kv_bf16: bool = False,
+                   adaptive_gamma: bool = False) -> AutoPlan:
     """Choose the hierarchy for a request of ``prompt_tokens`` (rules in the module docstring).
 
     Args:
@@ -178,6 +179,8 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
             A retrieval tier whose step would read more than :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE` (greedy) or
             :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING` of the verifier's step (weights and full KV cache) is
             left out; where these bytes are fewer than an int8 copy's, the tier reads the target's own weights.
+        adaptive_gamma: gammas may grow to twice their value (``SpeculationConfig.adaptive_gamma``): the budget then
+            leaves room for the larger blocks (``SpeculationConfig.reach``).
         lower_kv_bf16: whether a bf16 retrieval cache is read at full speed (``csrc/attention.c``'s bf16 path, on a
             CPU; SDPA would read it 2x slower): then a retrieval tier with no model below it (nor the ``self`` tier)
             gets a bf16 cache where the full one is fp32 (lossless: the tier only proposes; a retrieval step at 8K
@@ -191,7 +194,8 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
     lo, hi = RETRIEVAL_BUDGET_BOUNDS
     budget_share = RETRIEVAL_BUDGET_SHARE if sampling.greedy else RETRIEVAL_BUDGET_SHARE_SAMPLING
     budget = int(min(hi, max_budget, max(lo, prompt_tokens * budget_share)))
-    budget = max(budget, chunk_size + gamma2 + 3)
+    reach = 2 * gamma2 if adaptive_gamma else gamma2  # the most tokens the tier may run ahead
+    budget = max(budget, chunk_size + reach + 3)
     sizes = f"KV cache {kv / 2**20:.0f} MiB = {share:.2f} x the weights' {weight_bytes / 2**20:.0f} MiB"
     if bottom is None:
         bottom = "ngram" if sampling.greedy else None
@@ -204,7 +208,7 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
     weight_bound = (not retrieval and bottom != "self" and device_type == "cpu"
                     and layer_bytes >= WEIGHT_BOUND_LAYER_BYTES)
     if weight_bound:
-        budget = max(int(min(hi, max_budget)), chunk_size + gamma2 + 3)  # the whole prompt where it fits
+        budget = max(int(min(hi, max_budget)), chunk_size + reach + 3)  # the whole prompt where it fits
     int8_bytes = weight_bytes // torch.empty((), dtype=kv_dtype).element_size()  # the weights' dtype, as a rule
     verifier_bytes = weight_bytes if step_weight_bytes is None else step_weight_bytes
     # the tier reads the target's own weights where the verifier reads fewer bytes than an int8 copy (block codes)

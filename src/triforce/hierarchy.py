@@ -112,7 +112,8 @@ class SpeculationConfig:
             draft model): None (as loaded), ``int8`` (weight-only), ``int4``, ``bfloat16`` or ``codes`` (a GGUF
             model's own block codes times int8-quantized activations; int8 for a model without codes) (see
             ``quant.py``). Lossless: the verifier decides every token; only acceptance can change.
-        lower_kv_dtype: dtype of the retrieval and draft caches: None (as the model), ``bfloat16`` or ``float16``.
+        lower_kv_dtype: dtype of the retrieval and draft caches: None (as the full cache; ``auto`` may pick
+            ``bfloat16`` for its retrieval tier), ``bfloat16``, ``float16`` or ``float32``.
         tiers: an explicit hierarchy under the full-cache target, bottom first, ``kind:gamma`` entries with kind in
             :data:`TIER_KINDS` (``ngram`` only at the bottom), e.g. ``"self:4,retrieval:6"``: each gamma is
             how many tokens that tier proposes per verification by the tier above. Overrides ``mode``.

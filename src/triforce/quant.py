@@ -193,13 +193,19 @@ def lower_precision_copy(model: Transformer, weights: str) -> Transformer:
         return _int8_activations_copy(model)
     kinds = {"int8": Int8Linear, "int4": Int4Linear, "bfloat16": BF16Linear}
 
-    def make(linear: Linear) -> nn.Module:
+    def make(linear: nn.Module) -> nn.Module:
+        if isinstance(linear, Int8Linear):  # a verifier quantized itself (``quantize="int8"``): its int8 weights
+            if weights == "int8":
+                return linear  # the same tensors
+            linear = _Dequantized(linear)
         if weights == "int4" and linear.weight_t.shape[0] % INT4_GROUP:
             return Int8Linear(linear)  # a projection int4's groups do not fit keeps int8
         return kinds[weights](linear)
 
     out = _with_linears(model, make)
-    out.tied_embedding = model.lm_head.weight_t if model.embed_tokens is None else None
+    # tied embeddings read the source LM head's fp32 matrix (a source quantized itself keeps that matrix's reference)
+    head = getattr(model.lm_head, "weight_t", None)
+    out.tied_embedding = (model.tied_embedding if head is None else head) if model.embed_tokens is None else None
     out.weights = weights
     out.decode_step = None
     if weights == "int8" and model.tp is None and model.dtype == torch.float32 and model.device.type == "cpu":
@@ -208,6 +214,15 @@ def lower_precision_copy(model: Transformer, weights: str) -> Transformer:
         except ValueError:
             pass  # a layout the kernel does not take: the layers run in Python
     return out
+
+
+class _Dequantized:
+    """An :class:`Int8Linear`'s weights as a :class:`~triforce.model.Linear`'s ``weight_t`` (in, out) fp32 and
+    ``bias``: the source of a cheaper copy (int4, bf16) of a verifier that was quantized to int8 itself."""
+
+    def __init__(self, linear: Int8Linear) -> None:
+        self.weight_t = (linear.q.float() * linear.scale_f32[:, None]).T
+        self.bias = linear.bias
 
 
 def _with_linears(model: Transformer, make) -> Transformer:

@@ -106,7 +106,8 @@ _ALL = [  # by the kind of value; the groups of each subcommand are the tuples b
                               "lossless, the verifier decides every token; codes: a GGUF model's own Q4_1/Q8_0 codes "
                               "times int8 activations, as llama.cpp (else int8) (default: as loaded; --mode auto: "
                               "codes where the model has them)", choices=LOWER_WEIGHTS),
-    Option("--lower-kv-dtype", "dtype of the retrieval and draft caches (lossless; default: as --kv-dtype)",
+    Option("--lower-kv-dtype", "dtype of the retrieval and draft caches (lossless; default: as --kv-dtype; "
+                               "--mode auto: bfloat16 for its retrieval tier where our attention kernel reads it)",
            choices=LOWER_KV_DTYPES),
     # flags and lists
     Option("--offload-kv", "keep the full KV cache in (pinned) host memory and stream it to the device layer by "
