@@ -83,7 +83,8 @@ def check_fits(needed: dict[str, int], device: torch.device | str, what: str, al
             resident = " beside " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in already.items()) + " already loaded"
         raise InsufficientMemoryError(
             f"{what} needs {fmt_bytes(total)} ({parts}){resident}, but only {fmt_bytes(free)} is free on "
-            f"{torch.device(device)}; use a shorter prompt, fewer --max-new-tokens, a smaller --budget, or --dtype bfloat16"
+            f"{torch.device(device)}; use a shorter prompt, fewer --max-new-tokens, a smaller --budget or "
+            f"--gamma1/--gamma2, or --dtype bfloat16"
         )
 
 
