@@ -422,10 +422,18 @@ def test_plan_gives_the_retrieval_tier_a_bf16_cache_where_the_kernel_reads_it():
     for n, bottom, kv in ((4000, None, torch.float32), (8000, "draft", torch.float32), (8000, None, torch.bfloat16)):
         plan = plan_hierarchy(cfg, w, kv, n, bottom, t06, step_weight_bytes=codes, lower_kv_bf16=True)
         assert plan.lower_kv_dtype is None and "-slot bf16" not in plan.reason, (n, bottom, kv)
-        # the bytes it was weighed on are said: at 4K the tier would read 0.42 x the verifier's, a bf16 cache included
-        assert ("(bf16 cache) > 0.35" in plan.reason) == (n == 4000), plan.reason
+        # the bytes it was weighed on are said: at 4K the tier would read 0.42 x the verifier's, a bf16 cache included;
+        # under a bf16 full cache the tier's is bf16 too
+        assert ("(bf16 cache) > 0.35" in plan.reason) == (n == 4000 or kv == torch.bfloat16), plan.reason
     assert plan_hierarchy(cfg, w, torch.float32, 4000, None, t06, step_weight_bytes=codes,
                           lower_kv_bf16=True).tiers == ""
+    # a dtype the user named: the step is weighed on it, and the plan names none (the user's stands)
+    fp32 = plan_hierarchy(cfg, w, torch.float32, 8000, None, t06, step_weight_bytes=codes, lower_kv_bf16=True,
+                          lower_kv_dtype=torch.float32)
+    assert fp32.lower_kv_dtype is None and "bf16" not in fp32.reason and "0.33 x its bytes" in fp32.reason
+    named = plan_hierarchy(cfg, w, torch.float32, 8000, None, t06, step_weight_bytes=codes,
+                           lower_kv_dtype=torch.bfloat16)
+    assert named.lower_kv_dtype is None and "0.28 x its bytes (bf16 cache)" in named.reason
     assert SpeculationConfig(mode="auto").resolve_auto(half).lower_kv_dtype == "bfloat16"
     assert SpeculationConfig(mode="auto", lower_kv_dtype="float32").resolve_auto(half).lower_kv_dtype == "float32"
     assert bf16_cache_reads_fast("cpu") == status().startswith("on") and not bf16_cache_reads_fast("cuda")

@@ -120,7 +120,7 @@ def bf16_cache_reads_fast(device_type: str) -> bool:
     the tier's blocks of several tokens over the cache) run (the kernel's bf16 path: a retrieval step of SmolLM2 at 8K tokens
     over 1,000 slots 4.45 ms against 5.06 with an fp32 cache, bench/results/bf16_retrieval_2026-12-05/). Without
     the kernel PyTorch's SDPA reads a bf16 cache more slowly than the kernel an fp32 one, so :func:`plan_hierarchy`
-    keeps the full cache's dtype there."""
+    keeps the full cache's dtype there. Raises nothing (it loads the kernels if nobody has yet)."""
     return (device_type == "cpu" and attention_kernel_status().startswith("on")
             and decode_step_status().startswith("on"))
 
@@ -153,7 +153,7 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
                    chunk_size: int = DEFAULTS["chunk_size"], max_budget: int = DEFAULTS["budget"],
                    device_type: str = "cpu", draft_weight_bytes: int | None = None,
                    step_weight_bytes: int | None = None, lower_kv_bf16: bool = False,
-                   adaptive_gamma: bool = False) -> AutoPlan:
+                   lower_kv_dtype: torch.dtype | None = None, adaptive_gamma: bool = False) -> AutoPlan:
     """Choose the hierarchy for a request of ``prompt_tokens`` (rules in the module docstring).
 
     Args:
@@ -181,10 +181,12 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
             left out; where these bytes are fewer than an int8 copy's, the tier reads the target's own weights.
         adaptive_gamma: gammas may grow to twice their value (``SpeculationConfig.adaptive_gamma``): the budget then
             leaves room for the larger blocks (``SpeculationConfig.reach``).
-        lower_kv_bf16: whether a bf16 retrieval cache is read at full speed (``csrc/attention.c``'s bf16 path, on a
-            CPU; SDPA would read it 2x slower): then a retrieval tier with no model below it (nor the ``self`` tier)
-            gets a bf16 cache where the full one is fp32 (lossless: the tier only proposes; a retrieval step at 8K
-            tokens on this project's CPU reads a 1,000-slot cache of 23 MB instead of 46).
+        lower_kv_bf16: whether a bf16 retrieval cache is read at full speed (:func:`bf16_cache_reads_fast`): then a
+            retrieval tier with no model below it (nor the ``self`` tier) gets a bf16 cache where the full one is fp32
+            (lossless: the tier only proposes; a retrieval step of SmolLM2 at 8K tokens reads a 1,000-slot cache of
+            23 MB instead of 46).
+        lower_kv_dtype: the lower caches' dtype the user named (``SpeculationConfig.lower_kv_dtype``), or None: the
+            bytes a retrieval step is weighed on are then that dtype's, and the plan chooses none.
 
     Returns:
         :class:`AutoPlan`.
@@ -217,21 +219,22 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
     # a named draft model that reads at least the tier's bytes per step has no place under a weight-bound target
     left_out = (weight_bound and bottom == "draft" and draft_weight_bytes is not None
                 and draft_weight_bytes >= lower_bytes)
-    half_cache = lower_kv_bf16 and kv_dtype == torch.float32 and (bottom in (None, "ngram") or left_out)
-    lower_kv = torch.bfloat16 if half_cache else kv_dtype
+    half_cache = (lower_kv_dtype is None and lower_kv_bf16 and kv_dtype == torch.float32
+                  and (bottom in (None, "ngram") or left_out))
+    lower_kv = lower_kv_dtype or (torch.bfloat16 if half_cache else kv_dtype)
     step_share = (lower_bytes + kv_bytes(cfg, budget, lower_kv)) / max(1, verifier_bytes + kv)
     max_step_share = RETRIEVAL_MAX_STEP_BYTES_SHARE if sampling.greedy else RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING
     if weight_bound:  # measured at 0.25 (fp32 weights); a tier reading as much as the verifier cannot pay
         max_step_share = 1.0
     steps = (f"the verifier's step reads {verifier_bytes / 2**20:.0f} MiB of weights, a retrieval step "
-             f"{step_share:.2f} x its bytes{' (bf16 cache)' if half_cache else ''}")
+             f"{step_share:.2f} x its bytes{' (bf16 cache)' if lower_kv == torch.bfloat16 else ''}")
     too_heavy = (weight_bound or retrieval) and step_share > max_step_share
     if too_heavy:
         weight_bound = retrieval = False
     if weight_bound:
         why = (f"{sizes}, {layer_bytes / 2**20:.0f} MiB of weights per layer >= "
                f"{WEIGHT_BOUND_LAYER_BYTES / 2**20:.0f}: steps bound by the weights' bytes, a {budget}-slot"
-               f"{' bf16' if half_cache else ''} retrieval tier with {lower} ({steps})")
+               f"{' bf16' if lower_kv == torch.bfloat16 else ''} retrieval tier with {lower} ({steps})")
         if left_out:
             why += (f"; the draft model ({draft_weight_bytes / 2**20:.0f} MiB) reads more per step than the tier's "
                     f"{lower} ({lower_bytes / 2**20:.0f} MiB), so it is left out")
@@ -239,8 +242,8 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
         elif bottom:
             why += f"; {who}"
     elif retrieval:
-        why = (f"{sizes} >= {threshold}: a {budget}-slot{' bf16' if half_cache else ''} retrieval tier with {lower} "
-               f"({steps}); {who}")
+        why = (f"{sizes} >= {threshold}: a {budget}-slot{' bf16' if lower_kv == torch.bfloat16 else ''} retrieval "
+               f"tier with {lower} ({steps}); {who}")
     shorter = retrieval and not sampling.greedy and bottom is None and device_type == "cpu"
     if shorter and gamma2 > RETRIEVAL_GAMMA2_SAMPLING:
         gamma2 = RETRIEVAL_GAMMA2_SAMPLING

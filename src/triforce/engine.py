@@ -221,8 +221,8 @@ class Engine:
                               max_budget=spec.budget, device_type=self.target.device.type,
                               draft_weight_bytes=self.draft.weight_bytes() if self.draft is not None else None,
                               step_weight_bytes=self.target.step_weight_bytes(),
-                              lower_kv_bf16=bf16_cache_reads_fast(self.target.device.type)
-                              and spec.lower_kv_dtype in (None, "bfloat16"), adaptive_gamma=spec.adaptive_gamma)
+                              lower_kv_bf16=bf16_cache_reads_fast(self.target.device.type),
+                              lower_kv_dtype=KV_DTYPES.get(spec.lower_kv_dtype), adaptive_gamma=spec.adaptive_gamma)
 
     def plan(self, prompt_ids: list[int], max_new_tokens: int, spec: SpeculationConfig) -> RequestPlan:
         """Check a request before any heavy work and size and place it once (:class:`~triforce.plan.RequestPlan`).

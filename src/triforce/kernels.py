@@ -205,7 +205,8 @@ _LINEAR_SYMBOLS = {"triforce_int8_linear": (_I, [_P] * 4 + [_I] * 4),
 
 def best_build(builds: dict) -> tuple[tuple[str, ...], str]:
     """(flags, name) of the first of ``builds`` (name -> (CPU features it needs, flags), best first) this CPU runs,
-    else the last one (whose load then says what the CPU lacks)."""
+    else the last one (whose load then says what the CPU lacks). Raises nothing: ``_Library.load`` reports a CPU
+    without the features."""
     isa = next((isa for isa, (needs, _) in builds.items() if set(needs) <= _cpu_flags()), list(builds)[-1])
     return builds[isa][1], isa
 
