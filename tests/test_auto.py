@@ -74,7 +74,7 @@ def test_plan_adds_retrieval_only_when_the_kv_cache_outweighs_a_share_of_the_wei
     long = plan_hierarchy(cfg, w, torch.float32, long_p, "draft", GREEDY, gamma1=3, gamma2=5)
     assert long.tiers == "draft:3,retrieval:5"
     assert long.budget == max(256, long_p // 4) and long.lower_weights == "int8"
-    assert plan_hierarchy(cfg, w, torch.float32, long_p, "self", GREEDY, max_budget=100).budget == 100
+    assert plan_hierarchy(cfg, w, torch.float32, long_p, "self", GREEDY, max_budget=100).budget is None  # no tier
 
 
 def test_plan_adds_the_int8_tier_under_a_weight_bound_target_on_a_cpu():
@@ -470,15 +470,35 @@ def test_auto_plans_with_the_tier_cache_dtype_the_user_pinned():
     assert (free.lower_kv_dtype == "bfloat16") == bf16_cache_reads_fast("cpu") == ("bf16 cache" in free.reason)
 
 
-def test_auto_leaves_budget_for_adaptive_gamma():
-    """``--budget 5 --adaptive-gamma`` under ``auto``: the budget it raises for its retrieval tier leaves room for
-    blocks of twice gamma2 (chunk + 2 gamma2 + 2 slots), so the plan passes the budget check, and greedy output is
-    plain decoding's."""
+def test_auto_honours_a_pinned_budget_or_refuses_it_naming_the_smallest():
+    """``--budget 5 --adaptive-gamma`` under ``auto`` used to be raised silently to chunk + 2 gamma2 + 3. A budget is
+    honoured: one below chunk + gamma2 + 2 (twice gamma2 with adaptive gamma) is refused on construction, naming
+    ``budget`` and that smallest value; the smallest is taken as it is (the plan's tier takes no more), and greedy
+    output is plain decoding's. ``plan_hierarchy`` given a budget with no room for a block chooses no retrieval
+    tier (the reason says so) rather than exceed it."""
+    for kw, smallest in ((dict(adaptive_gamma=True), 8 + 2 * 6 + 2), ({}, 8 + 6 + 2)):
+        with pytest.raises(ValueError, match=rf"^budget must be >= chunk_size \+ gamma \+ 2 = {smallest} .*got 5"):
+            SpeculationConfig(mode="auto", budget=5, **kw)
     target = ours(hf_model(seed=14))
     engine = Engine(target)
     prompt = torch.randint(3, 96, (300,), generator=torch.Generator().manual_seed(15)).tolist()
-    spec = SpeculationConfig(mode="auto", budget=5, adaptive_gamma=True)
+    spec = SpeculationConfig(mode="auto", budget=22, adaptive_gamma=True)
     plan = engine.plan_auto(len(prompt), GREEDY, spec)
-    assert "retrieval" in plan.tiers and plan.budget >= spec.chunk_size + 2 * spec.gamma2 + 2
+    assert "retrieval" in plan.tiers and plan.budget == 22
     ref, _ = engine.generate(prompt, max_new_tokens=12, sampling=GREEDY)
-    assert engine.generate(prompt, max_new_tokens=12, sampling=GREEDY, spec=spec)[0] == ref
+    out, stats = engine.generate(prompt, max_new_tokens=12, sampling=GREEDY, spec=spec)
+    assert out == ref and stats.auto["budget"] == 22
+    small = plan_hierarchy(target.cfg, 1, torch.float32, 300, None, GREEDY, max_budget=15)
+    assert "retrieval" not in small.tiers and small.budget is None and "budget 15 < " in small.reason
+
+
+def test_auto_reports_no_budget_without_a_retrieval_tier():
+    """A plan without a retrieval tier (a short prompt: plain decoding or the n-gram drafter) has no budget: the
+    stats (``--json``'s ``auto`` object) report null, not the budget a tier would have had."""
+    target = ours(hf_model(seed=14))
+    engine = Engine(target)
+    short = list(range(3, 23))
+    for sampling in (GREEDY, SamplingParams(0.6)):
+        stats = engine.generate(short, max_new_tokens=4, sampling=sampling, spec=SpeculationConfig(mode="auto"))[1]
+        assert "retrieval" not in stats.auto["hierarchy"] and stats.auto["budget"] is None
+        assert engine.plan_auto(len(short), sampling, SpeculationConfig(mode="auto")).budget is None

@@ -28,6 +28,18 @@ def test_generate_json_schema(tiny_folder):
     assert d["prompt_tokens"] == len("hello world") and d["mode"] == "auto"
     assert d["auto"]["hierarchy"] and d["auto"]["reason"]  # the chosen hierarchy is reported
     assert 1 <= len(d["token_ids"]) <= 12 and d["peak_memory_bytes"] > 0
+    assert (d["auto"]["budget"] is None) == ("retrieval" not in d["auto"]["hierarchy"])  # no tier, no budget
+
+
+def test_a_huge_gamma2_is_capped_and_reported(tiny_folder):
+    """``--gamma2 1000 --max-new-tokens 8`` sized the caches for 1,000 positions ahead: the gamma is capped at what
+    the request can use (7), and the JSON reports it (the hierarchy, the verifying tier's gamma); no budget is
+    reported without a retrieval tier (it showed 1011)."""
+    code, out, err = run("generate", "--model", tiny_folder, "--prompt", "hello world", "--max-new-tokens", "8",
+                         "--temperature", "0", "--json", "--gamma2", "1000", "--no-progress")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["auto"]["hierarchy"] == "ngram:7" and d["tiers"]["target"]["gamma"] == 7 and d["auto"]["budget"] is None
 
 
 def test_speculative_modes_match_autoregressive_greedy_through_the_cli(tiny_folder, tiny_draft_folder):
@@ -112,6 +124,8 @@ BAD = [
     (["--gamma1", "-2"], "--gamma1"),
     (["--chunk-size", "0"], "--chunk-size"),
     (["--budget", "4", "--mode", "retrieval"], "--budget"),
+    (["--budget", "5"], "--budget must be >= --chunk-size + gamma + 2 = 16"),  # auto honours it or refuses it
+    (["--kv-dtype", "half"], "--kv-dtype"),
     (["--mode", "triforce"], "--draft"),
     (["--mode", "draft"], "--draft"),
     (["--draft-window", "0"], "--draft-window"),

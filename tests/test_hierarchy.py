@@ -102,3 +102,33 @@ def test_the_plan_counts_the_draft_cache_in_the_dtype_the_engine_allocates():
     assert plan.cache_bytes["draft cache"] == kv_bytes(draft.cfg, plan.draft_capacity, torch.float32)
     top = engine.build_hierarchy(40, 10, SamplingParams(temperature=0), spec, torch.Generator(), plan)
     assert top.drafter.cache.k.dtype == torch.float32
+
+
+def test_a_huge_gamma_is_capped_at_what_the_request_can_use():
+    """``gamma2=100_000`` with 8 new tokens: no verification can ask for more than 7 proposals, so every gamma is
+    capped at max_new_tokens - 1 per request; the caches are sized for the cap (they were sized for 100,000
+    positions ahead: 42.9 GiB for SmolLM2), the stats report the gamma used, and the output is the same."""
+    from triforce.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0)
+    target, draft = pair(seed=0)
+    engine = Engine(target, draft)
+    prompt = list(range(3, 43))
+    huge = SpeculationConfig(mode="draft", gamma2=100_000, draft_window=16)
+    capped = SpeculationConfig(mode="draft", gamma2=7, draft_window=16)
+    assert huge.for_request(8) == capped and capped.for_request(8) is capped
+    assert huge.for_request(1).gamma2 == 1  # at least 1
+    tiers = SpeculationConfig(tiers="ngram:50,draft:3,retrieval:900", budget=4096).for_request(8)
+    assert tiers.chain == [("ngram", 7), ("draft", 3), ("retrieval", 7)]
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
+        huge.for_request(0)
+    assert size_request(40, 8, huge) == size_request(40, 8, capped)
+    assert engine.cache_bytes(40, 8, huge) == engine.cache_bytes(40, 8, capped)
+    spec, _, plan = engine.prepare(prompt, 8, greedy, huge)
+    assert spec.gamma2 == 7 and plan.full_capacity == 40 + 8 + 7 + 1
+    out, stats = engine.generate(prompt, max_new_tokens=8, sampling=greedy, spec=huge)
+    assert stats.tiers["target"]["gamma"] == 7
+    assert out == engine.generate(prompt, max_new_tokens=8, sampling=greedy, spec=SpeculationConfig())[0]
+    auto = engine.generate(prompt, max_new_tokens=8, sampling=greedy,
+                           spec=SpeculationConfig(mode="auto", drafter="ngram", gamma2=1000))[1]
+    assert auto.auto["hierarchy"] == "ngram:7" and auto.tiers["target"]["gamma"] == 7

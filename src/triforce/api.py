@@ -18,6 +18,7 @@ import copy
 from dataclasses import dataclass
 from typing import Callable, Generator, Sequence
 
+from .caches import KV_DTYPES
 from .defaults import DEFAULTS
 from .detok import IncrementalDetokenizer
 from .engine import Engine, GenerationStats, SpeculationConfig
@@ -106,7 +107,8 @@ class TriForce:
         """Load the target (default: the embedded SmolLM2-135M-Instruct) and an optional draft (a model source,
         ``"ngram"`` for the model-free drafter or ``"self"`` for the target's own int4 copy); see :func:`load_model`. With ``tp`` (a
         :class:`~triforce.parallel.TensorParallel`) the target is this rank's shard and the draft is replicated;
-        ``offload_kv`` / ``on_chip_layers`` / ``kv_dtype``: see :class:`~triforce.engine.Engine`; ``quantize="int8"``
+        ``offload_kv`` / ``on_chip_layers`` / ``kv_dtype``: see :class:`~triforce.engine.Engine` (``dtype`` and
+        ``kv_dtype`` take the command line's names, :data:`~triforce.caches.KV_DTYPES`: ``"bf16"`` too); ``quantize="int8"``
         runs the target itself with weight-only int8 (``quant.py``; it changes the output distribution);
         ``packed_weights`` adds oneDNN-prepacked weights for multi-token passes on the CPU
         (:meth:`~triforce.model.Transformer.pack_weights`; one more copy of the weights); None (auto): on a CPU in
@@ -121,8 +123,8 @@ class TriForce:
                 [1, 4x the CPUs] (before loading), or see :func:`load_model`."""
         if quantize not in (None, "int8"):
             raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
-        if kv_dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ValueError(f"kv_dtype must be one of float32, bfloat16, float16, got {kv_dtype!r}")
+        if kv_dtype is not None and kv_dtype not in KV_DTYPES:  # the command line's --kv-dtype names, aliases too
+            raise ValueError(f"kv_dtype must be None or one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
         from .threads import IdleCPUProbe, check_threads, default_threads, set_threads
 
         check_threads(threads)

@@ -132,7 +132,7 @@ class AutoPlan:
     Attributes:
         tiers: the hierarchy under the target, bottom first (``SpeculationConfig.tiers`` syntax), e.g.
             ``"ngram:4,retrieval:6"``; empty: plain autoregressive decoding.
-        budget: retrieval cache slots (when a retrieval tier is in ``tiers``).
+        budget: retrieval cache slots when a retrieval tier is in ``tiers``, else None (reported as null).
         lower_weights: weights of the tiers below the verifier: ``int8``, or ``codes`` (the target's own block codes
             with int8 activations, where the verifier reads block codes: fewer bytes than an int8 copy).
         reason: one sentence: the figures the choice rests on.
@@ -142,7 +142,7 @@ class AutoPlan:
     """
 
     tiers: str
-    budget: int
+    budget: int | None
     lower_weights: str | None
     reason: str
     lower_kv_dtype: str | None = None
@@ -168,9 +168,11 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
         gamma1, gamma2: proposals per verification of the bottom and the middle tier (gamma2 at most
             :data:`RETRIEVAL_GAMMA2_SAMPLING` for a retrieval tier alone under sampling on a CPU).
         chunk_size: retrieval chunk size.
-        max_budget: the most retrieval slots (``SpeculationConfig.budget``; the budget is
+        max_budget: the most retrieval slots (``SpeculationConfig.budget``, honoured: the budget is
             :data:`RETRIEVAL_BUDGET_SHARE` of the prompt, :data:`RETRIEVAL_BUDGET_SHARE_SAMPLING` under sampling,
-            within :data:`RETRIEVAL_BUDGET_BOUNDS` and this).
+            within :data:`RETRIEVAL_BUDGET_BOUNDS` and never above this; at least ``chunk_size + gamma2 + 2``, the
+            room a block needs, and where this is smaller no retrieval tier is chosen, the reason says so;
+            ``SpeculationConfig`` refuses such a budget).
         device_type: where the target runs (``"cpu"``, ``"cuda"``): the weight-bound rule is measured on CPUs only,
             where our int8 kernel runs.
         draft_weight_bytes: bytes of the named draft model's weights (``bottom == "draft"``), or None.
@@ -189,7 +191,7 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
             bytes a retrieval step is weighed on are then that dtype's, and the plan chooses none.
 
     Returns:
-        :class:`AutoPlan`.
+        :class:`AutoPlan` (its ``budget`` None without a retrieval tier).
     """
     kv = kv_bytes(cfg, prompt_tokens, kv_dtype)
     share = kv / max(1, weight_bytes)
@@ -197,7 +199,9 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
     budget_share = RETRIEVAL_BUDGET_SHARE if sampling.greedy else RETRIEVAL_BUDGET_SHARE_SAMPLING
     budget = int(min(hi, max_budget, max(lo, prompt_tokens * budget_share)))
     reach = 2 * gamma2 if adaptive_gamma else gamma2  # the most tokens the tier may run ahead
-    budget = max(budget, chunk_size + reach + 3)
+    room = chunk_size + reach + 2  # the smallest budget of such a tier (SpeculationConfig's check)
+    fits = max_budget >= room  # the budget given leaves room for a block: never raised above it
+    budget = max(budget, room)
     sizes = f"KV cache {kv / 2**20:.0f} MiB = {share:.2f} x the weights' {weight_bytes / 2**20:.0f} MiB"
     if bottom is None:
         bottom = "ngram" if sampling.greedy else None
@@ -205,12 +209,12 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
     else:
         who = f"{bottom} drafts (named)"
     threshold = RETRIEVAL_MIN_KV_SHARE if sampling.greedy else RETRIEVAL_MIN_KV_SHARE_SAMPLING
-    retrieval = share >= threshold and prompt_tokens > budget and bottom != "self"
+    retrieval = fits and share >= threshold and prompt_tokens > budget and bottom != "self"
     layer_bytes = weight_bytes / max(1, cfg.num_hidden_layers)
-    weight_bound = (not retrieval and bottom != "self" and device_type == "cpu"
+    weight_bound = (fits and not retrieval and bottom != "self" and device_type == "cpu"
                     and layer_bytes >= WEIGHT_BOUND_LAYER_BYTES)
     if weight_bound:
-        budget = max(int(min(hi, max_budget)), chunk_size + reach + 3)  # the whole prompt where it fits
+        budget = max(int(min(hi, max_budget)), room)  # the whole prompt where it fits
     int8_bytes = weight_bytes // torch.empty((), dtype=kv_dtype).element_size()  # the weights' dtype, as a rule
     verifier_bytes = weight_bytes if step_weight_bytes is None else step_weight_bytes
     # the tier reads the target's own weights where the verifier reads fewer bytes than an int8 copy (block codes)
@@ -255,10 +259,12 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
         tiers = f"{bottom}:{gamma1 if bottom == 'self' else gamma2}" if bottom else ""
         why = (f"{sizes}; {steps} > {max_step_share}: no retrieval tier" if too_heavy
                else f"{sizes}: no retrieval tier" + ("" if bottom == "self" else
+                    f" (budget {max_budget} < chunk_size + gamma2 + 2 = {room})" if not fits else
                     f" (below {threshold}{'' if sampling.greedy else ' under sampling'} or the prompt fits the budget)"))
         why += f"; {who}"
     tier_cache = "bfloat16" if half_cache and (weight_bound or retrieval) else None
-    return AutoPlan(tiers=tiers, budget=budget, lower_weights=lower_weights, reason=why, lower_kv_dtype=tier_cache)
+    return AutoPlan(tiers=tiers, budget=budget if weight_bound or retrieval else None, lower_weights=lower_weights,
+                    reason=why, lower_kv_dtype=tier_cache)
 
 
 @dataclass

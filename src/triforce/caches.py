@@ -31,8 +31,13 @@ from abc import ABC, abstractmethod
 import torch
 
 from .config import ModelConfig
+from .defaults import DTYPE_ALIASES
 from .kernels import gqa_attention_kernel
 from .sdpa import gqa_attention, lower_right_attention
+
+#: every name a dtype option takes (:data:`~triforce.defaults.DTYPE_ALIASES`: float32, bfloat16, float16 and fp32,
+#: bf16, fp16) -> its torch dtype; the one table of the command line and the Python API
+KV_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, full) for name, full in DTYPE_ALIASES.items()}
 
 
 class CacheError(RuntimeError):

@@ -18,8 +18,10 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 SELF_WEIGHTS = ("int4", "int8", "bfloat16")
 #: weights of the tiers below the verifier (``--lower-weights``; ``quant.lower_precision_copy``)
 LOWER_WEIGHTS = ("int8", "int4", "bfloat16", "codes")
-#: dtypes of the lower tiers' caches (``--lower-kv-dtype``; float32 serves a bf16/fp16 verifier)
-LOWER_KV_DTYPES = ("bfloat16", "float16", "float32")
+#: every name a dtype option takes, on the command line and in the Python API alike (``--dtype``, ``--kv-dtype``,
+#: ``--lower-kv-dtype``; ``dtype``, ``kv_dtype``, ``lower_kv_dtype``) -> its name in :data:`DTYPE_NAMES`; the torch
+#: dtypes: ``triforce.caches.KV_DTYPES``. A lower tier's cache may be float32 under a bf16/fp16 verifier
+DTYPE_ALIASES = {**{name: name for name in DTYPE_NAMES}, "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: ``--packed-weights`` values
 PACKED_WEIGHTS = ("auto", "on", "off")
 #: ``--compile`` modes (``torch.compile``)

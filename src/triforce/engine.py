@@ -34,12 +34,12 @@ from typing import Callable, Generator
 import torch
 
 from .auto import SpeedGovernor, bf16_cache_reads_fast, plan_hierarchy
-from .caches import FullKVCache
+from .caches import KV_DTYPES, FullKVCache  # noqa: F401  (KV_DTYPES re-exported)
 from .cudagraph import model_graphs_apply
 from .streaming import StreamingCache
 from .defaults import DEFAULTS, SELF_WEIGHTS  # noqa: F401  (SELF_WEIGHTS re-exported)
-from .hierarchy import (DRAFTER_KINDS, MAX_SEED, MODES, TIER_KINDS,  # noqa: F401  (re-exported)
-                        SpeculationConfig, _positive_int)
+from .errors import ParameterError
+from .hierarchy import DRAFTER_KINDS, MAX_SEED, MODES, TIER_KINDS, SpeculationConfig, _positive_int  # noqa: F401
 from .memory import KVPlacement, peak_memory_bytes
 from .model import Transformer
 from .ngram import NGramDrafter
@@ -49,8 +49,6 @@ from .retrieval import RetrievalCache
 from .sampling import SamplingParams
 from .speculative import rejection_sample
 from .tiers import ModelTier, RetrievalTier, StreamingTier, VerifyFn
-
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -112,7 +110,8 @@ class Engine:
             on the device.
         on_chip_layers: with ``offload_kv``, leading layers kept on the device (None: the memory planner chooses
             from free device memory, :func:`~triforce.memory.plan_kv_placement`).
-        kv_dtype: dtype of every KV cache (``float32``, ``bfloat16``, ``float16``; None: the target's dtype). The
+        kv_dtype: dtype of every KV cache (a name of :data:`~triforce.caches.KV_DTYPES`: ``float32``, ``bfloat16``,
+            ``float16``, or ``fp32``, ``bf16``, ``fp16``; None: the target's dtype). The
             full cache's dtype is the verifier's, so it changes the output distribution like ``--dtype`` does;
             ``SpeculationConfig.lower_kv_dtype`` changes only the lower tiers' caches, at no loss.
 
@@ -244,14 +243,14 @@ class Engine:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
         if spec.uses_draft and self.draft is None:
-            raise ValueError(f"mode {spec.name!r} needs a draft model (--draft MODEL), or --draft ngram for the "
-                             "model-free drafter; without one use mode 'autoregressive' or 'retrieval'")
+            raise ParameterError(f"`mode` {spec.name!r} needs a draft model (`draft`), or `drafter` ngram for the "
+                                 "model-free drafter; without one use `mode` autoregressive or retrieval")
         cfg = self.target.cfg
         cfg.check_length(size_request(len(prompt_ids), max_new_tokens, spec)[0])  # before any allocation or placement
         context = cfg.max_position_embeddings
         if cfg.rope_type != "dynamic" and len(prompt_ids) >= context:
-            raise ValueError(f"max_prompt_tokens: the prompt has {len(prompt_ids)} tokens, not fewer than the model's "
-                             f"context of {context}; keep the first N with --max-prompt-tokens N")
+            raise ParameterError(f"`max_prompt_tokens`: the prompt has {len(prompt_ids)} tokens, not fewer than the "
+                                 f"model's context of {context}; keep the first N with `max_prompt_tokens` N")
         if cfg.rope_type != "dynamic" and len(prompt_ids) + max_new_tokens > context:
             raise ValueError(f"max_new_tokens={max_new_tokens} with a prompt of {len(prompt_ids)} tokens exceeds the "
                              f"model's context of {context} tokens (max_position_embeddings)")
@@ -357,7 +356,8 @@ class Engine:
             sampling, spec, seed: as :meth:`stream` takes them.
 
         Returns:
-            ``(spec, auto, plan)``: the hierarchy it will run (``auto`` resolved), the
+            ``(spec, auto, plan)``: the hierarchy it will run (``auto`` resolved, every gamma capped at
+            ``max_new_tokens - 1``: :meth:`~triforce.hierarchy.SpeculationConfig.for_request`), the
             :class:`~triforce.auto.AutoPlan` (None unless ``mode='auto'``), the :class:`~triforce.plan.RequestPlan`.
 
         Raises:
@@ -374,10 +374,9 @@ class Engine:
             raise ValueError(f"spec must be a SpeculationConfig, got {type(spec).__name__}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
             raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
-        auto = None
-        if spec.chooses_per_request:
-            auto = self.plan_auto(len(prompt_ids), sampling, spec)
-            spec = spec.resolve_auto(auto)
+        spec = spec.for_request(max_new_tokens)  # no gamma above what the request can use (sized for the cap)
+        auto = self.plan_auto(len(prompt_ids), sampling, spec) if spec.chooses_per_request else None
+        spec = spec.resolve_auto(auto) if auto is not None else spec
         return spec, auto, self.plan(list(prompt_ids), max_new_tokens, spec)  # sized and placed once
 
     def fork(self) -> "Engine":
@@ -392,11 +391,11 @@ class Engine:
             ValueError: tensor parallelism, or a dynamic-NTK target or draft model.
         """
         if self.target.tp is not None:
-            raise ValueError("batched generation does not run under tensor parallelism (--tp): serve with --max-batch 1")
+            raise ParameterError("batched generation does not run under tensor parallelism (`tp`): use `max_batch` 1")
         for name, m in (("model", self.target), ("draft", self.draft)):
             if m is not None and m.cfg.rope_type == "dynamic":
-                raise ValueError(f"batched generation: the {name}'s RoPE is dynamic NTK, whose frequencies depend on "
-                                 "each request's length; generate one prompt at a time (--max-batch 1)")
+                raise ParameterError(f"batched generation: the {name}'s RoPE is dynamic NTK, whose frequencies depend "
+                                     "on each request's length; generate one prompt at a time (`max_batch` 1)")
         other = copy.copy(self)
         other._full, other._full_tokens, other.placement, other.last_stats, other._retrieval = None, [], None, None, None
         return other

@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Iterable, Mapping
 
-from .defaults import DEFAULTS, LIBRARY_MODE, LOWER_KV_DTYPES, LOWER_WEIGHTS, SELF_WEIGHTS
+from .defaults import DEFAULTS, DTYPE_ALIASES, LIBRARY_MODE, LOWER_WEIGHTS, SELF_WEIGHTS
+from .errors import ParameterError
 from .retrieval import CHUNK_SCORES
 
 MODES = ("auto", "autoregressive", "retrieval", "draft", "triforce")
@@ -58,7 +59,7 @@ MAX_SEED = 2**63 - 1  # seeds are in [0, MAX_SEED]: torch.Generator.manual_seed 
 
 def _positive_int(name: str, value, minimum: int = 1) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise ParameterError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,14 @@ class SpeculationConfig:
     Attributes:
         mode: one of :data:`MODES`.
         gamma1: tokens the draft proposes per retrieval-tier verification (``triforce`` mode).
-        gamma2: tokens proposed per target verification by the tier just below the target.
-        budget: retrieval cache slots per layer and KV head (chunk 0 + selected chunks + generated tokens).
+        gamma2: tokens proposed per target verification by the tier just below the target. Every gamma (these
+            two and each of ``tiers``) is capped per request at what it can use, ``max_new_tokens - 1`` (at least
+            1: :meth:`for_request`), and the caches are sized for the capped value; the stats report the gamma
+            each verifying tier ran with.
+        budget: retrieval cache slots per layer and KV head (chunk 0 + selected chunks + generated tokens), at
+            least ``chunk_size + gamma + 2`` for a retrieval tier; with ``auto`` a pinned budget is honoured: its
+            retrieval tier takes at most ``budget`` slots and at least ``chunk_size + gamma2 + 2`` (twice gamma2
+            with ``adaptive_gamma``), so a smaller budget is refused.
         chunk_size: tokens per retrieval chunk.
         rebuild_every: re-select the retrieval chunks every N generated tokens (None: only when full).
         draft_sink: StreamingLLM attention-sink tokens of the draft cache.
@@ -113,13 +120,15 @@ class SpeculationConfig:
             model's own block codes times int8-quantized activations; int8 for a model without codes) (see
             ``quant.py``). Lossless: the verifier decides every token; only acceptance can change.
         lower_kv_dtype: dtype of the retrieval and draft caches: None (as the full cache; ``auto`` may pick
-            ``bfloat16`` for its retrieval tier), ``bfloat16``, ``float16`` or ``float32``.
+            ``bfloat16`` for its retrieval tier), ``bfloat16``, ``float16`` or ``float32``, or the command line's
+            short names ``bf16``, ``fp16``, ``fp32`` (:data:`~triforce.defaults.DTYPE_ALIASES`; kept as the full name).
         tiers: an explicit hierarchy under the full-cache target, bottom first, ``kind:gamma`` entries with kind in
             :data:`TIER_KINDS` (``ngram`` only at the bottom), e.g. ``"self:4,retrieval:6"``: each gamma is
             how many tokens that tier proposes per verification by the tier above. Overrides ``mode``.
 
     Raises:
-        ValueError: (on construction) a value outside its range, naming the parameter and the allowed values.
+        ValueError: (on construction) a value outside its range, naming the parameter and the allowed values
+            (a :class:`~triforce.errors.ParameterError`: the command line spells the names as its flags).
     """
 
     mode: str = LIBRARY_MODE
@@ -169,19 +178,27 @@ class SpeculationConfig:
             raise ValueError(f"stop_below must be in (0, 1), got {self.stop_below!r}")
         if self.lower_weights not in (None, *LOWER_WEIGHTS):
             raise ValueError(f"lower_weights must be None or one of {', '.join(LOWER_WEIGHTS)}, got {self.lower_weights!r}")
-        if self.lower_kv_dtype not in (None, *LOWER_KV_DTYPES):
-            raise ValueError(f"lower_kv_dtype must be None or one of {', '.join(LOWER_KV_DTYPES)}, "
-                             f"got {self.lower_kv_dtype!r}")
+        if self.lower_kv_dtype is not None and (not isinstance(self.lower_kv_dtype, str)
+                                                or self.lower_kv_dtype not in DTYPE_ALIASES):
+            raise ParameterError(f"`lower_kv_dtype` must be None or one of {', '.join(DTYPE_ALIASES)}, "
+                                 f"got {self.lower_kv_dtype!r}")
+        if self.lower_kv_dtype is not None:  # one spelling downstream: bf16 -> bfloat16
+            object.__setattr__(self, "lower_kv_dtype", DTYPE_ALIASES[self.lower_kv_dtype])
         _positive_int("draft_sink", self.draft_sink, 0)
         _positive_int("draft_window", self.draft_window)
-        for i, (kind, _) in enumerate(self.chain):
-            # chunk 0 + the block the retrieval tier may run ahead (gamma + 1) + the verifier's newest token
-            gamma = self.reach(i)
-            if kind == "retrieval" and self.budget < self.chunk_size + gamma + 2:
-                raise ValueError(f"budget must be >= chunk_size + gamma + 2 = {self.chunk_size + gamma + 2} "
-                                 f"(chunk 0 plus room for a speculation block of {gamma} tokens), got {self.budget}: "
-                                 "raise --budget or lower --chunk-size / the gamma of the retrieval tier and the tiers "
-                                 "above it")
+        # chunk 0 + the block the retrieval tier may run ahead (gamma + 1) + the verifier's newest token; auto's
+        # retrieval tier (directly under the target) runs gamma2 ahead: a budget it cannot honour is refused here
+        reaches = [(self.reach(i), "the gammas of `tiers` from the retrieval tier up" if self.tiers else
+                    "`gamma2`") for i, (kind, _) in enumerate(self.chain) if kind == "retrieval"]
+        if self.chooses_per_request:
+            reaches.append((2 * self.gamma2 if self.adaptive_gamma else self.gamma2, "`gamma2`"))
+        where = " in a retrieval tier auto may choose" if self.chooses_per_request else ""
+        for gamma, which in reaches:
+            if self.budget < self.chunk_size + gamma + 2:
+                raise ParameterError(
+                    f"`budget` must be >= `chunk_size` + gamma + 2 = {self.chunk_size + gamma + 2} (chunk 0 plus room "
+                    f"for a speculation block of {gamma} tokens{where}), got {self.budget}: raise `budget` or lower "
+                    f"`chunk_size` / {which}")
 
     @property
     def chain(self) -> list[tuple[str, int]]:
@@ -215,9 +232,26 @@ class SpeculationConfig:
         """This config with ``mode='auto'`` replaced by the hierarchy of an :class:`~triforce.auto.AutoPlan`."""
         if self.mode != "auto" or self.tiers is not None:
             return self
-        return replace(self, mode="autoregressive", tiers=plan.tiers or None, budget=plan.budget,
+        return replace(self, mode="autoregressive", tiers=plan.tiers or None, budget=plan.budget or self.budget,
                        lower_weights=self.lower_weights or plan.lower_weights,
                        lower_kv_dtype=self.lower_kv_dtype or plan.lower_kv_dtype)
+
+    def for_request(self, max_new_tokens: int) -> "SpeculationConfig":
+        """This config with every gamma (``gamma1``, ``gamma2``, each of ``tiers``) capped at what a request of
+        ``max_new_tokens`` tokens can use: ``max_new_tokens - 1``, at least 1. A verification emits at most the
+        tokens left, so no tier is ever asked for more proposals (``ModelTier.step``): the output is the same, and
+        the caches are sized for the capped gammas, not for a huge one (``Engine.prepare`` applies it; the stats
+        report the gamma each verifying tier ran with). Itself when nothing is capped.
+
+        Raises:
+            ValueError: ``max_new_tokens`` is not an integer >= 1.
+        """
+        _positive_int("max_new_tokens", max_new_tokens)
+        cap = max(1, max_new_tokens - 1)
+        if max(self.gamma1, self.gamma2, *(g for _, g in self.chain)) <= cap:
+            return self
+        tiers = None if self.tiers is None else ",".join(f"{k}:{min(g, cap)}" for k, g in self.chain)
+        return replace(self, gamma1=min(self.gamma1, cap), gamma2=min(self.gamma2, cap), tiers=tiers)
 
     def reach(self, index: int) -> int:
         """Most tokens the tier at ``index`` of :attr:`chain` may run ahead of the committed sequence.

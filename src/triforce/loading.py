@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
+from .caches import KV_DTYPES
 from .config import ModelConfig, ModelLoadError, UnsupportedModelError, check_architecture  # noqa: F401  (re-exported)
 from .gguf import read_gguf
 from .memory import check_fits
 from .model import Transformer
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = KV_DTYPES  # every dtype name (aliases included) -> torch dtype
 
 
 @dataclass
@@ -64,9 +64,9 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype in DTYPES.values():
             return dtype
-        raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {dtype}")
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {dtype!r}")
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
 
 

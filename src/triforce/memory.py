@@ -9,9 +9,12 @@ from dataclasses import asdict, dataclass
 import psutil
 import torch
 
+from .errors import NamesParameters
 
-class InsufficientMemoryError(MemoryError):
-    """A model or a request needs more memory than the device has free; the message gives both figures."""
+
+class InsufficientMemoryError(NamesParameters, MemoryError):
+    """A model or a request needs more memory than the device has free; the message gives both figures and the
+    parameters that would lower the need (spelled as the caller spells them, :mod:`triforce.errors`)."""
 
 
 def available_bytes(device: torch.device | str) -> int:
@@ -83,8 +86,8 @@ def check_fits(needed: dict[str, int], device: torch.device | str, what: str, al
             resident = " beside " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in already.items()) + " already loaded"
         raise InsufficientMemoryError(
             f"{what} needs {fmt_bytes(total)} ({parts}){resident}, but only {fmt_bytes(free)} is free on "
-            f"{torch.device(device)}; use a shorter prompt, fewer --max-new-tokens, a smaller --budget or "
-            f"--gamma1/--gamma2, or --dtype bfloat16"
+            f"{torch.device(device)}; use a shorter prompt, fewer `max_new_tokens`, a smaller `budget` or "
+            f"`gamma1`/`gamma2`, or `dtype` bfloat16"
         )
 
 

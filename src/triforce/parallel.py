@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, TypeVar
 import torch
 
 from .config import ModelConfig
+from .errors import ParameterError
 
 
 def valid_tp_sizes(cfg: ModelConfig) -> list[int]:
@@ -169,7 +170,7 @@ def agree_on_fit(tp: TensorParallel | None, check: Callable[[], T]) -> T:
     refused[tp.rank] = int(error is not None)
     tp.all_reduce(refused)
     if error is not None:
-        raise InsufficientMemoryError(f"rank {tp.rank}: {error}") from error
+        raise InsufficientMemoryError(f"rank {tp.rank}: {error.template}") from error
     ranks = refused.nonzero().flatten().tolist()
     if ranks:
         raise InsufficientMemoryError(f"rank {', '.join(map(str, ranks))} of {tp.world_size} refused for lack of memory "
@@ -196,7 +197,7 @@ def init_tensor_parallel(tp: int, device: str | torch.device = "cpu") -> TensorP
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if tp == 1:
         if world > 1:
-            raise ValueError(f"tp=1 but this process is one of {world} launched ranks: pass --tp {world}")
+            raise ParameterError(f"`tp`=1 but this process is one of {world} launched ranks: pass `tp`={world}")
         return None
     if world != tp:
         raise ValueError(f"tp={tp} needs {tp} processes, one per rank: launch with "

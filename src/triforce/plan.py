@@ -16,7 +16,7 @@ from typing import Collection, Mapping
 
 import torch
 
-from .caches import kv_bytes
+from .caches import KV_DTYPES, kv_bytes
 from .hierarchy import SpeculationConfig
 from .memory import KVPlacement, check_fits, plan_kv_placement
 from .model import Transformer
@@ -35,7 +35,7 @@ class RequestPlan:
     Attributes:
         prompt_tokens, max_new_tokens: the request's lengths.
         full_capacity: positions of the verifier's full KV cache: prompt + new tokens + the largest block the
-            verifier checks at once + 1.
+            verifier checks at once (at most ``max_new_tokens - 1``) + 1.
         lookahead: most positions any tier may run ahead of the committed sequence (sum of the tiers' largest
             gammas + one per tier + 1).
         draft_capacity: slots of a StreamingLLM tier's cache: sink + window + ``lookahead`` + one prefill chunk.
@@ -64,8 +64,13 @@ def draft_kv_dtype(target: Transformer, draft: Transformer, kv_dtype: torch.dtyp
 
 
 def size_request(prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig) -> tuple[int, int, int]:
-    """``(full_capacity, lookahead, draft_capacity)`` of a request (see :class:`RequestPlan`), in positions."""
-    chain = spec.max_chain
+    """``(full_capacity, lookahead, draft_capacity)`` of a request (see :class:`RequestPlan`), in positions.
+
+    Each tier's gamma counts at most ``max_new_tokens - 1`` (at least 1): no verification asks for more proposals
+    than the request has tokens left (:meth:`~triforce.hierarchy.SpeculationConfig.for_request`), so a huge gamma
+    does not size the caches."""
+    cap = max(1, max_new_tokens - 1)
+    chain = [(kind, min(g, cap)) for kind, g in spec.max_chain]
     block = chain[-1][1] if chain else 0  # the largest block the verifier checks at once
     lookahead = sum(g for _, g in chain) + len(chain) + 1
     draft = spec.draft_sink + spec.draft_window + lookahead + DRAFT_PREFILL_CHUNK
@@ -93,7 +98,7 @@ def plan_request(target: Transformer, draft: Transformer | None, spec: Speculati
         ValueError, InsufficientMemoryError: from :func:`~triforce.memory.plan_kv_placement` (offloading only).
     """
     full_capacity, lookahead, draft_capacity = size_request(prompt_tokens, max_new_tokens, spec)
-    lower = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(spec.lower_kv_dtype)
+    lower = KV_DTYPES.get(spec.lower_kv_dtype)
     kinds = [k for k, _ in spec.chain]
     out = {FULL_CACHE: kv_bytes(target.cfg, full_capacity, kv_dtype)}
     if "retrieval" in kinds:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .errors import ParameterError
+
 # Project Gutenberg's markers. Files since about 2000: "*** START OF THE/THIS PROJECT GUTENBERG EBOOK ... ***" and
 # "*** END OF ...". Files from the 1990s (a good share of PG-19) have neither: their licence header ends with a line
 # like "*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*" and the text with a line like
@@ -93,9 +95,9 @@ def encode_prompt(tokenizer: Any, text: str, chat: bool = False, system: str | N
         if context_length is not None and max_prompt_tokens > context_length:
             raise ValueError(f"max_prompt_tokens={max_prompt_tokens} exceeds the model's context of {context_length} tokens")
     if system is not None and not chat:
-        raise ValueError("system is only used with chat=True (--chat)")
+        raise ParameterError("`system` is only used with `chat`")
     if chat and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this tokenizer has no chat template; drop --chat")
+        raise ParameterError("this tokenizer has no chat template: `chat` cannot be used")
     if document is None:
         ids = _encode(tokenizer, text, chat, system)
         if max_prompt_tokens is not None:
@@ -116,5 +118,5 @@ def encode_prompt(tokenizer: Any, text: str, chat: bool = False, system: str | N
                 keep = max(0, keep - (len(ids) - max_prompt_tokens))
             ids = ids[:max_prompt_tokens] if len(ids) > max_prompt_tokens else ids
     if not ids:
-        raise ValueError("prompt is empty: give some text (--prompt or --prompt-file)")
+        raise ParameterError("`prompt` is empty: give some text")
     return ids

@@ -128,6 +128,8 @@ class ModelTier:
         self.cached: list[int] = []  # tokens whose KV is in the cache: always a prefix of the sequence
         self.tail_logits: torch.Tensor | None = None  # (V,) logits at position len(cached) - 1, if known
         self.stats = TierStats(name)
+        if drafter is not None:  # proposals asked per verification (capped per request at max_new_tokens - 1)
+            self.stats.extra["gamma"] = gamma
 
     # ---------------------------------------------------------------- model calls
     def _forward(self, tokens: list[int], num_logits: int | None) -> torch.Tensor:

@@ -23,7 +23,7 @@ import sys
 from .. import __version__
 from .analyze import add_analyze_parser
 from .bench import add_bench_parser
-from .common import CLIError, Parser, check_seed, check_threads, option_error
+from .common import CLIError, Parser, check_seed, check_threads, error_message, option_error
 from .generate import add_download_parser, add_generate_parser, cmd_download, cmd_generate
 from .options import add_generation_args, spec_from_args
 from .progress import LineProgress, prefill_progress, stdout_to_stderr
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return commands[args.command](args)
     except (CLIError, ModelLoadError, DownloadError, InsufficientMemoryError, ValueError) as e:
-        print(f"triforce: error: {e}", file=sys.stderr)
+        print(f"triforce: error: {error_message(e)}", file=sys.stderr)
         return 2
     except CacheError as e:  # a bug, but say it in one line
         print(f"triforce: internal cache error: {e}", file=sys.stderr)

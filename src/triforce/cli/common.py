@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..errors import spelled
 from ..hierarchy import MAX_SEED
 
 
@@ -22,15 +23,31 @@ class Parser(argparse.ArgumentParser):
 #: library parameter names that :func:`option_error` maps back to their options
 _PARAMETERS = ("max_prompt_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "gamma1", "gamma2", "budget",
                "chunk_size", "rebuild_every", "draft_sink", "draft_window", "mode", "dtype", "system", "ngram_n",
-               "ngram_min", "tiers", "chunk_score", "rebuild_below", "stop_below", "on_chip_layers")
+               "ngram_min", "tiers", "chunk_score", "rebuild_below", "stop_below", "on_chip_layers", "tp")
+#: library parameters whose option is not ``--`` + the name with ``-`` for ``_``
+_FLAGS = {"drafter": "--draft", "prompt": "--prompt/--prompt-file"}
+
+
+def flag(name: str) -> str:
+    """The option of a library parameter: ``chunk_size`` -> ``--chunk-size`` (``drafter`` -> ``--draft``)."""
+    return _FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def error_message(e: BaseException) -> str:
+    """A library error's message with its parameters spelled as options (:mod:`triforce.errors`)."""
+    return spelled(e, flag)
 
 
 def option_error(e: ValueError) -> CLIError:
-    """Map a library ValueError ('top_p must be ...') to the option name ('--top-p must be ...')."""
-    msg = str(e)
+    """Map a library ValueError to the options' names: a :class:`~triforce.errors.ParameterError` names every
+    parameter as its option ('--budget must be >= --chunk-size + ...'), another starting with a parameter name
+    ('top_p must be ...') that one ('--top-p must be ...')."""
+    msg = error_message(e)
+    if msg != str(e):
+        return CLIError(msg)
     for name in _PARAMETERS:
         if msg.startswith(name):
-            return CLIError("--" + name.replace("_", "-") + msg[len(name):])
+            return CLIError(flag(name) + msg[len(name):])
     return CLIError(msg)
 
 

@@ -165,7 +165,7 @@ def _generate(args: argparse.Namespace, out) -> int:
     try:
         tp = init_tensor_parallel(args.tp, args.device)
     except ValueError as e:
-        raise CLIError("--" + str(e)) from e
+        raise option_error(e) from e
     if tp is not None and tp.rank != 0:  # only rank 0 prints
         out = open(os.devnull, "w")
         args.no_progress = True

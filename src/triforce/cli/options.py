@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..defaults import (COMPILE_MODES, CUDA_GRAPHS, DEFAULTS, DTYPE_NAMES, LOWER_KV_DTYPES, LOWER_WEIGHTS, PACKED_WEIGHTS,
+from ..defaults import (COMPILE_MODES, CUDA_GRAPHS, DEFAULTS, DTYPE_ALIASES, LOWER_WEIGHTS, PACKED_WEIGHTS,
                         SELF_WEIGHTS, default)
 from ..hierarchy import MODES, SpeculationConfig
 from ..retrieval import CHUNK_SCORES
@@ -68,9 +68,14 @@ _ALL = [  # by the kind of value; the groups of each subcommand are the tuples b
     Option("--top-p", "nucleus mass in (0, 1] (default {default})", type=float),
     Option("--top-k", "0 = disabled (default {default})", type=int),
     Option("--seed", "seed for every random draw (default: random, reported in --json)", type=int),
-    Option("--gamma1", "draft tokens per retrieval-tier verification, --mode triforce (default {default})", type=int),
-    Option("--gamma2", "tokens proposed per target verification (default {default})", type=int),
-    Option("--budget", "retrieval cache slots (default {default})", type=int),
+    Option("--gamma1", "draft tokens per retrieval-tier verification, --mode triforce (default {default}; capped "
+                       "like --gamma2)", type=int),
+    Option("--gamma2", "tokens proposed per target verification (default {default}); any integer >= 1, capped at "
+                       "--max-new-tokens - 1, the most a request can use (the caches are sized for the cap, and "
+                       "--json reports each verifying tier's gamma)", type=int),
+    Option("--budget", "retrieval cache slots, at least --chunk-size + gamma + 2 (default {default}; --mode auto "
+                       "honours it: its retrieval tier takes at most this many, and a budget below --chunk-size + "
+                       "--gamma2 + 2 is refused)", type=int),
     Option("--chunk-size", "retrieval chunk size (default {default})", type=int),
     Option("--stop-below", "model drafters end a proposal before a token whose confidence is below this (default: "
                            "off)", type=float),
@@ -82,9 +87,10 @@ _ALL = [  # by the kind of value; the groups of each subcommand are the tuples b
     Option("--ngram-n", "longest suffix the n-gram drafter matches (default {default})", type=int),
     Option("--ngram-min", "shortest suffix the n-gram drafter may match (default {default})", type=int),
     # one of a few values
-    Option("--dtype", "weights and KV dtype (default {default})", choices=DTYPE_NAMES),
+    Option("--dtype", "weights and KV dtype (default {default}; fp32, bf16, fp16 name the same)",
+           choices=tuple(DTYPE_ALIASES)),
     Option("--kv-dtype", "dtype of every KV cache (default: --dtype); the full cache's dtype is the verifier's",
-           choices=DTYPE_NAMES),
+           choices=tuple(DTYPE_ALIASES)),
     Option("--quantize", "weight-only int8 for the target itself (changes its outputs like --dtype does; see "
                          "--lower-weights for a lossless use)", choices=("int8",)),
     Option("--packed-weights", "CPU, fp32: oneDNN-prepacked weights for multi-token passes (verification blocks, "
@@ -108,7 +114,7 @@ _ALL = [  # by the kind of value; the groups of each subcommand are the tuples b
                               "codes where the model has them)", choices=LOWER_WEIGHTS),
     Option("--lower-kv-dtype", "dtype of the retrieval and draft caches (lossless; default: as --kv-dtype; "
                                "--mode auto: bfloat16 for its retrieval tier where our attention kernel reads it)",
-           choices=LOWER_KV_DTYPES),
+           choices=tuple(DTYPE_ALIASES)),
     # flags and lists
     Option("--offload-kv", "keep the full KV cache in (pinned) host memory and stream it to the device layer by "
                            "layer with prefetch; retrieval and draft caches stay on the device", action="store_true"),
