@@ -3,6 +3,8 @@
     python bench/blockcodes.py --threads 2 --reps 15 --rows 1 7 \
         --baseline-source <(git show HEAD~1:src/triforce/csrc/blockcodes.c) --out bench/results/blockcodes.json
     python bench/blockcodes.py --threads 2 --reps 21 --rows 1 2 4 7 --q8 --out bench/results/blockcodes_q8.json
+    python bench/blockcodes.py --threads 2 --reps 21 --rows 1 2 4 7 --q8 --baseline-scales fp32 \
+        --baseline-source <(git show 2a25216:src/triforce/csrc/blockcodes.c) --out bench/results/blockcodes_fp16.json
 
 For every projection of SmolLM2-135M-Instruct (30 layers of Q4_1 codes, and its Q8_0 LM head: the weights a decode
 step of the verifier reads, ``blockcodes.py``), one ``blockcode_linear`` call each, in order, every matrix distinct
@@ -13,13 +15,15 @@ outputs are compared bitwise (``baseline_bitwise_equal``). With ``--q8`` the sam
 products over the same codes (``blockcode_linear_q8``: activations quantized to int8, the retrieval tier's
 ``--lower-weights codes``), interleaved too, with their error against the exact products (``q8_relative_error``: the
 largest ||y_q8 - y|| / ||y|| over the matrices), and with ``--baseline-source`` on that build too
-(``q8_speedup_over_baseline``, ``q8_baseline_bitwise_equal``). GB/s is code bytes (codes, scales, minima) read per second. JSON on
+(``q8_speedup_over_baseline``, ``q8_baseline_bitwise_equal``). ``--baseline-scales fp32`` gives that build the
+blocks' scales and minima as fp32 (the layout up to commit 2a25216; ours stores them as fp16). GB/s is code bytes (codes, scales, minima) read per second. JSON on
 stdout (and to ``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -34,6 +38,8 @@ def main() -> int:
     p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 7])
     p.add_argument("--baseline-source", metavar="FILE", help="also time the kernel built from this blockcodes.c")
     p.add_argument("--q8", action="store_true", help="also time the integer dot products (int8 activations)")
+    p.add_argument("--baseline-scales", choices=["fp16", "fp32"], default="fp16",
+                   help="the dtype of the scales and minima the baseline build takes (default: fp16, ours)")
     add_run_options(p, None, reps=15, sampling=False)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -64,19 +70,24 @@ def main() -> int:
     if not codes:
         p.error("the embedded model has no block codes here (TRIFORCE_BLOCK_CODES=0?)")
     nbytes = sum(c.nbytes for c in codes)
+    base_codes = codes if args.baseline_scales == "fp16" else [
+        dataclasses.replace(c, d=c.d.float(), m=None if c.m is None else c.m.float()) for c in codes]
 
-    def sweep(lib, xs: dict, product=blockcodes.blockcode_linear) -> list[torch.Tensor]:
+    def sweep(lib, xs: dict, product=blockcodes.blockcode_linear, cs=codes) -> list[torch.Tensor]:
         blockcodes._blockcodes = lib  # what blockcode_linear calls
         try:
-            return [product(xs[c.in_features], c) for c in codes]
+            return [product(xs[c.in_features], c) for c in cs]
         finally:
             blockcodes._blockcodes = ours
 
-    variants = {name: (lambda xs, lib=lib: sweep(lib, xs)) for name, lib in libs.items()}
+    variants = {"ours": lambda xs: sweep(ours, xs)}
+    if "baseline" in libs:
+        variants["baseline"] = lambda xs: sweep(libs["baseline"], xs, cs=base_codes)
     if args.q8:
         variants["q8"] = lambda xs: sweep(ours, xs, blockcodes.blockcode_linear_q8)
         if "baseline" in libs:
-            variants["baseline_q8"] = lambda xs: sweep(libs["baseline"], xs, blockcodes.blockcode_linear_q8)
+            variants["baseline_q8"] = lambda xs: sweep(libs["baseline"], xs, blockcodes.blockcode_linear_q8,
+                                                       base_codes)
 
     gen = torch.Generator().manual_seed(0)
     results = []
@@ -90,11 +101,13 @@ def main() -> int:
                 t0 = time.perf_counter()
                 variants[name](xs)
                 times[name].append(time.perf_counter() - t0)
-        row = {"rows": rows, "matrices": len(codes), "code_bytes": nbytes}
+        row = {"rows": rows, "matrices": len(codes), "code_bytes": nbytes,
+               "baseline_code_bytes": sum(c.nbytes for c in base_codes)}
         for name, ts in times.items():
             s = statistics.median(ts)
             row[f"{name}_ms"] = round(1000 * s, 3)
-            row[f"{name}_gb_per_s"] = round(nbytes / s / 1e9, 2)
+            row[f"{name}_gb_per_s"] = round(row["baseline_code_bytes" if "baseline" in name else "code_bytes"]
+                                            / s / 1e9, 2)
         if "baseline" in libs:
             row["speedup_over_baseline"] = round(row["baseline_ms"] / row["ours_ms"], 3)
             row["baseline_bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(outs["ours"], outs["baseline"]))
@@ -107,7 +120,8 @@ def main() -> int:
             row["q8_baseline_bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(outs["q8"], outs["baseline_q8"]))
         results.append(row)
     out = {"model": "SmolLM2-135M-Instruct (embedded)", "threads": args.threads, "reps": args.reps,
-           "interleaved": True, "kernel": ours.status, "baseline": args.baseline_source, "results": results}
+           "interleaved": True, "kernel": ours.status, "baseline": args.baseline_source,
+           "baseline_scales": args.baseline_scales, "results": results}
     emit_json(out, args.out)
     return 0
 

@@ -7,7 +7,8 @@ llama.cpp ``ggml-quants.c``; gguf-py's ``dequantize``, which transformers' GGUF 
 model (SmolLM2-135M-Instruct, Q4_1 with a Q8_0 embedding) is such a model. :func:`find_block_codes` recovers the
 codes from the fp32 weights and checks that every weight is reproduced exactly; ``csrc/blockcodes.c`` then
 dequantizes them in registers and computes what the fp32 weights compute, bitwise as our fp32 kernel
-(``kernels.f32_linear``) does over them, while reading 0.75 (4-bit) or 1.25 (8-bit) bytes per weight instead of 4.
+(``kernels.f32_linear``) does over them, while reading 0.625 (4-bit) or 1.0625 (8-bit) bytes per weight instead of 4
+(the codes, and the blocks' fp16 scales and minima as the file stores them).
 A decode step of the verifier is bound by those bytes, and the verifier alone defines the output distribution, so
 this changes no token, only the time (the lossless rule of TriForce, arXiv 2404.11912, Sec. 4, holds as with fp32
 weights; tests/test_blockcodes.py checks the products bitwise and greedy equality).
@@ -73,7 +74,8 @@ class BlockCodes:
     Attributes:
         bits: 4 (Q4_1: ``w = d * q + m``) or 8 (Q8_0: ``w = d * q``).
         codes: bits 4: (out / 8, in) int32, nibble k the code of output 8c + k; bits 8: (out / 8, in, 8) int8.
-        d: (out / 8, in / 32, 8) fp32 scales per block of 32 inputs; m: the same shape, the minima (bits 4), or None.
+        d: (out / 8, in / 32, 8) fp16 scales per block of 32 inputs (as GGUF stores them; the kernel converts them to
+            fp32 exactly); m: the same shape, the fp16 minima (bits 4), or None.
         in_features, out_features: the matrix's shape, (in, out).
     """
 
@@ -103,10 +105,10 @@ class BlockCodes:
             q = ((self.codes.to(torch.int64)[..., None] & 0xFFFFFFFF) >> shifts) & 15  # (out/8, in, 8)
         else:
             q = self.codes.to(torch.int64)
-        d = self.d.repeat_interleave(GROUP, dim=1)  # (out/8, in, 8)
+        d = self.d.float().repeat_interleave(GROUP, dim=1)  # (out/8, in, 8)
         w = d * q.float()
         if self.m is not None:
-            w = w + self.m.repeat_interleave(GROUP, dim=1)
+            w = w + self.m.float().repeat_interleave(GROUP, dim=1)
         return w.permute(1, 0, 2).reshape(n_in, n_out)
 
 
@@ -115,7 +117,8 @@ def find_block_codes(weight_t: torch.Tensor) -> BlockCodes | None:
 
     ``csrc/blockcodes.c`` (``triforce_blockcode_fit``, one pass over the matrix) takes each block's scale as
     (max - min) / 15 (Q4_1) or max |w| / 127 (Q8_0) rounded to fp16, or an fp16 value up to 2 steps from it, and checks
-    that every weight's ``d * q + m`` (two roundings, as the product kernel computes it) equals the weight; one block
+    that every weight's ``d * q + m`` (two roundings, as the product kernel computes it) equals the weight, with the
+    block's minimum ``m`` an fp16 value (a Q4_1 block's code 0 is its fp16 minimum); one block
     that no candidate reproduces makes the answer None (a matrix that is not block codes fails on its first
     :data:`_PROBE_BLOCKS` blocks, at little cost).
 
@@ -148,7 +151,7 @@ def _fit(fns: dict, w: torch.Tensor, bits: int) -> BlockCodes | None:
     n_in, n_out = w.shape
     codes = (torch.empty(n_out // 8, n_in, dtype=torch.int32) if bits == 4
              else torch.empty(n_out // 8, n_in, 8, dtype=torch.int8))
-    d = torch.empty(n_out // 8, n_in // GROUP, 8)
+    d = torch.empty(n_out // 8, n_in // GROUP, 8, dtype=torch.float16)
     m = torch.empty_like(d) if bits == 4 else None
     rc = fns["triforce_blockcode_fit"](w.data_ptr(), n_in, n_out, bits, codes.data_ptr(), d.data_ptr(),
                                        None if m is None else m.data_ptr())

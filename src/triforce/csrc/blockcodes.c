@@ -4,7 +4,7 @@
  * w = fl(fl(d * q) + m) per block of 32 inputs: q a 4-bit code in [0, 15] with the block's scale d and minimum m
  * (Q4_1), or an 8-bit code in [-127, 127] with m = 0 (Q8_0) (ggml's block formats, as gguf-py dequantizes them).
  * triforce/blockcodes.py finds the codes from the fp32 weights and checks every weight's reconstruction exactly, so
- * this kernel multiplies by the very fp32 weights the model holds, reading 0.75 (4-bit) or 1.25 (8-bit) bytes per
+ * this kernel multiplies by the very fp32 weights the model holds, reading 0.625 (4-bit) or 1.0625 (8-bit) bytes per
  * weight instead of 4: a decode step is bound by those bytes. Each y[m, o] is one chain of FMAs over i = 0 .. in-1 in
  * a lane, the same chain as triforce_f32_linear's (csrc/qlinear.c) over the dequantized (in, out) weights, so the
  * two give bitwise the same products, whatever M and the other rows (a row alone and in a block agree).
@@ -12,7 +12,8 @@
  * Layout (one 8-output column block c = o / 8 after another, so each block streams from memory):
  *     bits 4: codes (out / 8, in) uint32, nibble k (bits 4k .. 4k + 3) the code of output 8c + k at input i
  *     bits 8: codes (out / 8, in, 8) int8
- *     d, m:   (out / 8, in / 32, 8) fp32 per block of 32 inputs; m NULL for m = 0 (the add is skipped: d * q exactly)
+ *     d, m:   (out / 8, in / 32, 8) fp16 per block of 32 inputs, as the GGUF file stores them (converted to fp32
+ *             exactly in registers); m NULL for m = 0 (the add is skipped: d * q exactly)
  *
  * triforce_blockcode_fit finds the codes of an fp32 (in, out) matrix in this layout, one pass over it (8 outputs per
  * vector, a block's 32 inputs down the lanes): the block's scale is max - min over 15 (Q4_1) or max |w| over 127
@@ -35,6 +36,11 @@
 #define MAX_ROWS 64
 #define GROUP 32
 
+/* 8 fp16 scales or minima, as fp32 (exact) */
+static inline __attribute__((always_inline)) __m256 half8(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+}
+
 /* 8 weights of column block c at input i, exactly as fp32 */
 static inline __attribute__((always_inline)) __m256 weights8(const void* codes, const int BITS, int64_t c, int in,
                                                              int i, __m256 dv, __m256 mv, const int HAS_M) {
@@ -51,8 +57,8 @@ static inline __attribute__((always_inline)) __m256 weights8(const void* codes, 
 }
 
 /* L1 prefetch of group g of column blocks [c_from, c_to): their codes, scales and minima */
-static inline __attribute__((always_inline)) void prefetch_group(const void* codes, const int BITS, const float* d,
-                                                                 const float* m, const int HAS_M, int64_t c_from,
+static inline __attribute__((always_inline)) void prefetch_group(const void* codes, const int BITS, const uint16_t* d,
+                                                                 const uint16_t* m, const int HAS_M, int64_t c_from,
                                                                  int64_t c_to, int in, int groups, int g) {
     for (int64_t u = c_from; u < c_to; ++u) {
         const char* cn = (const char*)codes + (u * in + g * GROUP) * BITS;  /* 4 or 8 bytes an input */
@@ -69,7 +75,7 @@ static inline __attribute__((always_inline)) void prefetch_group(const void* cod
  * codes, every matrix once, one row, 2 threads: 10.4 ms before, 8.3 ms with it, the same outputs bitwise;
  * bench/blockcodes.py, bench/results/blockcodes_prefetch_2026-12-03.json). */
 static inline __attribute__((always_inline)) void tile(const float* x, const int R, int in, const void* codes,
-                                                       const int BITS, const float* d, const float* m, const int HAS_M,
+                                                       const int BITS, const uint16_t* d, const uint16_t* m, const int HAS_M,
                                                        int64_t c0, const int NC, int out, float* y, const int PF) {
     __m256 acc[8];  /* R * NC <= 8 */
     for (int a = 0; a < R * NC; ++a) acc[a] = _mm256_setzero_ps();
@@ -77,8 +83,8 @@ static inline __attribute__((always_inline)) void tile(const float* x, const int
     for (int g = 0; g < groups; ++g) {
         __m256 dv[4], mv[4];
         for (int u = 0; u < NC; ++u) {
-            dv[u] = _mm256_loadu_ps(d + ((c0 + u) * groups + g) * 8);
-            mv[u] = HAS_M ? _mm256_loadu_ps(m + ((c0 + u) * groups + g) * 8) : _mm256_setzero_ps();
+            dv[u] = half8(d + ((c0 + u) * groups + g) * 8);
+            mv[u] = HAS_M ? half8(m + ((c0 + u) * groups + g) * 8) : _mm256_setzero_ps();
         }
         if (PF) prefetch_group(codes, BITS, d, m, HAS_M, c0 + NC, c0 + 2 * NC, in, groups, g);
         for (int i = g * GROUP; i < (g + 1) * GROUP; ++i) {
@@ -146,16 +152,17 @@ static inline __attribute__((always_inline)) __m512 weights16(const void* codes,
     return HAS_M ? _mm512_add_ps(w, mv) : w;
 }
 
-/* the 8 + 8 floats of column blocks c and c + 1 at group g of a (out / 8, groups, 8) array */
-static inline __attribute__((always_inline)) __m512 pair16(const float* a, int64_t c, int groups, int g) {
-    const __m256 lo = _mm256_loadu_ps(a + (c * groups + g) * 8), hi = _mm256_loadu_ps(a + ((c + 1) * groups + g) * 8);
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+/* the 8 + 8 fp16 values of column blocks c and c + 1 at group g of a (out / 8, groups, 8) array, as fp32 (exact) */
+static inline __attribute__((always_inline)) __m512 pair16(const uint16_t* a, int64_t c, int groups, int g) {
+    const __m128i lo = _mm_loadu_si128((const __m128i*)(a + (c * groups + g) * 8));
+    const __m128i hi = _mm_loadu_si128((const __m128i*)(a + ((c + 1) * groups + g) * 8));
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
 }
 
 /* tile() on 16 lanes: y[m, 8 c0 : 8 (c0 + 2 NP)) for R rows and the NP column-block pairs from c0 (c0 even); with
  * PF, each group also prefetches the same group of the next 2 NP column blocks below c1 (the thread's end) */
 static inline __attribute__((always_inline)) void tile16(const float* x, const int R, int in, const void* codes,
-                                                         const int BITS, const float* d, const float* m,
+                                                         const int BITS, const uint16_t* d, const uint16_t* m,
                                                          const int HAS_M, int64_t c0, const int NP, float* y, int out,
                                                          const int PF, int64_t c1) {
     __m512 acc[16];  /* R * NP <= 16 */
@@ -220,7 +227,7 @@ static inline __attribute__((always_inline)) void tile16(const float* x, const i
 
 /* x: (M, in) fp32 contiguous, y: (M, out) fp32; codes, d, m as above; in a multiple of 32, out of 32 (4 column
  * blocks per one-row step). Returns 0, or -1 for arguments outside what the kernel handles (nothing written). */
-int triforce_blockcode_linear(const float* x, const void* codes, int bits, const float* d, const float* m, float* y,
+int triforce_blockcode_linear(const float* x, const void* codes, int bits, const uint16_t* d, const uint16_t* m, float* y,
                               int M, int in, int out, int nthreads) {
     if (M < 1 || M > MAX_ROWS || in < GROUP || in % GROUP || out < 32 || out % 32 || (bits != 4 && bits != 8)
         || nthreads < 1)
@@ -313,7 +320,7 @@ static inline __attribute__((always_inline)) void dot8_step(__m256i v0, __m256i 
 /* y[r, 8 c : 8 c + 8) for R (<= 4) rows of column block c */
 static inline __attribute__((always_inline)) void dot_tile(const __m256i* xp, const float* dx, const float* sx,
                                                            const int R, int in, const void* codes, const int BITS,
-                                                           const float* d, const float* m, const int HAS_M, int64_t c,
+                                                           const uint16_t* d, const uint16_t* m, const int HAS_M, int64_t c,
                                                            int out, float* y, const int PF) {
     const int groups = in / GROUP;
     const int64_t xstride = (int64_t)in * BITS / 32;  /* 32-byte vectors per row: 4 bytes (BITS 4) or 8 an input */
@@ -337,8 +344,8 @@ static inline __attribute__((always_inline)) void dot_tile(const __m256i* xp, co
             for (int k = 0; k < 8; k += 2)
                 dot8_step(_mm256_loadu_si256((const __m256i*)cg + k), _mm256_loadu_si256((const __m256i*)cg + k + 1),
                           xg + k, R, xstride, s0, s1);
-        const __m256 dv = _mm256_loadu_ps(d + (c * groups + g) * 8);
-        const __m256 mv = HAS_M ? _mm256_loadu_ps(m + (c * groups + g) * 8) : _mm256_setzero_ps();
+        const __m256 dv = half8(d + (c * groups + g) * 8);
+        const __m256 mv = HAS_M ? half8(m + (c * groups + g) * 8) : _mm256_setzero_ps();
         for (int r = 0; r < R; ++r) {
             const __m128i u = _mm_add_epi32(_mm256_castsi256_si128(s0[r]), _mm256_extracti128_si256(s0[r], 1));
             const __m128i w = _mm_add_epi32(_mm256_castsi256_si128(s1[r]), _mm256_extracti128_si256(s1[r], 1));
@@ -386,7 +393,7 @@ static void prepare_rows(const float* x, int M, int in, int bits, int8_t* xp, fl
 
 /* As triforce_blockcode_linear, with the rows' activations quantized to int8 (above); work: M * in * bits bytes,
  * 32-byte aligned, then 2 M in / 32 floats. Returns 0, or -1 for arguments outside what the kernel handles. */
-int triforce_blockcode_linear_q8(const float* x, const void* codes, int bits, const float* d, const float* m,
+int triforce_blockcode_linear_q8(const float* x, const void* codes, int bits, const uint16_t* d, const uint16_t* m,
                                  float* y, int M, int in, int out, int nthreads, void* work) {
     if (M < 1 || M > MAX_ROWS || in < GROUP || in % GROUP || out < 32 || out % 32 || (bits != 4 && bits != 8)
         || nthreads < 1 || ((uintptr_t)work & 31))
@@ -434,7 +441,7 @@ static inline __m256 half_step(__m128i h, int k) {
 
 /* w: (in, out) fp32 contiguous; codes, d, m: outputs in the layout above (m ignored for bits 8). Returns 0 when every
  * weight is reproduced exactly, 1 when some block is not (the outputs then hold nothing usable), -1 for bad sizes. */
-int triforce_blockcode_fit(const float* w, int in, int out, int bits, void* codes, float* d, float* m) {
+int triforce_blockcode_fit(const float* w, int in, int out, int bits, void* codes, uint16_t* d, uint16_t* m) {
     if (in < GROUP || in % GROUP || out < 32 || out % 32 || (bits != 4 && bits != 8))
         return -1;
     const int groups = in / GROUP;
@@ -487,13 +494,16 @@ int triforce_blockcode_fit(const float* w, int in, int out, int bits, void* code
                 done |= take;
             }
         }
-        if (done != 0xFF) {
+        /* the minima are stored as fp16 too: a Q4_1 block's minimum is its fp16 m (the weight of code 0) */
+        const __m128i mh = _mm256_cvtps_ph(mv, _MM_FROUND_TO_NEAREST_INT);
+        if (done != 0xFF || (bits == 4 && _mm256_movemask_ps(_mm256_cmp_ps(_mm256_cvtph_ps(mh), mv, _CMP_EQ_OQ)) != 0xFF)) {
             bad = 1;
             continue;
         }
-        _mm256_storeu_ps(d + it * 8, dv);  /* (c, g) -> (c * groups + g) * 8 */
+        /* (c, g) -> (c * groups + g) * 8; every candidate scale is an fp16 value, so both conversions are exact */
+        _mm_storeu_si128((__m128i*)(d + it * 8), _mm256_cvtps_ph(dv, _MM_FROUND_TO_NEAREST_INT));
         if (bits == 4) {
-            _mm256_storeu_ps(m + it * 8, mv);
+            _mm_storeu_si128((__m128i*)(m + it * 8), mh);
             uint32_t* cw = (uint32_t*)codes + c * in + g * GROUP;
             for (int j = 0; j < GROUP; ++j) {
                 const __m256i qi = _mm256_sllv_epi32(_mm256_cvtps_epi32(qs[j]), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));

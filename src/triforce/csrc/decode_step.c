@@ -27,9 +27,9 @@
 
 typedef int (*int8_linear_fn)(const float* x, const int8_t* w, const float* scale, float* y, int M, int in, int out,
                               int nthreads);
-typedef int (*blockcode_linear_fn)(const float* x, const void* codes, int bits, const float* d, const float* m,
+typedef int (*blockcode_linear_fn)(const float* x, const void* codes, int bits, const void* d, const void* m,
                                    float* y, int M, int in, int out, int nthreads);
-typedef int (*blockcode_linear_q8_fn)(const float* x, const void* codes, int bits, const float* d, const float* m,
+typedef int (*blockcode_linear_q8_fn)(const float* x, const void* codes, int bits, const void* d, const void* m,
                                       float* y, int M, int in, int out, int nthreads, void* work);
 typedef void (*rms_norm_fn)(const float* x, const float* w, float* y, int64_t rows, int d, float eps);
 typedef void (*rope_fn)(const float* x, int64_t sb, int64_t sh, int64_t st, float* y, const float* cos,
@@ -77,9 +77,9 @@ static void add_bias(float* y, const float* b, int n) {
 /* y = x W^T for M rows: bits 0 the int8 kernel (w: (out, in) int8, s: per-channel scales), 4 or 8 the block-code
  * kernel (w: codes, s: the blocks' scales, mn: their minima or NULL), 4 or 8 plus Q8_ACTIVATIONS its integer dot
  * products (qwork: their buffer, 32-byte aligned) */
-static int project(void* const* fns, int bits, const void* w, const float* s, const float* mn, const float* x,
+static int project(void* const* fns, int bits, const void* w, const void* s, const void* mn, const float* x,
                    float* y, int M, int in, int out, int nthreads, void* qwork) {
-    if (bits == 0) return ((int8_linear_fn)fns[0])(x, (const int8_t*)w, s, y, M, in, out, nthreads);
+    if (bits == 0) return ((int8_linear_fn)fns[0])(x, (const int8_t*)w, (const float*)s, y, M, in, out, nthreads);
     if (bits & Q8_ACTIVATIONS)
         return fns[5] ? ((blockcode_linear_q8_fn)fns[5])(x, w, bits & ~Q8_ACTIVATIONS, s, mn, y, M, in, out, nthreads,
                                                          qwork) : -1;
@@ -135,8 +135,8 @@ static void merge_partials(float* out, float* const* o, float* const* lse, int n
 }
 
 int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int nh, int nkv, int hs, int inter,
-                           float eps, const float* const* norm_w, const void* const* q, const float* const* scale,
-                           const float* const* mins, const int* bits, const float* const* bias, void* k_cache,
+                           float eps, const float* const* norm_w, const void* const* q, const void* const* scale,
+                           const void* const* mins, const int* bits, const float* const* bias, void* k_cache,
                            void* v_cache, int kv_bf16, float* q_out, int64_t layer_stride, int64_t head_stride,
                            int slot, int n_keys, int n_shared, const float* cos, const float* sin, int chunk,
                            float attn_scale, int nthreads, float* work, float* attn_scratch) {
@@ -171,8 +171,8 @@ int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int 
     int rc;
     for (int l = 0; l < L; ++l) {
         const void* const* wq = q + 4 * l;
-        const float* const* ws = scale + 4 * l;
-        const float* const* wm = mins + 4 * l;
+        const void* const* ws = scale + 4 * l;
+        const void* const* wm = mins + 4 * l;
         const int* wbits = bits + 4 * l;
         const float* const* wb = bias + 4 * l;
         char* const kl = (char*)k_cache + l * layer_stride * es;
