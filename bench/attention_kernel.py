@@ -4,14 +4,18 @@
 
 Three measurements, in one process, repetitions interleaved (kernel and SDPA alternate, order rotated), medians:
 
-* ``floor``: the bandwidth of a large fp32 matrix-vector product (1 x 576 by 576 x 9216, 30 distinct matrices,
-  637 MB, the shape of a SmolLM2 decode step's biggest product), the rate at which this machine streams weights;
-  the *floor* of an attention is the time to read its keys and values once at that rate.
-* ``peak``: the FLOP rate of a large fp32 matrix product (1024^3), the compute ceiling; a verification block's
-  attention does ``4 * g * T * hs`` FLOP per key (``attention[].gflop``), compute-bound past about 10 flop per byte.
+* ``stream_gb_per_s``: the memory's read bandwidth (``common.stream_probe``: a sum over 640 MB), and for reference
+  ``gemv_gb_per_s``, a large fp32 matrix-vector product's (1 x 576 by 576 x 9216, 30 distinct matrices, 637 MB, the
+  shape of a SmolLM2 decode step's biggest product; the floor's bandwidth before 2026-12-05, 1.8x below the memory's
+  on this project's EPYC);
+* ``peak_gflop_per_s``: the FLOP rate of a large fp32 matrix product (1024^3, oneDNN over prepacked weights:
+  ``common.gemm_probe``), the compute ceiling; a verification block's attention does ``4 * g * T * hs`` FLOP per key
+  (``attention[].gflop``). An attention's ``floor_ms`` is the larger of reading its keys and values once at
+  ``stream_gb_per_s`` (``memory_ms``) and its FLOPs at ``peak_gflop_per_s`` (``compute_ms``).
 * ``attention``: 30 layers of GQA attention over random fp32 keys and values, SmolLM2's shape (9 query heads over
-  3 KV heads, head_dim 64) and Qwen2.5-1.5B's (12 over 2, 128; 28 layers), for 1 query token (a decode step) and 7
-  (a verification block of gamma2 = 6 drafts), with SDPA as ``sdpa.gqa_attention`` calls it and with the kernel.
+  3 KV heads, head_dim 64) and Qwen2.5-1.5B's (12 over 2, 128; 28 layers), for each ``--tokens`` count of query
+  tokens (1: a decode step; 7: a verification block of gamma2 = 6 drafts; default 1 and 7), with SDPA as
+  ``sdpa.gqa_attention`` calls it and with the kernel.
 * ``forward``: the embedded SmolLM2 (fp32, oneDNN-packed weights) over a FullKVCache of random KV: 1 token (an
   autoregressive decode step) and 7 tokens (``full_pass``), the cache attending with SDPA or with the kernel
   (``FullKVCache.kernel_max_block``).
@@ -30,7 +34,7 @@ import argparse
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 import torch
-from common import _interleaved, emit_json, floor_bandwidth, peak_flops  # noqa: E402  (bench/common.py)
+from common import _interleaved, emit_json, floor_bandwidth, gemv_probe, peak_flops, positive_int  # noqa: E402
 
 
 def _with_library(lib, fn):
@@ -44,7 +48,7 @@ def _with_library(lib, fn):
         kernels._attention = current
 
 
-def attention_rows(shape: tuple[int, int, int, int], context: int, t: int, reps: int, bw: float,
+def attention_rows(shape: tuple[int, int, int, int], context: int, t: int, reps: int, bw: float, peak: float,
                    baseline=None) -> dict:
     from triforce.caches import _causal_offset_mask
     from triforce.sdpa import gqa_attention
@@ -64,9 +68,11 @@ def attention_rows(shape: tuple[int, int, int, int], context: int, t: int, reps:
         extra["baseline_bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(fns["kernel"](), fns["baseline"]()))
     s = _interleaved(fns, reps)
     kv = 2 * layers * nkv * n * hs * 4
+    flop = 4 * nh * t * hs * n * layers
     return {"layers": layers, "heads": nh, "kv_heads": nkv, "head_dim": hs, "context": context, "tokens": t,
-            "kv_mb": round(kv / 1e6, 1), "floor_ms": round(1000 * kv / bw, 2),
-            "gflop": round(4 * nh * t * hs * n * layers / 1e9, 3),
+            "kv_mb": round(kv / 1e6, 1), "gflop": round(flop / 1e9, 3), "memory_ms": round(1000 * kv / bw, 2),
+            "compute_ms": round(1000 * flop / peak, 2), "floor_ms": round(1000 * max(kv / bw, flop / peak), 2),
+            "kernel_over_floor": round(s["kernel"] / max(kv / bw, flop / peak), 2),
             **{f"{m}_ms": round(1000 * s[m], 2) for m in fns},
             **{f"{m}_gb_per_s": round(kv / s[m] / 1e9, 2) for m in fns},
             "speedup": round(s["sdpa"] / s["kernel"], 3),
@@ -101,6 +107,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--contexts", type=int, nargs="+", default=[1000, 4000, 8000])
     p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 7], help="query tokens per attention")
     p.add_argument("--no-forward", action="store_true", help="skip the whole-model forwards (no model needed)")
     p.add_argument("--baseline-source", metavar="FILE", help="also time the kernel built from this attention.c")
     p.add_argument("--out")
@@ -121,11 +128,13 @@ def main() -> int:
         if baseline.load() is None:
             p.error(f"--baseline-source: the kernel from {src} is {baseline.status}")
         out["baseline"] = {"source": str(src), "status": baseline.status}
-    bw = floor_bandwidth(args.reps)
-    out["floor_gemv_gb_per_s"] = round(bw / 1e9, 2)
-    out["peak_gemm_gflop_per_s"] = round(peak_flops(args.reps) / 1e9, 1)
-    out["attention"] = [attention_rows(shape, c, t, args.reps, bw, baseline)
-                        for shape in ((30, 9, 3, 64), (28, 12, 2, 128)) for c in args.contexts for t in (1, 7)]
+    bw, peak = floor_bandwidth(args.reps), peak_flops(args.reps)
+    gemv, gemv_bytes = gemv_probe()
+    out["stream_gb_per_s"] = round(bw / 1e9, 2)
+    out["gemv_gb_per_s"] = round(gemv_bytes / _interleaved({"gemv": gemv}, args.reps)["gemv"] / 1e9, 2)
+    out["peak_gflop_per_s"] = round(peak / 1e9, 1)
+    out["attention"] = [attention_rows(shape, c, t, args.reps, bw, peak, baseline)
+                        for shape in ((30, 9, 3, 64), (28, 12, 2, 128)) for c in args.contexts for t in args.tokens]
     if not args.no_forward:
         from triforce.loading import load_model
 

@@ -18,7 +18,12 @@
  * one burst that evicts the rows it is working on (prefetching the whole next item into L1 at its start, as before,
  * left SmolLM2's decode-step attention at 8K 1.20x and a 7-token block's 1.26x slower on this project's AVX2 machine,
  * with bitwise the same outputs: bench/attention_kernel.py --baseline-source, which also measures the kernel against
- * the floor; bench/results/attention_kernel_avx2_prefetch_2026-12-03.json).
+ * the floor; bench/results/attention_kernel_avx2_prefetch_2026-12-03.json). The AVX-512 path spreads its
+ * prefetches the same way, into L1 (its score passes take 4 rows); until 2026-12-05 it prefetched the whole next item
+ * into L1 at the start of each, which left SmolLM2's attention at 8K 1.48x slower for a decode step, 1.52x for a
+ * 4-token block and 1.34x for a 7-token one on this project's AVX-512 EPYC, with bitwise the same outputs
+ * (bench/results/attention_kernel_prefetch16_2026-12-05.json: a decode step's attention now reads the cache at
+ * 58 GB/s).
  *
  * triforce_gqa_attention_bf16 reads bf16 keys and values (a lower tier's cache, or the full cache with --kv-dtype
  * bfloat16: half the bytes) with the same arithmetic in fp32. Built at first use by triforce/kernels.py with -O3 -mavx2 -mfma -fopenmp; the Python side
@@ -84,6 +89,14 @@ static inline __attribute__((always_inline)) void prefetch_rows(const char* base
                                                                 int es) {
     for (int64_t o = (int64_t)j * hs * es; o < (int64_t)(j + nk < end ? j + nk : end) * hs * es; o += 64)
         _mm_prefetch(base + o, _MM_HINT_T1);
+}
+
+/* prefetch_rows into L1 (the AVX-512 path's: its passes are shorter, and an L2 prefetch left the loads waiting on L2
+ * there: SmolLM2's attention at 8K, one thread, 6-10% slower with the L2 hint; bench/attention_kernel.py) */
+static inline __attribute__((always_inline)) void prefetch_rows_l1(const char* base, int j, int nk, int end, int hs,
+                                                                   int es) {
+    for (int64_t o = (int64_t)j * hs * es; o < (int64_t)(j + nk < end ? j + nk : end) * hs * es; o += 64)
+        _mm_prefetch(base + o, _MM_HINT_T0);
 }
 
 /* s[i * ld + j] = scale * q_i . k_j for NR (<= 3) query rows and keys [0, n): 4 keys x NR rows per step. Every
@@ -170,7 +183,8 @@ static inline __attribute__((always_inline)) void pv(const float* P, int ldp, co
 #ifdef __AVX512F__
 /* The AVX-512 path (built where the CPU has AVX-512, used for head sizes that are multiples of 16): 16 lanes, 4 query
  * rows per score step, and the weighted sum of values for up to 6 rows at once, so each value row is loaded once for
- * all of them. A row's operations are still the same whatever the rows beside it (each score in one fixed order; the
+ * all of them; the score passes prefetch shares of this chunk's values, the weighted sums' passes shares of the next
+ * item's keys (the header). A row's operations are still the same whatever the rows beside it (each score in one fixed order; the
  * weighted sum over keys j in order, rows past their last visible key adding exact zeros). */
 
 /* load8 on 16 lanes */
@@ -219,10 +233,15 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 a[16]) {
 /* scores() on 16 lanes, up to 4 rows (NR a constant after inlining); the rows of a 4-row step missing from NR
  * are zero vectors in sum16 */
 static inline __attribute__((always_inline)) void scores16(const float* Q, const int NR, const void* K, int n,
-                                                           int hs, float scale, float* s, int ld, const int BF) {
+                                                           int hs, float scale, float* s, int ld, const char* pf,
+                                                           int part, int parts, const int BF) {
     const __m512 sc = _mm512_set1_ps(scale);
     int j = 0;
-    for (; j + 4 <= n; j += 4) {
+    for (int wait = part; j + 4 <= n; j += 4, --wait) {
+        if (!wait) {
+            prefetch_rows_l1(pf, j, 4, n, hs, ES(BF));
+            wait = parts;
+        }
         __m512 a[16];
         for (int x = 0; x < 16; ++x) a[x] = _mm512_setzero_ps();
         const int64_t kj = (int64_t)j * hs;
@@ -251,11 +270,16 @@ static inline __attribute__((always_inline)) void scores16(const float* Q, const
 
 /* A[b][0 : 16 NE) = sum_j P[b][j] V_j[0 : 16 NE) for NB (<= 6) rows over keys [0, n): each value vector loaded once */
 static inline __attribute__((always_inline)) void pv16(const float* P, int ldp, const int NB, const void* V, int n,
-                                                       int hs, const int NE, float* A, int lda, const int BF) {
+                                                       int hs, const int NE, float* A, int lda, const char* pf,
+                                                       int npf, int part, int parts, const int BF) {
     __m512 o[6][4];
     for (int b = 0; b < NB; ++b)
         for (int e = 0; e < NE; ++e) o[b][e] = _mm512_setzero_ps();
-    for (int j = 0; j < n; ++j) {
+    for (int j = 0, wait = pf ? part : -1; j < n; ++j, --wait) {
+        if (!wait) {
+            prefetch_rows_l1(pf, j, 1, npf, hs, ES(BF));
+            wait = parts;
+        }
         __m512 v[4];
         for (int e = 0; e < NE; ++e) v[e] = load16(V, (int64_t)j * hs + 16 * e, BF);
         for (int b = 0; b < NB; ++b) {
@@ -269,28 +293,33 @@ static inline __attribute__((always_inline)) void pv16(const float* P, int ldp, 
 
 #define PV16_ROWS(NB)                                                                                              \
     for (int e0 = 0; e0 < nv; e0 += 4) {                                                                           \
-        const int ne = nv - e0 < 4 ? nv - e0 : 4;                                                                  \
+        const int ne = nv - e0 < 4 ? nv - e0 : 4, epasses = (nv + 3) / 4, parts = (R + 5) / 6 * epasses;         \
+        const int part = r0 / 6 * epasses + e0 / 4;                                                                \
         const float* P = sbuf + (int64_t)r0 * n;                                                                   \
         float* A = acc + (int64_t)r0 * hs + 16 * e0;                                                               \
         const void* Ve = kv_at(V, 16 * e0, BF);                                                                    \
-        if (ne == 4) pv16(P, n, NB, Ve, kmax, hs, 4, A, hs, BF);                                                   \
-        else if (ne == 3) pv16(P, n, NB, Ve, kmax, hs, 3, A, hs, BF);                                              \
-        else if (ne == 2) pv16(P, n, NB, Ve, kmax, hs, 2, A, hs, BF);                                              \
-        else pv16(P, n, NB, Ve, kmax, hs, 1, A, hs, BF);                                                           \
+        if (ne == 4) pv16(P, n, NB, Ve, kmax, hs, 4, A, hs, knext, nnext, part, parts, BF);                        \
+        else if (ne == 3) pv16(P, n, NB, Ve, kmax, hs, 3, A, hs, knext, nnext, part, parts, BF);                   \
+        else if (ne == 2) pv16(P, n, NB, Ve, kmax, hs, 2, A, hs, knext, nnext, part, parts, BF);                   \
+        else pv16(P, n, NB, Ve, kmax, hs, 1, A, hs, knext, nnext, part, parts, BF);                                \
     }
 
 /* chunk_item() on the AVX-512 path (hs a multiple of 16) */
 static inline __attribute__((always_inline)) void chunk_item16(const float* Q, const void* K, const void* V, int R,
                                                                int T, int hs, int j0, int n, int last0, float scale,
                                                                float* acc, float* mrow, float* lrow, float* sbuf,
-                                                               const int BF) {
+                                                               const char* knext, int nnext, const int BF) {
     const int nmax = last0 + T - j0 < n ? last0 + T - j0 : n;  /* keys the last token's rows see */
-    for (int r0 = 0, nr; nmax > 0 && r0 < R; r0 += nr) {
+    int parts = 0;
+    for (int r0 = 0; r0 < R; r0 += R - r0 == 5 ? 3 : 4) ++parts;
+    for (int r0 = 0, nr, part = 0; nmax > 0 && r0 < R; r0 += nr, ++part) {
         nr = R - r0 == 5 ? 3 : R - r0 < 4 ? R - r0 : 4;  /* 5 rows left: 3 + 2, since a step costs one sum16 */
-        if (nr == 4) scores16(Q + (int64_t)r0 * hs, 4, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n, BF);
-        else if (nr == 3) scores16(Q + (int64_t)r0 * hs, 3, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n, BF);
-        else if (nr == 2) scores16(Q + (int64_t)r0 * hs, 2, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n, BF);
-        else scores16(Q + (int64_t)r0 * hs, 1, K, nmax, hs, scale, sbuf + (int64_t)r0 * n, n, BF);
+        const float* q = Q + (int64_t)r0 * hs;
+        float* s = sbuf + (int64_t)r0 * n;
+        if (nr == 4) scores16(q, 4, K, nmax, hs, scale, s, n, (const char*)V, part, parts, BF);
+        else if (nr == 3) scores16(q, 3, K, nmax, hs, scale, s, n, (const char*)V, part, parts, BF);
+        else if (nr == 2) scores16(q, 2, K, nmax, hs, scale, s, n, (const char*)V, part, parts, BF);
+        else scores16(q, 1, K, nmax, hs, scale, s, n, (const char*)V, part, parts, BF);
     }
     for (int r = 0; r < R; ++r) {  /* softmax numerators in place; zeros past the row's last visible key */
         const int nvis = last0 + r % T - j0 + 1 < n ? last0 + r % T - j0 + 1 : n;  /* causal: keys <= last0 + i */
@@ -447,14 +476,10 @@ static inline __attribute__((always_inline)) int gqa_attention(const float* q, c
                                            BF);
             }
 #ifdef __AVX512F__
-            if (hs % 16 == 0) {  /* the AVX-512 path: the next item's keys and values on their way to L1 at once */
-                const char* vnext = (const char*)v + (knext - (const char*)k);
-                for (int64_t o = 0; o < (int64_t)nnext * hs * ES(BF); o += 64) {
-                    _mm_prefetch(knext + o, _MM_HINT_T0);
-                    _mm_prefetch(vnext + o, _MM_HINT_T0);
-                }
+            if (hs % 16 == 0) {
                 chunk_item16(q + (int64_t)bh * R * hs, kv_at(k, kv_off, BF), kv_at(v, kv_off, BF), R, T, hs, j0, n,
-                             last0, scale, acc, acc + (int64_t)R * hs, acc + (int64_t)R * hs + R, sbuf, BF);
+                             last0, scale, acc, acc + (int64_t)R * hs, acc + (int64_t)R * hs + R, sbuf, knext, nnext,
+                             BF);
             } else
 #endif
             chunk_item(q + (int64_t)bh * R * hs, kv_at(k, kv_off, BF), kv_at(v, kv_off, BF), R, T, hs, j0, n, last0,
