@@ -2,13 +2,17 @@
 
     python bench/roofline.py --threads 2 --context 8000 --reps 9 --out bench/results/roofline_8000_2026-12-04.json
     python bench/roofline.py --threads 2 --context 8000 --reps 15 --out bench/results/roofline_split_8000_2026-12-04.json
+    python bench/roofline.py --threads 2 --context 8000 --reps 15 --gamma2 3 --tokens-per-verification 3 \
+        --out bench/results/roofline_stream_8000_2026-12-05.json
 
 For the embedded SmolLM2 (the verifier on its GGUF block codes) and the retrieval tier ``auto`` gives it under
 sampling (the same codes with int8 activations, ``--lower-weights codes``, over ``--budget`` slots), at one context:
 
 * the machine's two ceilings, measured in the same interleaved loop as the steps (this machine's speed drifts
-  between phases): ``bandwidth`` (a large fp32 GEMV, the rate at which weights stream from memory) and ``peak`` (a
-  large fp32 GEMM's FLOP rate);
+  between phases): ``bandwidth`` (the memory's read rate, ``common.stream_probe``; ``gemv_gb_per_s`` beside it is a
+  large fp32 GEMV's, the bandwidth these floors used before 2026-12-05, 1.8x lower on this project's EPYC) and
+  ``peak`` (a large fp32 GEMM's FLOP rate through oneDNN, ``common.gemm_probe``; MKL's, which the floors used before,
+  runs AVX2 code on AMD CPUs at about 0.45x of it);
 * per step, the bytes it reads (weights as the step reads them, ``Transformer.step_weight_bytes``, plus the keys and
   values it attends over) and the FLOPs it does (2 per weight and row, 4 * heads * head_dim per key and query row),
   and its ``floor_ms = max(bytes / bandwidth, flops / peak)``: no implementation on this machine beats it by much
@@ -37,7 +41,7 @@ import argparse
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 import torch
-from common import _interleaved, add_run_options, emit_json, gemm_probe, gemv_probe  # noqa: E402
+from common import _interleaved, add_run_options, emit_json, gemm_probe, gemv_probe, stream_probe  # noqa: E402
 
 from triforce.auto import RETRIEVAL_BUDGET_BOUNDS, RETRIEVAL_BUDGET_SHARE_SAMPLING  # noqa: E402
 from triforce.defaults import DEFAULTS  # noqa: E402
@@ -56,6 +60,8 @@ def main() -> int:
     p.add_argument("--gamma2", type=int, default=DEFAULTS["gamma2"], help="proposals per verification")
     p.add_argument("--tokens-per-verification", type=float, default=5.5,
                    help="tau, tokens emitted per verification (5.5: `triforce bench` at 8K, T = 0.6)")
+    p.add_argument("--lower-kv-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                   help="the retrieval cache's dtype (bfloat16: auto's where our attention kernel reads it)")
     p.add_argument("--short-context", type=int, default=64,
                    help="tokens in the cache of short_decode, the decode step without its long attention (64)")
     add_run_options(p, None, reps=7, sampling=False)
@@ -92,7 +98,8 @@ def main() -> int:
     codes.set_request_length(n + g + 2)
     full = FullKVCache(cfg, n + g + 2, model.dtype, model.device)
     fill_random_kv(full, n, 0)
-    retrieval = RetrievalCache(cfg, full, args.budget, DEFAULTS["chunk_size"])
+    lower_kv = getattr(torch, args.lower_kv_dtype)
+    retrieval = RetrievalCache(cfg, full, args.budget, DEFAULTS["chunk_size"], dtype=lower_kv)
     fill_random_kv(retrieval, n, 1)
     short = FullKVCache(cfg, n + g + 2, model.dtype, model.device)  # same capacity: only the keys read differ
     fill_random_kv(short, args.short_context, 2)
@@ -104,15 +111,16 @@ def main() -> int:
             cache.rollback(at)
         return run
 
-    (gemv, gemv_bytes), (gemm, gemm_flops) = gemv_probe(), gemm_probe()
+    (stream, stream_bytes), (gemv, gemv_bytes), (gemm, gemm_flops) = stream_probe(), gemv_probe(), gemm_probe()
     measured = _interleaved({"full_decode": forward(model, full, 1), "full_pass": forward(model, full, g + 1),
                              "retrieval_decode": forward(codes, retrieval, 1),
-                             "short_decode": forward(model, short, 1, args.short_context), "gemv": gemv,
-                             "gemm": gemm}, args.reps)
-    bw, peak = gemv_bytes / measured.pop("gemv"), gemm_flops / measured.pop("gemm")
+                             "short_decode": forward(model, short, 1, args.short_context), "stream": stream,
+                             "gemv": gemv, "gemm": gemm}, args.reps)
+    bw, peak = stream_bytes / measured.pop("stream"), gemm_flops / measured.pop("gemm")
+    gemv_bw = gemv_bytes / measured.pop("gemv")
 
-    def step(weight_bytes: int, slots: int, rows: int) -> dict:
-        nbytes = weight_bytes + kv_bytes(cfg, slots, model.dtype)
+    def step(weight_bytes: int, slots: int, rows: int, kv_dtype: torch.dtype = model.dtype) -> dict:
+        nbytes = weight_bytes + kv_bytes(cfg, slots, kv_dtype)
         flops = 2 * weights * rows + attn_per_key * slots * rows
         return {"rows": rows, "mb": round(nbytes / 1e6, 1), "gflop": round(flops / 1e9, 2),
                 "memory_ms": round(1000 * nbytes / bw, 2), "compute_ms": round(1000 * flops / peak, 2),
@@ -120,7 +128,7 @@ def main() -> int:
 
     steps = {"full_decode": step(model.step_weight_bytes(), n, 1),
              "full_pass": step(model.step_weight_bytes(), n, g + 1),
-             "retrieval_decode": step(codes.step_weight_bytes(), args.budget, 1),
+             "retrieval_decode": step(codes.step_weight_bytes(), args.budget, 1, lower_kv),
              "short_decode": step(model.step_weight_bytes(), args.short_context, 1)}
     short_ms = 1000 * measured["short_decode"]
     attention_ms = 1000 * (measured["full_decode"] - measured["short_decode"])
@@ -142,8 +150,9 @@ def main() -> int:
 
     out = {"model": "SmolLM2-135M-Instruct (embedded; verifier on its block codes, retrieval tier on them with int8 "
                     "activations)",
-           "context": n, "budget": args.budget, "gamma2": g, "threads": args.threads, "reps": args.reps,
-           "bandwidth_gb_per_s": round(bw / 1e9, 2), "peak_gflop_per_s": round(peak / 1e9, 1),
+           "context": n, "budget": args.budget, "lower_kv_dtype": args.lower_kv_dtype, "gamma2": g, "threads": args.threads, "reps": args.reps,
+           "bandwidth_gb_per_s": round(bw / 1e9, 2), "gemv_gb_per_s": round(gemv_bw / 1e9, 2),
+           "peak_gflop_per_s": round(peak / 1e9, 1),
            "steps": steps, "decode_split": decode_split,
            "pass_over_decode": {"measured": round(steps["full_pass"]["measured_ms"] / steps["full_decode"]["measured_ms"], 2),
                                 "floor": round(steps["full_pass"]["floor_ms"] / steps["full_decode"]["floor_ms"], 2)},

@@ -41,6 +41,11 @@ static inline __attribute__((always_inline)) __m256 half8(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
 }
 
+/* BLOCK_PRODUCT_EXACT: a weight's d q is exact in fp32 (an fp16 scale's 11 significant bits times a code's 4 or 8,
+ * at least 2^-24 in magnitude where not 0), so fl(fl(d q) + m), the weight, is the one rounding of d q + m that an FMA
+ * computes: one instruction instead of a multiply and an add (the same weights bitwise; SmolLM2's codes, one row, 2
+ * threads: bench/results/blockcodes_fma_2026-12-05.json) */
+
 /* 8 weights of column block c at input i, exactly as fp32 */
 static inline __attribute__((always_inline)) __m256 weights8(const void* codes, const int BITS, int64_t c, int in,
                                                              int i, __m256 dv, __m256 mv, const int HAS_M) {
@@ -52,8 +57,8 @@ static inline __attribute__((always_inline)) __m256 weights8(const void* codes, 
     } else {
         q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)((const int8_t*)codes + (c * in + i) * 8)));
     }
-    const __m256 w = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(q));
-    return HAS_M ? _mm256_add_ps(w, mv) : w;
+    /* d q is exact in fp32 (BLOCK_PRODUCT_EXACT), so one FMA rounds d q + m as fl(fl(d q) + m) does */
+    return HAS_M ? _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(q), mv) : _mm256_mul_ps(dv, _mm256_cvtepi32_ps(q));
 }
 
 /* L1 prefetch of group g of column blocks [c_from, c_to): their codes, scales and minima */
@@ -148,8 +153,7 @@ static inline __attribute__((always_inline)) __m512 weights16(const void* codes,
         qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
             _mm_castpd_si128(_mm_loadh_pd(_mm_castsi128_pd(lo), (const double*)(b + (int64_t)in * 8)))));
     }
-    const __m512 w = _mm512_mul_ps(dv, qf);
-    return HAS_M ? _mm512_add_ps(w, mv) : w;
+    return HAS_M ? _mm512_fmadd_ps(dv, qf, mv) : _mm512_mul_ps(dv, qf);  /* exact d q: BLOCK_PRODUCT_EXACT */
 }
 
 /* the 8 + 8 fp16 values of column blocks c and c + 1 at group g of a (out / 8, groups, 8) array, as fp32 (exact) */
