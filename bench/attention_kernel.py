@@ -6,7 +6,7 @@ Three measurements, in one process, repetitions interleaved (kernel and SDPA alt
 
 * ``stream_gb_per_s``: the memory's read bandwidth (``common.stream_probe``: a sum over 640 MB), and for reference
   ``gemv_gb_per_s``, a large fp32 matrix-vector product's (1 x 576 by 576 x 9216, 30 distinct matrices, 637 MB, the
-  shape of a SmolLM2 decode step's biggest product; the floor's bandwidth before 2026-12-05, 1.8x below the memory's
+  shape of a SmolLM2 decode step's biggest product; the floor's bandwidth before 2026-12-05, 1.9x below the memory's
   on this project's EPYC);
 * ``peak_gflop_per_s``: the FLOP rate of a large fp32 matrix product (1024^3, oneDNN over prepacked weights:
   ``common.gemm_probe``), the compute ceiling; a verification block's attention does ``4 * g * T * hs`` FLOP per key

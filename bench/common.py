@@ -88,7 +88,7 @@ def gemv_probe():
 def stream_probe():
     """A sum over 640 MB of fp32 (every byte read once, the threads each streaming a half) as (callable, bytes it
     reads): the memory's read bandwidth, the floor of a step that reads its weights and KV cache once. On this
-    project's 2-core EPYC it streams about 1.8x as fast as :func:`gemv_probe` (47.6 against 25.7 GB/s), which the
+    project's 2-core EPYC it streams about 1.9x as fast as :func:`gemv_probe` (49-52 against 26 GB/s), which the
     rooflines before 2026-12-05 took for the floor."""
     import torch
 
@@ -98,7 +98,7 @@ def stream_probe():
 
 def gemm_probe():
     """A large fp32 matrix product (1024^3) as (callable, FLOPs it does): the compute ceiling. Through oneDNN over
-    prepacked weights where PyTorch has it (it runs AVX-512 FMAs on any CPU that has them: 476 GFLOP/s on this
+    prepacked weights where PyTorch has it (it runs AVX-512 FMAs on any CPU that has them: 412-451 GFLOP/s on this
     project's 2-core EPYC), else MKL through ``@``, which on AMD CPUs runs its AVX2 code (about 200 GFLOP/s there, the
     ceiling the rooflines before 2026-12-05 used)."""
     import torch

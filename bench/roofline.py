@@ -10,7 +10,7 @@ sampling (the same codes with int8 activations, ``--lower-weights codes``, over 
 
 * the machine's two ceilings, measured in the same interleaved loop as the steps (this machine's speed drifts
   between phases): ``bandwidth`` (the memory's read rate, ``common.stream_probe``; ``gemv_gb_per_s`` beside it is a
-  large fp32 GEMV's, the bandwidth these floors used before 2026-12-05, 1.8x lower on this project's EPYC) and
+  large fp32 GEMV's, the bandwidth these floors used before 2026-12-05, 1.9x lower on this project's EPYC) and
   ``peak`` (a large fp32 GEMM's FLOP rate through oneDNN, ``common.gemm_probe``; MKL's, which the floors used before,
   runs AVX2 code on AMD CPUs at about 0.45x of it);
 * per step, the bytes it reads (weights as the step reads them, ``Transformer.step_weight_bytes``, plus the keys and
