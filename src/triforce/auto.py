@@ -106,8 +106,9 @@ RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING = 0.35
 #: (bench/results/gamma2_sampling_2026-12-05/); with the AVX-512 block-code kernel (7 tokens 1.78 decode steps) and a bf16
 #: tier cache, 3 was still ahead on pg1342 and pg2701 by 12-19% and 4% behind on pg84
 #: (bench/results/gamma2_kernels_2026-12-05/). With the attention kernel's spread prefetches (2026-12-05, last) 4
-#: tokens cost 1.20 decode steps and 7 1.69 (bench/results/rows_8000_prefetch16_2026-12-05.json): both cheaper, the
-#: longer block by less, so 3 stays (not re-measured against 6 on that code)
+#: tokens cost 1.20 decode steps and 7 1.69 (bench/results/rows_8000_prefetch16_2026-12-05.json), and on pg1342 in
+#: one process gamma2 3 ran at 1.25x plain decoding, 4 at 1.06x and 6 at 0.94x
+#: (bench/results/gamma2_prefetch_2026-12-05/pg1342_8000.json)
 RETRIEVAL_GAMMA2_SAMPLING = 3
 #: on a CPU, the int8 retrieval tier goes under a target with at least this many weight bytes per layer whatever
 #: the KV share (module docstring: 254 MB per layer paid 3.22x, 18 MB did not pay)
