@@ -91,8 +91,8 @@ static inline __attribute__((always_inline)) void prefetch_rows(const char* base
         _mm_prefetch(base + o, _MM_HINT_T1);
 }
 
-/* prefetch_rows into L1 (the AVX-512 path's: its passes are shorter, and an L2 prefetch left the loads waiting on L2
- * there: SmolLM2's attention at 8K, one thread, 6-10% slower with the L2 hint; bench/attention_kernel.py) */
+/* prefetch_rows into L1 (the AVX-512 path's: its passes are shorter, and with the L2 hint its loads waited on L2;
+ * SmolLM2's attention at 8K on one thread was slower so, in a trial with the two builds side by side) */
 static inline __attribute__((always_inline)) void prefetch_rows_l1(const char* base, int j, int nk, int end, int hs,
                                                                    int es) {
     for (int64_t o = (int64_t)j * hs * es; o < (int64_t)(j + nk < end ? j + nk : end) * hs * es; o += 64)
