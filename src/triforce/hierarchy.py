@@ -57,6 +57,12 @@ HIERARCHY_OPTIONS: dict[str, str] = {
 MAX_SEED = 2**63 - 1  # seeds are in [0, MAX_SEED]: torch.Generator.manual_seed takes a non-negative int64
 
 
+def gamma_cap(max_new_tokens: int) -> int:
+    """The most proposals a verification of a request of ``max_new_tokens`` tokens can use: ``max_new_tokens - 1``,
+    at least 1 (a verification emits at most the tokens left; ``ModelTier.step`` never asks for more)."""
+    return max(1, max_new_tokens - 1)
+
+
 def _positive_int(name: str, value, minimum: int = 1) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ParameterError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
@@ -247,7 +253,7 @@ class SpeculationConfig:
             ValueError: ``max_new_tokens`` is not an integer >= 1.
         """
         _positive_int("max_new_tokens", max_new_tokens)
-        cap = max(1, max_new_tokens - 1)
+        cap = gamma_cap(max_new_tokens)
         if max(self.gamma1, self.gamma2, *(g for _, g in self.chain)) <= cap:
             return self
         tiers = None if self.tiers is None else ",".join(f"{k}:{min(g, cap)}" for k, g in self.chain)

@@ -27,9 +27,6 @@ from .gguf import read_gguf
 from .memory import check_fits
 from .model import Transformer
 
-DTYPES = KV_DTYPES  # every dtype name (aliases included) -> torch dtype
-
-
 @dataclass
 class LoadedModel:
     """A model ready to run.
@@ -62,12 +59,12 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         ValueError: any other value, listing the allowed ones.
     """
     if isinstance(dtype, torch.dtype):
-        if dtype in DTYPES.values():
+        if dtype in KV_DTYPES.values():
             return dtype
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
+        raise ValueError(f"dtype must be one of {', '.join(KV_DTYPES)}, got {dtype}")
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(KV_DTYPES)}, got {dtype!r}")
+    return KV_DTYPES[dtype]
 
 
 def parse_device(device: str | torch.device) -> torch.device:

@@ -17,7 +17,7 @@ from typing import Collection, Mapping
 import torch
 
 from .caches import KV_DTYPES, kv_bytes
-from .hierarchy import SpeculationConfig
+from .hierarchy import SpeculationConfig, gamma_cap
 from .memory import KVPlacement, check_fits, plan_kv_placement
 from .model import Transformer
 
@@ -69,7 +69,7 @@ def size_request(prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfi
     Each tier's gamma counts at most ``max_new_tokens - 1`` (at least 1): no verification asks for more proposals
     than the request has tokens left (:meth:`~triforce.hierarchy.SpeculationConfig.for_request`), so a huge gamma
     does not size the caches."""
-    cap = max(1, max_new_tokens - 1)
+    cap = gamma_cap(max_new_tokens)
     chain = [(kind, min(g, cap)) for kind, g in spec.max_chain]
     block = chain[-1][1] if chain else 0  # the largest block the verifier checks at once
     lookahead = sum(g for _, g in chain) + len(chain) + 1

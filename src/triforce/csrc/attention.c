@@ -82,21 +82,16 @@ static inline __attribute__((always_inline)) __m256 load8(const void* p, int64_t
     return _mm256_loadu_ps((const float*)p + i);
 }
 
-/* L2 prefetch of rows [j, min(j + nk, end)) of hs elements of es bytes from base. The P passes over a chunk share its prefetches:
- * pass p takes the steps whose index is p mod P, so the requests spread evenly over the item's time (a counter
- * counts the steps down: no division in the loops). */
+/* Prefetch of rows [j, min(j + nk, end)) of hs elements of es bytes from base, into L2 (the AVX2 path) or with L1
+ * into L1 (the AVX-512 path: its passes are shorter, and with the L2 hint its loads waited on L2; SmolLM2's attention
+ * at 8K on one thread was slower so, in a trial with the two builds side by side). The P passes over a chunk share its
+ * prefetches: pass p takes the steps whose index is p mod P, so the requests spread evenly over the item's time (a
+ * counter counts the steps down: no division in the loops). */
 static inline __attribute__((always_inline)) void prefetch_rows(const char* base, int j, int nk, int end, int hs,
-                                                                int es) {
+                                                                int es, const int L1) {
     for (int64_t o = (int64_t)j * hs * es; o < (int64_t)(j + nk < end ? j + nk : end) * hs * es; o += 64)
-        _mm_prefetch(base + o, _MM_HINT_T1);
-}
-
-/* prefetch_rows into L1 (the AVX-512 path's: its passes are shorter, and with the L2 hint its loads waited on L2;
- * SmolLM2's attention at 8K on one thread was slower so, in a trial with the two builds side by side) */
-static inline __attribute__((always_inline)) void prefetch_rows_l1(const char* base, int j, int nk, int end, int hs,
-                                                                   int es) {
-    for (int64_t o = (int64_t)j * hs * es; o < (int64_t)(j + nk < end ? j + nk : end) * hs * es; o += 64)
-        _mm_prefetch(base + o, _MM_HINT_T0);
+        if (L1) _mm_prefetch(base + o, _MM_HINT_T0);
+        else _mm_prefetch(base + o, _MM_HINT_T1);
 }
 
 /* s[i * ld + j] = scale * q_i . k_j for NR (<= 3) query rows and keys [0, n): 4 keys x NR rows per step. Every
@@ -110,7 +105,7 @@ static inline __attribute__((always_inline)) void scores(const float* Q, const i
     int j = 0;
     for (int wait = part; j + 4 <= n; j += 4, --wait) {
         if (!wait) {
-            prefetch_rows(pf, j, 4, n, hs, ES(BF));
+            prefetch_rows(pf, j, 4, n, hs, ES(BF), 0);
             wait = parts;
         }
         __m256 a[3][4];
@@ -151,7 +146,7 @@ static inline __attribute__((always_inline)) void pv(const float* P, int ldp, co
         for (int e = 0; e < NE; ++e) o[b][e] = _mm256_setzero_ps();
     for (int j = 0, wait = pf ? part : -1; j < n; ++j, --wait) {
         if (!wait) {
-            prefetch_rows(pf, j, 1, npf, hs, ES(BF));
+            prefetch_rows(pf, j, 1, npf, hs, ES(BF), 0);
             wait = parts;
         }
         __m256 vv[4];
@@ -239,7 +234,7 @@ static inline __attribute__((always_inline)) void scores16(const float* Q, const
     int j = 0;
     for (int wait = part; j + 4 <= n; j += 4, --wait) {
         if (!wait) {
-            prefetch_rows_l1(pf, j, 4, n, hs, ES(BF));
+            prefetch_rows(pf, j, 4, n, hs, ES(BF), 1);
             wait = parts;
         }
         __m512 a[16];
@@ -277,7 +272,7 @@ static inline __attribute__((always_inline)) void pv16(const float* P, int ldp, 
         for (int e = 0; e < NE; ++e) o[b][e] = _mm512_setzero_ps();
     for (int j = 0, wait = pf ? part : -1; j < n; ++j, --wait) {
         if (!wait) {
-            prefetch_rows_l1(pf, j, 1, npf, hs, ES(BF));
+            prefetch_rows(pf, j, 1, npf, hs, ES(BF), 1);
             wait = parts;
         }
         __m512 v[4];
