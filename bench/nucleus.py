@@ -1,7 +1,9 @@
 """Top-p (nucleus) and the draw, cost per call: ``sampling.logits_to_probs`` against the full-vocabulary sort it
-replaced, ``sampling.sample`` against ``torch.multinomial``.
+replaced, ``sampling.sample`` against ``torch.multinomial``, each with the sampling kernel (``csrc/sampling.c``) and
+with PyTorch's ops (``ops``: the same rule without it, what ``TRIFORCE_SAMPLING_KERNEL=0`` runs).
 
     python bench/nucleus.py --threads 2 --reps 50 --out bench/results/nucleus.json
+    python bench/nucleus.py --threads 2 --reps 200 --out bench/results/nucleus_kernel_2026-12-05.json
 
 Rows of SmolLM2's 49,152-token vocabulary, T = 0.6, top-p 0.9, for 1 row (a decode step) and 7 rows (a 7-token
 verification): ``logits_to_probs`` (the nucleus among the ``NUCLEUS_CANDIDATES`` most likely tokens, a sort only
@@ -67,23 +69,41 @@ def main() -> int:
                         num_logits=len(ids))
         logits = out[0, -7:].float()  # (7, V): the model's logits at the last 7 positions
         source = "SmolLM2-135M-Instruct's logits at the last 7 of 512 tokens of pg1342"
+    from triforce import sampling
+
+    kernel_rows = sampling._kernel_rows
+
+    def ops(fn):  # fn with PyTorch's ops instead of the sampling kernel
+        def run():
+            sampling._kernel_rows = lambda x: None
+            try:
+                return fn()
+            finally:
+                sampling._kernel_rows = kernel_rows
+        return run
+
     results = []
     for rows in (1, 7):
         x = logits[:rows] / params.temperature
-        assert torch.allclose(logits_to_probs(logits[:rows], params), sort_rule(x, params.top_p), atol=1e-6)
-        ms = median_ms({"ours": lambda: logits_to_probs(logits[:rows], params),
-                        "sort": lambda: sort_rule(x, params.top_p)}, args.reps)
+        ours = lambda: logits_to_probs(logits[:rows], params)  # noqa: E731
+        assert torch.allclose(ours(), sort_rule(x, params.top_p), atol=1e-6)
+        assert torch.equal(ours() > 0, ops(ours)() > 0) and torch.allclose(ours(), ops(ours)(), atol=1e-6)
+        ms = median_ms({"ours": ours, "ops": ops(ours), "sort": lambda: sort_rule(x, params.top_p)}, args.reps)
         # the draw from the nucleus: sampling.sample (inverse CDF) against torch.multinomial, one draw per row
-        probs, gen = logits_to_probs(logits[:rows], params), torch.Generator().manual_seed(0)
-        dms = median_ms({"ours": lambda: sample(probs, gen),
+        probs, gen = ours(), torch.Generator().manual_seed(0)
+        draw = lambda: sample(probs, gen)  # noqa: E731
+        dms = median_ms({"ours": draw, "ops": ops(draw),
                          "multinomial": lambda: torch.multinomial(probs, 1, generator=gen)}, args.reps)
-        results.append({"rows": rows, "ours_ms": ms["ours"], "sort_ms": ms["sort"],
+        results.append({"rows": rows, "ours_ms": ms["ours"], "ops_ms": ms["ops"], "sort_ms": ms["sort"],
                         "speedup": round(ms["sort"] / ms["ours"], 2),
-                        "nucleus_sizes": (logits_to_probs(logits[:rows], params) > 0).sum(-1).tolist(),
-                        "draw_ours_ms": dms["ours"], "draw_multinomial_ms": dms["multinomial"],
-                        "draw_speedup": round(dms["multinomial"] / dms["ours"], 2)})
+                        "kernel_speedup": round(ms["ops"] / ms["ours"], 2),
+                        "nucleus_sizes": (ours() > 0).sum(-1).tolist(),
+                        "draw_ours_ms": dms["ours"], "draw_ops_ms": dms["ops"],
+                        "draw_multinomial_ms": dms["multinomial"],
+                        "draw_speedup": round(dms["multinomial"] / dms["ours"], 2),
+                        "draw_kernel_speedup": round(dms["ops"] / dms["ours"], 2)})
     emit_json({"threads": args.threads, "reps": args.reps, "temperature": params.temperature, "top_p": params.top_p,
-               "logits": source, "results": results}, args.out)
+               "logits": source, "sampling_kernel": sampling.sampling_status(), "results": results}, args.out)
     return 0
 
 

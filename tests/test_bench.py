@@ -73,6 +73,7 @@ def test_json_records_the_cpu_and_the_kernels_that_ran(bench_result):
     them (figures differ between an AVX-512 and an AVX2 machine)."""
     from triforce import kernels
     from triforce.blockcodes import blockcodes_status
+    from triforce.sampling import sampling_status
 
     machine = bench_result[0]["machine"]
     assert {k: machine[k] for k in ("cpu", "cores", "isa")} == kernels.cpu()
@@ -80,6 +81,7 @@ def test_json_records_the_cpu_and_the_kernels_that_ran(bench_result):
     assert machine["attention_kernel"] == kernels.status()
     assert machine["linear_kernels"] == kernels.linear_status()
     assert machine["block_code_kernel"] == blockcodes_status()
+    assert machine["sampling_kernel"] == sampling_status()
 
 
 def test_cost_model_prediction_is_reported(bench_result):

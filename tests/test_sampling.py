@@ -186,3 +186,75 @@ def test_inverse_cdf_sample_draws_each_row_from_its_distribution():
     for shape in ((v,), (2, 3, v), (2, 0)):
         with pytest.raises(ValueError, match="probs must be"):
             sample(torch.ones(shape), gen)
+
+
+def _kernel_on():
+    from triforce.sampling import sampling_status
+
+    status = sampling_status()
+    if not status.startswith("on"):
+        pytest.skip(f"sampling kernel {status}")
+
+
+def _rows_for_the_kernel():
+    """(N, V) logits of every kind a step meets: peaked rows at several scales, exact ties at the top and at the
+    nucleus boundary, top-k's -inf, a flat row among peaked ones (the kernel leaves it to the sort), one-token rows."""
+    gen = torch.Generator().manual_seed(3)
+    v = 49152
+    rows = [torch.randn(v, generator=gen) * s for s in (2.0, 4.0, 8.0, 16.0)]
+    tied = torch.randn(v, generator=gen)
+    tied[[5, 77, 4000]] = 9.0  # three tokens of equal, highest probability
+    rows.append(tied)
+    boundary = torch.full((v,), -30.0)
+    boundary[:20] = 0.0  # 20 equal tokens: the nucleus boundary falls among ties
+    rows.append(boundary)
+    masked = torch.randn(v, generator=gen) * 4
+    masked[torch.randperm(v, generator=gen)[: v // 2]] = float("-inf")
+    rows.append(masked)
+    rows.append(torch.randn(v, generator=gen) * 0.05)  # flat: a nucleus of ~44K tokens
+    one = torch.full((v,), -100.0)
+    one[v - 1] = 0.0
+    rows.append(one)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.6, 0.9), (1.0, 0.5), (0.3, 0.99)])
+def test_sampling_kernel_matches_pytorch_ops(monkeypatch, temperature, top_p):
+    """``csrc/sampling.c``'s nucleus against the same rule in PyTorch's ops (the fallback): the same support in every
+    row, probabilities within 1e-7, row by row and for the whole block in one call (the flat row makes the kernel
+    hand that call back to the sort). Where the boundary falls among equal probabilities (row 5: 20 tokens of 0.05)
+    either rule keeps as many of them; the kernel the lowest indices, PyTorch's topk an order of its own."""
+    _kernel_on()
+    from triforce import sampling
+
+    logits = _rows_for_the_kernel()
+    params = SamplingParams(temperature, top_p, 0)
+    ours = logits_to_probs(logits, params)
+    single = torch.cat([logits_to_probs(row[None], params) for row in logits])
+    monkeypatch.setattr(sampling, "_kernel_rows", lambda x: None)
+    ref = logits_to_probs(logits, params)
+    tied = 5
+    kept = {0.9: 18, 0.5: 10, 0.99: 20}[top_p]  # tokens of 0.05 kept: those with less than top_p ranked above
+    for got in (ours, single):
+        others = [r for r in range(len(logits)) if r != tied]
+        assert torch.equal(got[others] > 0, ref[others] > 0)
+        assert torch.allclose(got[others], ref[others], rtol=1e-6, atol=1e-7)
+        assert (got[tied] > 0).sum().item() == (ref[tied] > 0).sum().item() == kept
+        assert torch.allclose(got[tied].sort().values, ref[tied].sort().values, atol=1e-7)
+    assert (single[tied] > 0).nonzero().flatten().tolist() == list(range(kept))
+
+
+def test_sampling_kernel_draws_what_pytorch_ops_draw(monkeypatch):
+    """``triforce_sample`` against PyTorch's inverse CDF: the same token for the same uniforms, in nucleus rows
+    (runs of zeros skipped) and dense ones, 2,000 draws; a row that is not a distribution is refused the same way."""
+    _kernel_on()
+    from triforce import sampling
+
+    probs = logits_to_probs(_rows_for_the_kernel(), SamplingParams(0.6, 0.9, 0))
+    dense = torch.softmax(torch.randn(2, 49152, generator=torch.Generator().manual_seed(4)), -1)
+    w = torch.cat([probs, dense])
+    ours = torch.stack([sampling.sample(w, g) for g in [torch.Generator().manual_seed(s) for s in range(2000)]])
+    monkeypatch.setattr(sampling, "_kernel_rows", lambda x: None)
+    ref = torch.stack([sampling.sample(w, g) for g in [torch.Generator().manual_seed(s) for s in range(2000)]])
+    assert torch.equal(ours, ref)
+    assert bool((w.gather(1, ours.T) > 0).all())

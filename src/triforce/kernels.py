@@ -75,6 +75,10 @@ NORM_ROPE_CFLAGS = ("-O3", "-mavx2", "-ffp-contract=off", "-shared", "-fPIC")
 DECODE_STEP_ENV_SWITCH = "TRIFORCE_DECODE_STEP_KERNEL"
 #: its flags: plain C that calls the other kernels through pointers
 DECODE_STEP_CFLAGS = ("-O3", "-shared", "-fPIC")
+#: environment variable: "0" turns the top-p selection and inverse-CDF draw kernel off (PyTorch's ops, sampling.py)
+SAMPLING_ENV_SWITCH = "TRIFORCE_SAMPLING_KERNEL"
+#: its flags: AVX2 compares and maxima, no FMA (nothing to contract)
+SAMPLING_CFLAGS = ("-O3", "-mavx2", "-shared", "-fPIC")
 #: environment variable: "0" keeps a GGUF model's weights fp32 only (no exact block codes, ``blockcodes.py``)
 BLOCKCODES_ENV_SWITCH = "TRIFORCE_BLOCK_CODES"
 #: their flags: no FMA contraction, so d * q + m rounds twice, as the check of every weight in blockcodes.py does

@@ -4,6 +4,11 @@ Losslessness needs q and p to be exactly the distributions sampled from (TriForc
 2023, Sec. 2.3): every tier applies the same :func:`logits_to_probs` (temperature, then top-k, then top-p, as
 transformers' logits warpers do) in fp32. Greedy decoding (temperature 0) is the one-hot distribution on the
 argmax (first index on ties), so the rejection rule reduces to "accept iff the draft equals the argmax".
+
+The nucleus selection and the inverse-CDF draw run in ``csrc/sampling.c`` where it builds (one pass over the row
+each instead of PyTorch's topk, cumsum, scatter and checks: 0.3 ms of every step inside a generation over SmolLM2's
+49,152 tokens, ``bench/nucleus.py``), PyTorch's ops otherwise (``TRIFORCE_SAMPLING_KERNEL=0``, no compiler, no AVX2):
+the same rule, the same support, probabilities equal up to the rounding of the renormalisation.
 """
 
 from __future__ import annotations
@@ -14,6 +19,25 @@ from dataclasses import dataclass
 import torch
 
 from .defaults import DEFAULTS
+from .kernels import _F, _I, _P, SAMPLING_CFLAGS, SAMPLING_ENV_SWITCH, _Library
+
+_sampling = _Library("sampling.c", SAMPLING_ENV_SWITCH, ("avx2",), lambda: (SAMPLING_CFLAGS, "AVX2"), {
+    "triforce_top_p": (_I, [_P, _I, _I, _F, _I, _P]),
+    "triforce_sample": (_I, [_P, _P, _P, _I, _I])})
+
+
+def sampling_status() -> str:
+    """'on (...)', 'off (...)' or 'unavailable: <reason>' for the sampling kernel (``csrc/sampling.c``; loads it if
+    nobody has yet)."""
+    _sampling.load()
+    return _sampling.status
+
+
+def _kernel_rows(x: torch.Tensor) -> dict | None:
+    """The sampling kernel's functions where they apply to ``x`` (2-D, contiguous fp32 on the CPU), else None."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or not x.numel():
+        return None
+    return _sampling.load()
 
 
 @dataclass(frozen=True)
@@ -79,12 +103,14 @@ def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
     The rule of transformers' ``TopPLogitsWarper`` (Holtzman et al., arXiv 1904.09751): sorted ascending, a token is
     removed when the cumulative mass up to and including it is <= 1 - top_p, the most likely token always kept;
-    equivalently, a token stays iff the mass of the tokens ranked above it is < top_p. A full sort of SmolLM2's
-    49,152 logits took 21 ms for a 7-row verification block on this project's CPU, this function 1.8 ms
-    (``bench/nucleus.py``). The nucleus is almost always among the :data:`NUCLEUS_CANDIDATES` most likely
-    tokens, so those are found with ``torch.topk`` and renormalised; only rows where they hold less than ``top_p``
-    sort their whole vocabulary. Rounding at the boundary may differ from transformers' in the last bit of the
-    cumulative mass; every tier applies this same function, so the verified distribution is the one it defines.
+    equivalently, a token stays iff the mass of the tokens ranked above it is < top_p. The nucleus is almost always
+    among the :data:`NUCLEUS_CANDIDATES` most likely tokens: ``csrc/sampling.c`` finds it in one pass over the row
+    (ties ranked by the lower index), or else ``torch.topk`` finds those candidates; only rows whose nucleus is larger
+    sort their whole vocabulary. Over SmolLM2's 49,152 logits on this project's AVX-512 EPYC, a full sort took
+    2.9 ms for one row (11.8 ms for a 7-row verification block), the candidates through ``torch.topk`` 0.12 ms (0.40),
+    the kernel 0.04 ms (0.16) (``bench/nucleus.py``, ``bench/results/nucleus_kernel_2026-12-05.json``). Rounding at
+    the boundary may differ from transformers' in the last bit of the cumulative mass; every tier applies this same
+    function, so the verified distribution is the one it defines.
 
     Args:
         logits: (..., V) fp32, already divided by the temperature (and top-k masked with -inf).
@@ -96,6 +122,13 @@ def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     shape = logits.shape
     logits = logits.reshape(-1, shape[-1])  # (N, V)
     probs = torch.softmax(logits, dim=-1)
+    fns = _kernel_rows(probs)
+    if fns is not None:  # csrc/sampling.c: the same rule in place, one pass over each row
+        work = torch.empty(shape[-1], dtype=torch.int32)
+        if fns["triforce_top_p"](probs.data_ptr(), probs.shape[0], probs.shape[1], top_p, NUCLEUS_CANDIDATES,
+                                 work.data_ptr()) == 0:
+            return probs.reshape(shape)
+        probs = torch.softmax(logits, dim=-1)  # a row it leaves (a nucleus over the candidates, NaN): as below
     top, order = torch.topk(probs, min(NUCLEUS_CANDIDATES, shape[-1]), dim=-1)  # (N, k) descending
     keep = (top.cumsum(-1) - top) < top_p  # the mass ranked above each candidate is below top_p
     keep[:, 0] = True  # the most likely token always stays
@@ -113,15 +146,20 @@ def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return out.reshape(shape)
 
 
+_NOT_A_DISTRIBUTION = ("probs: every row must be non-negative with a positive, finite sum (got a row of zeros, a "
+                       "negative entry, NaN or inf)")
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token per row from ``probs`` by inversion of its cumulative distribution.
 
     Token i is drawn when ``u * c[V-1]`` falls in ``[c[i-1], c[i])``, with ``c`` the row's cumulative sums (fp64)
     and ``u`` one uniform in [0, 1) from ``generator``: exactly probability ``probs[i] / sum(probs)``, and never a
     token of probability 0 (its interval is empty). Equivalent in distribution to ``torch.multinomial(probs, 1)``,
-    which on this project's CPU took 2.0 ms for one row over a 49,152-token vocabulary against 0.32 ms for this,
-    and 11.2 against 0.84 ms for a 7-row verification block (``bench/nucleus.py``); the draws for a given seed
-    differ from multinomial's.
+    which on this project's AVX-512 EPYC took 0.73 ms for a nucleus row over a 49,152-token vocabulary, this draw in
+    PyTorch's ops 0.070 ms and in ``csrc/sampling.c`` (runs of zero weights skipped; the same token for the same
+    uniform) 0.008 ms, and 4.9, 0.26 and 0.036 ms for a 7-row verification block (``bench/nucleus.py``,
+    ``bench/results/nucleus_kernel_2026-12-05.json``); the draws for a given seed differ from multinomial's.
 
     Args:
         probs: (N, V) non-negative weights (fp32), each row with a positive sum (normalised or not).
@@ -136,10 +174,16 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     """
     if probs.dim() != 2 or probs.shape[-1] < 1:
         raise ValueError(f"probs must be (N, V) with V >= 1, got shape {tuple(probs.shape)}")
+    fns = _kernel_rows(probs)
+    if fns is not None:  # csrc/sampling.c: the same draw, skipping runs of zeros
+        u = torch.rand(probs.shape[0], generator=generator, dtype=torch.float64)
+        out = torch.empty(probs.shape[0], dtype=torch.int64)
+        if fns["triforce_sample"](probs.data_ptr(), u.data_ptr(), out.data_ptr(), probs.shape[0], probs.shape[1]):
+            raise ValueError(_NOT_A_DISTRIBUTION)
+        return out
     c = probs.double().cumsum(-1)  # (N, V)
     total = c[:, -1]
     if not bool(((total > 0) & torch.isfinite(total)).all()) or not bool((probs >= 0).all()):
-        raise ValueError("probs: every row must be non-negative with a positive, finite sum (got a row of zeros, "
-                         "a negative entry, NaN or inf)")
+        raise ValueError(_NOT_A_DISTRIBUTION)
     u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=torch.float64)
     return torch.searchsorted(c, u * c[:, -1:], right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)

@@ -58,6 +58,8 @@ def rejection_sample(
         raise ValueError(f"shapes: draft_tokens {tuple(draft_tokens.shape)}, draft_probs {tuple(draft_probs.shape)}, "
                          f"target_probs {tuple(target_probs.shape)}; expected (B,k), (B,k,V), (B,k+1,V)")
     rows = torch.arange(b, device=draft_tokens.device)
+    if k == 0 and not greedy:  # nothing to verify: the next token ~ p_1 (the same draws as the general path below)
+        return torch.zeros(b, dtype=torch.long, device=draft_tokens.device), sample(target_probs[:, 0], generator)
     if greedy:
         target_argmax = target_probs.argmax(-1)  # (B, k+1)
         accepted = draft_tokens == target_argmax[:, :k]  # (B, k)
@@ -71,9 +73,8 @@ def rejection_sample(
     p_next = target_probs[rows, num_accepted]  # (B, V): p_j, or p_{k+1} for the bonus
     rejected = num_accepted < k
     q_next = draft_probs[rows, num_accepted.clamp(max=k - 1)] if k else torch.zeros_like(p_next)
-    residual = torch.clamp(p_next - q_next, min=0)  # (B, V)
-    mass = residual.sum(-1, keepdim=True)
-    use_residual = rejected[:, None] & (mass > 0)
-    dist = torch.where(use_residual, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), p_next)
+    residual = torch.clamp(p_next - q_next, min=0)  # (B, V), unnormalised: sample() draws w_i / sum(w)
+    use_residual = rejected[:, None] & (residual.sum(-1, keepdim=True) > 0)
+    dist = torch.where(use_residual, residual, p_next)
     next_tokens = sample(dist, generator)  # (B,): inverse-CDF draw (sampling.sample)
     return num_accepted, next_tokens

@@ -209,11 +209,13 @@ def _generate(args: argparse.Namespace, out) -> int:
 
     from ..blockcodes import blockcodes_status
     from ..kernels import linear_status, norm_rope_status, status as kernel_status
+    from ..sampling import sampling_status
 
     threads = torch.get_num_threads()
     if args.json:
         kernels = dict(attention_kernel=kernel_status(), linear_kernel=linear_status(),
-                       norm_rope_kernel=norm_rope_status(), block_code_kernel=blockcodes_status())
+                       norm_rope_kernel=norm_rope_status(), block_code_kernel=blockcodes_status(),
+                       sampling_kernel=sampling_status())
         out.write(json.dumps(dict(result.to_dict(), threads=threads, **kernels), indent=2) + "\n")
         out.flush()
     else:

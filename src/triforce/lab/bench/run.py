@@ -69,9 +69,10 @@ def _machine() -> dict:
 
     from ... import kernels
     from ...blockcodes import blockcodes_status
+    from ...sampling import sampling_status
 
     info = {**kernels.cpu(), "attention_kernel": kernels.status(), "linear_kernels": kernels.linear_status(),
-            "block_code_kernel": blockcodes_status(),
+            "block_code_kernel": blockcodes_status(), "sampling_kernel": sampling_status(),
             "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__,
