@@ -5,7 +5,7 @@
 
 ``auto``'s retrieval tier under sampling (``retrieval:3``: the target's own block codes with int8 activations, a
 1,000-slot bf16 retrieval cache) generates ``--new-tokens`` after the book's first ``--prompt-tokens``, once per seed,
-with each variant of the tier's weights (the verifier is the same fp32 model in every run, so the output
+with each variant of the tier's weights (a fresh model per variant, its prompt prefilled anew; the verifier is the same fp32 model in every run, so the output
 distribution is too; only the proposals change):
 
 * ``codes_q8``: as ``auto`` runs it;
@@ -69,9 +69,8 @@ def main() -> int:
     from triforce.lab.books import BOOKS_DIR
     from triforce.sampling import SamplingParams
 
-    tf = TriForce.load(threads=args.threads)
     with open(f"{BOOKS_DIR}/{args.book}") as f:
-        ids = tf.encode(f.read())[:args.prompt_tokens]
+        text = f.read()
     spec = SpeculationConfig(mode="retrieval", gamma2=3, budget=1000, lower_weights="codes",
                              lower_kv_dtype="bfloat16")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
@@ -94,7 +93,8 @@ def main() -> int:
     try:
         for name in args.variants:
             quant._int8_activations_copy = variant_copy(name)
-            tf.engine._lower.clear()  # the engine keeps a lower copy per (model, weights): make this variant's
+            tf = TriForce.load(threads=args.threads)  # an engine keeps its lower copy: a fresh one per variant
+            ids = tf.encode(text)[:args.prompt_tokens]
             runs[name] = []
             for seed in range(args.seeds):
                 stats = tf.generate(ids, max_new_tokens=args.new_tokens, sampling=params, spec=spec, seed=seed).stats
@@ -104,7 +104,6 @@ def main() -> int:
                                    "time_between_tokens_ms": round(stats.mean_time_between_tokens_ms, 2)})
     finally:
         quant._int8_activations_copy = as_auto
-        tf.engine._lower.clear()
 
     subset = {}
     for book in ("pg1342.txt", "pg84.txt", "pg2701.txt"):

@@ -258,3 +258,48 @@ def test_sampling_kernel_draws_what_pytorch_ops_draw(monkeypatch):
     ref = torch.stack([sampling.sample(w, g) for g in [torch.Generator().manual_seed(s) for s in range(2000)]])
     assert torch.equal(ours, ref)
     assert bool((w.gather(1, ours.T) > 0).all())
+
+
+def test_sampling_kernel_rounds_the_boundary_as_pytorch_ops(monkeypatch):
+    """At top-p near 1 and in rows of equal probabilities the nucleus boundary falls within the rounding of the mass
+    ranked above a token: the kernel keeps exactly the tokens PyTorch's path keeps (the mass accumulated in fp64 and
+    rounded to fp32 at each step, as CPU cumsum does; a float sum kept 1 token too many in a uniform row and dropped
+    one at top-p 0.999999), and the same row gives the same result alone and beside a flat row that the kernel leaves
+    to the full sort."""
+    _kernel_on()
+    from triforce import sampling
+
+    gen = torch.Generator().manual_seed(9)
+    cases = [(torch.randn(2000, 100, generator=gen) * 2, SamplingParams(1.0, tp, 0)) for tp in (0.999, 0.99999)]
+    cases += [(torch.zeros(1, v), SamplingParams(1.0, tp, 0)) for v in (10, 31, 100) for tp in (0.1, 0.5, 0.9)]
+    row = torch.full((200,), float("-inf"))
+    row[:4] = torch.tensor([1.6826171875, -3.880859375, -6.39453125, 7.359375])  # top-p 0.999999 keeps token 2
+    cases.append((row[None], SamplingParams(1.0, 0.999999, 0)))
+    ours = [logits_to_probs(x, sp) for x, sp in cases]
+    in_block = logits_to_probs(torch.stack([row, torch.zeros(200)]), SamplingParams(1.0, 0.999999, 0))[0]
+    monkeypatch.setattr(sampling, "_kernel_rows", lambda x: None)
+    for i, (got, (x, sp)) in enumerate(zip(ours, cases)):
+        ref = logits_to_probs(x, sp)
+        if 2 <= i < len(cases) - 1:  # uniform rows: as many of the equal tokens, whichever
+            got, ref = got.sort(-1).values, ref.sort(-1).values
+        assert torch.equal(got > 0, ref > 0), (x.shape, sp)
+        assert torch.allclose(got, ref, rtol=1e-6, atol=1e-7)
+    assert torch.equal(in_block, ours[-1][0]) and ours[-1][0, 2] > 0
+    assert [int((o > 0).sum()) for o in ours[2:-1]] == [1, 5, 9, 4, 16, 28, 10, 50, 90]
+
+
+def test_sampling_kernel_refuses_a_row_before_drawing(monkeypatch):
+    """A refused row leaves the generator as PyTorch's path leaves it: the rows are checked before the uniforms are
+    drawn."""
+    _kernel_on()
+    from triforce import sampling
+
+    def state_after_refusal():
+        g = torch.Generator().manual_seed(0)
+        with pytest.raises(ValueError, match="positive, finite sum"):
+            sampling.sample(torch.tensor([[0.5, 0.5], [0.0, 0.0]]), g)
+        return torch.rand(2, generator=g, dtype=torch.float64)
+
+    ours = state_after_refusal()
+    monkeypatch.setattr(sampling, "_kernel_rows", lambda x: None)
+    assert torch.equal(ours, state_after_refusal())

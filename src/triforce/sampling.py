@@ -6,9 +6,10 @@ transformers' logits warpers do) in fp32. Greedy decoding (temperature 0) is the
 argmax (first index on ties), so the rejection rule reduces to "accept iff the draft equals the argmax".
 
 The nucleus selection and the inverse-CDF draw run in ``csrc/sampling.c`` where it builds (one pass over the row
-each instead of PyTorch's topk, cumsum, scatter and checks: 0.3 ms of every step inside a generation over SmolLM2's
-49,152 tokens, ``bench/nucleus.py``), PyTorch's ops otherwise (``TRIFORCE_SAMPLING_KERNEL=0``, no compiler, no AVX2):
-the same rule, the same support, probabilities equal up to the rounding of the renormalisation.
+each instead of PyTorch's topk, cumsum, scatter and checks: inside a generation at 8K tokens, a retrieval step of
+SmolLM2 spent 0.21 ms around its forward with it and 0.51 ms with PyTorch's ops, ``bench/step_overhead.py``),
+PyTorch's ops otherwise (``TRIFORCE_SAMPLING_KERNEL=0``, no compiler, no AVX2): the same rule, the same support,
+probabilities equal up to the rounding of the renormalisation.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from .defaults import DEFAULTS
 from .kernels import _F, _I, _P, SAMPLING_CFLAGS, SAMPLING_ENV_SWITCH, _Library
 
 _sampling = _Library("sampling.c", SAMPLING_ENV_SWITCH, ("avx2",), lambda: (SAMPLING_CFLAGS, "AVX2"), {
-    "triforce_top_p": (_I, [_P, _I, _I, _F, _I, _P]),
-    "triforce_sample": (_I, [_P, _P, _P, _I, _I])})
+    "triforce_top_p": (_I, [_P, _I, _I, _F, _I, _P, _P]),
+    "triforce_sample": (_I, [_P, _P, _P, _I, _I, _P])})
 
 
 def sampling_status() -> str:
@@ -105,10 +106,12 @@ def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     removed when the cumulative mass up to and including it is <= 1 - top_p, the most likely token always kept;
     equivalently, a token stays iff the mass of the tokens ranked above it is < top_p. The nucleus is almost always
     among the :data:`NUCLEUS_CANDIDATES` most likely tokens: ``csrc/sampling.c`` finds it in one pass over the row
-    (ties ranked by the lower index), or else ``torch.topk`` finds those candidates; only rows whose nucleus is larger
-    sort their whole vocabulary. Over SmolLM2's 49,152 logits on this project's AVX-512 EPYC, a full sort took
-    2.9 ms for one row (11.8 ms for a 7-row verification block), the candidates through ``torch.topk`` 0.12 ms (0.40),
-    the kernel 0.04 ms (0.16) (``bench/nucleus.py``, ``bench/results/nucleus_kernel_2026-12-05.json``). Rounding at
+    (ties ranked by the lower index; the mass above each candidate rounded as the PyTorch path rounds it, so both keep
+    the same tokens), or else ``torch.topk`` finds those candidates; only rows whose nucleus is larger sort their
+    whole vocabulary, each row on its own (the result of a row does not depend on the rows beside it). Over
+    SmolLM2's 49,152 logits on this project's AVX-512 EPYC, a full sort took 3.2 ms for one row (12.9 ms for a 7-row
+    verification block), the candidates through ``torch.topk`` 0.14 ms (0.47), the kernel 0.05 ms (0.21)
+    (``bench/nucleus.py``, ``bench/results/nucleus_kernel_2026-12-05.json``). Rounding at
     the boundary may differ from transformers' in the last bit of the cumulative mass; every tier applies this same
     function, so the verified distribution is the one it defines.
 
@@ -125,11 +128,23 @@ def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     fns = _kernel_rows(probs)
     if fns is not None:  # csrc/sampling.c: the same rule in place, one pass over each row
         work = torch.empty(shape[-1], dtype=torch.int32)
-        if fns["triforce_top_p"](probs.data_ptr(), probs.shape[0], probs.shape[1], top_p, NUCLEUS_CANDIDATES,
-                                 work.data_ptr()) == 0:
+        left = torch.empty(probs.shape[0], dtype=torch.uint8)  # rows it leaves: a nucleus over the candidates, NaN
+        n_left = fns["triforce_top_p"](probs.data_ptr(), probs.shape[0], probs.shape[1], top_p, NUCLEUS_CANDIDATES,
+                                       work.data_ptr(), left.data_ptr())
+        if n_left == 0:
             return probs.reshape(shape)
-        probs = torch.softmax(logits, dim=-1)  # a row it leaves (a nucleus over the candidates, NaN): as below
-    top, order = torch.topk(probs, min(NUCLEUS_CANDIDATES, shape[-1]), dim=-1)  # (N, k) descending
+        if n_left > 0:
+            rows = left.nonzero().squeeze(-1)
+            probs[rows] = _nucleus_ops(logits[rows], probs[rows], top_p)
+            return probs.reshape(shape)
+    return _nucleus_ops(logits, probs, top_p).reshape(shape)
+
+
+def _nucleus_ops(logits: torch.Tensor, probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """:func:`_nucleus` in PyTorch's ops for (N, V) ``logits`` and their softmax ``probs`` (not modified): the
+    nucleus among the :data:`NUCLEUS_CANDIDATES` most likely tokens, or transformers' full sort where they hold less
+    than ``top_p``; (N, V) fp32."""
+    top, order = torch.topk(probs, min(NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1)  # (N, k) descending
     keep = (top.cumsum(-1) - top) < top_p  # the mass ranked above each candidate is below top_p
     keep[:, 0] = True  # the most likely token always stays
     kept = top * keep
@@ -143,7 +158,7 @@ def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
         remove_sorted[:, -1] = False  # always keep the most likely token
         remove = remove_sorted.scatter(-1, order_all, remove_sorted)
         out[rows] = torch.softmax(sub.masked_fill(remove, float("-inf")), dim=-1)
-    return out.reshape(shape)
+    return out
 
 
 _NOT_A_DISTRIBUTION = ("probs: every row must be non-negative with a positive, finite sum (got a row of zeros, a "
@@ -156,9 +171,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     Token i is drawn when ``u * c[V-1]`` falls in ``[c[i-1], c[i])``, with ``c`` the row's cumulative sums (fp64)
     and ``u`` one uniform in [0, 1) from ``generator``: exactly probability ``probs[i] / sum(probs)``, and never a
     token of probability 0 (its interval is empty). Equivalent in distribution to ``torch.multinomial(probs, 1)``,
-    which on this project's AVX-512 EPYC took 0.73 ms for a nucleus row over a 49,152-token vocabulary, this draw in
-    PyTorch's ops 0.070 ms and in ``csrc/sampling.c`` (runs of zero weights skipped; the same token for the same
-    uniform) 0.008 ms, and 4.9, 0.26 and 0.036 ms for a 7-row verification block (``bench/nucleus.py``,
+    which on this project's AVX-512 EPYC took 0.77 ms for a nucleus row over a 49,152-token vocabulary, this draw in
+    PyTorch's ops 0.073 ms and in ``csrc/sampling.c`` (runs of zero weights skipped; the same token for the same
+    uniform) 0.010 ms, and 5.3, 0.35 and 0.063 ms for a 7-row verification block (``bench/nucleus.py``,
     ``bench/results/nucleus_kernel_2026-12-05.json``); the draws for a given seed differ from multinomial's.
 
     Args:
@@ -175,11 +190,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     if probs.dim() != 2 or probs.shape[-1] < 1:
         raise ValueError(f"probs must be (N, V) with V >= 1, got shape {tuple(probs.shape)}")
     fns = _kernel_rows(probs)
-    if fns is not None:  # csrc/sampling.c: the same draw, skipping runs of zeros
-        u = torch.rand(probs.shape[0], generator=generator, dtype=torch.float64)
-        out = torch.empty(probs.shape[0], dtype=torch.int64)
-        if fns["triforce_sample"](probs.data_ptr(), u.data_ptr(), out.data_ptr(), probs.shape[0], probs.shape[1]):
+    if fns is not None:  # csrc/sampling.c: the same draw, skipping runs of zeros; rows checked before u is drawn
+        n, v = probs.shape
+        total, out = torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.int64)
+        if fns["triforce_sample"](probs.data_ptr(), None, None, n, v, total.data_ptr()):
             raise ValueError(_NOT_A_DISTRIBUTION)
+        u = torch.rand(n, generator=generator, dtype=torch.float64)
+        fns["triforce_sample"](probs.data_ptr(), u.data_ptr(), out.data_ptr(), n, v, total.data_ptr())
         return out
     c = probs.double().cumsum(-1)  # (N, V)
     total = c[:, -1]

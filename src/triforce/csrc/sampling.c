@@ -2,18 +2,20 @@
  *
  * Every tier turns its logits into the distribution its tokens are drawn from at every step (triforce/sampling.py:
  * temperature, top-k, then top-p as transformers' TopPLogitsWarper, Holtzman et al., arXiv 1904.09751), and draws
- * from it by inversion. Over SmolLM2's 49,152 tokens PyTorch's topk, cumsum, scatter and checks cost 0.3 ms a step
- * inside a generation, about a tenth of a retrieval step; these two functions do the same work in one pass each over
- * the row (the softmax stays PyTorch's):
+ * from it by inversion. Over SmolLM2's 49,152 tokens PyTorch's topk, cumsum, scatter and checks cost 0.30 ms of a
+ * retrieval step inside a generation (bench/step_overhead.py), about a tenth of the step; these two functions do the
+ * same work in one pass each over the row (the softmax stays PyTorch's):
  *
  * triforce_top_p: a token stays iff the mass of the tokens ranked above it is < top_p (the most likely always
  * stays), the rest is zeroed and the kept mass renormalised. The nucleus is found among the tokens whose probability
- * is at least a threshold t (first pmax / 32, lowered 32-fold while too little mass is there; 0 takes every
- * token): once the candidates, ranked by probability (ties: lower index first), sum to >= top_p along the ranking,
- * every token below t has at least that mass ranked above it, so it is out, and the ranking of the candidates alone
- * decides. A row whose nucleus is larger than the caller's max_kept is left to the caller: its boundary sits in a
- * long sum of small probabilities, which transformers' warper accumulates in another order, so the caller's full
- * sort reproduces it instead (1-2% of SmolLM2's rows at T = 0.6 and top-p 0.9).
+ * is at least a threshold t (first pmax / 32, lowered 32-fold until the ranking of the candidates, probability
+ * descending and ties by the lower index, leaves one out; 0 takes every token): every token below t ranks below all
+ * the candidates, so it has at least the mass above the one left out ranked above it, and it is out too. The mass
+ * ranked above a candidate is computed as sampling.py's PyTorch path does (a cumulative sum accumulated in fp64 and
+ * rounded to fp32 at each step, minus the candidate's probability, compared in fp32), so both keep the same tokens,
+ * up to the choice among exactly equal probabilities at the boundary. A row whose nucleus is larger than max_kept is
+ * left to the caller's full sort: its boundary sits in a long sum of small probabilities, which transformers'
+ * warper accumulates in ascending order (1-2% of SmolLM2's rows at T = 0.6 and top-p 0.9).
  *
  * triforce_sample: token i of a row with weights w (non-negative, any positive finite sum) is drawn when
  * u * c[V-1] falls in [c[i-1], c[i]), c the fp64 cumulative sums in index order and u in [0, 1): probability
@@ -98,16 +100,22 @@ static void select_best(const float* p, int* idx, int n, int m) {
     }
 }
 
-/* probs: (N, V) contiguous rows of a softmax, each replaced in place by its nucleus distribution; work: V ints.
- * Returns 0; -1 for arguments outside what the function handles (nothing written); r + 1 for row r whose largest
- * probability is not positive and finite, or whose nucleus holds more than max_kept tokens (rows before it already
- * replaced). */
-int triforce_top_p(float* probs, int N, int V, float top_p, int max_kept, int* work) {
+/* probs: (N, V) contiguous rows of a softmax, each replaced in place by its nucleus distribution; work: V ints;
+ * left: N flags. A row whose largest probability is not positive and finite (NaN), or whose nucleus holds more than
+ * max_kept tokens, is left as it is with its flag set, for the caller's full sort: each row's result is its own,
+ * whatever the rows beside it. Returns the number of rows left, or -1 for arguments outside what the function
+ * handles (nothing written). */
+int triforce_top_p(float* probs, int N, int V, float top_p, int max_kept, int* work, uint8_t* left) {
     if (N < 1 || V < 1 || !(top_p > 0.f && top_p < 1.f) || max_kept < 1) return -1;
+    int n_left = 0;
     for (int r = 0; r < N; ++r) {
         float* p = probs + (int64_t)r * V;
         const float pmax = row_max(p, V);
-        if (!(pmax > 0.f) || isinf(pmax)) return r + 1;  /* NaN or no mass: the caller's PyTorch ops decide */
+        left[r] = 0;
+        if (!(pmax > 0.f) || isinf(pmax)) {  /* NaN or no mass */
+            left[r] = 1, ++n_left;
+            continue;
+        }
         int k = 0;
         for (float t = pmax * 0x1p-5f;; t *= 0x1p-5f) {
             if (t < 1e-30f) t = 0.f;  /* every token: the last pass */
@@ -117,48 +125,64 @@ int triforce_top_p(float* probs, int N, int V, float top_p, int max_kept, int* w
                 n = max_kept + 1;
             }
             qsort_r(work, (size_t)n, sizeof(int), by_rank, p);
-            float mass = 0.f;  /* the mass ranked above candidate k, as the warper's cumulative sum */
-            for (k = 0; k < n && (k == 0 || mass < top_p); ++k) mass += p[work[k]];
-            if (k > max_kept) return r + 1;  /* a flat row: the caller's full sort decides, as the warper rounds */
-            if (k < n || mass >= top_p || t == 0.f) break;  /* a candidate left out, or the mass reached: decided */
+            /* the mass ranked above candidate k as the PyTorch path computes it: the cumulative sum accumulated in
+             * double and rounded to fp32 at each step (CPU cumsum of fp32), minus the candidate's own, in fp32 */
+            double c = 0.0;
+            for (k = 0; k < n; ++k) {
+                const float pk = p[work[k]];
+                c += pk;
+                if (k > 0 && !((float)c - pk < top_p)) break;
+            }
+            if (k > max_kept) break;                    /* a flat row: the caller's full sort decides */
+            if (k < n || t == 0.f) break;               /* a candidate left out (or every token in): decided */
+        }
+        if (k > max_kept) {
+            left[r] = 1, ++n_left;
+            continue;
         }
         float kept = 0.f;
-        for (int c = 0; c < k; ++c) kept += p[work[c]];
-        for (int c = 0; c < k; ++c) p[work[c]] /= kept;  /* renormalised in place */
+        for (int i = 0; i < k; ++i) kept += p[work[i]];
+        for (int i = 0; i < k; ++i) p[work[i]] /= kept;  /* renormalised in place */
         qsort_r(work, (size_t)k, sizeof(int), by_index, NULL);
-        for (int c = 0, from = 0; c <= k; ++c) {  /* zero the gaps between the kept tokens */
-            const int to = c < k ? work[c] : V;
+        for (int i = 0, from = 0; i <= k; ++i) {  /* zero the gaps between the kept tokens */
+            const int to = i < k ? work[i] : V;
             memset(p + from, 0, sizeof(float) * (size_t)(to - from));
             from = to + 1;
         }
     }
-    return 0;
+    return n_left;
 }
 
-/* probs: (N, V) contiguous non-negative weights; u: N uniforms in [0, 1); out: N token ids. Returns 0, or the
- * 1-based index of the first row that is not a distribution (a negative or NaN entry, or a sum that is not positive
- * and finite), nothing drawn for it or after it. */
-int triforce_sample(const float* probs, const double* u, int64_t* out, int N, int V) {
+/* probs: (N, V) contiguous non-negative weights; total: N doubles. With u NULL, checks every row and writes its
+ * total (the fp64 sum in index order); returns 0, or the 1-based index of the first row that is not a distribution
+ * (a negative or NaN entry, or a sum that is not positive and finite). Then with u (N uniforms in [0, 1)) and those
+ * totals, draws each row's token into out and returns 0. Two calls, so that a caller draws its uniforms only for rows
+ * it knows are distributions (its generator's state after a refusal is the one before). */
+int triforce_sample(const float* probs, const double* u, int64_t* out, int N, int V, double* total) {
     for (int r = 0; r < N; ++r) {
         const float* p = probs + (int64_t)r * V;
-        double total = 0.0;
-        int bad = 0, i = 0;
-        const __m256 zero = _mm256_setzero_ps();
-        for (; i + 8 <= V; i += 8) {
-            const __m256 v = _mm256_loadu_ps(p + i);
-            if (_mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_NEQ_UQ)) == 0) continue;  /* 8 zeros */
-            if (_mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_NGE_UQ))) bad = 1;       /* < 0 or NaN */
-            for (int l = 0; l < 8; ++l) total += p[i + l];
+        if (!u) {
+            double sum = 0.0;
+            int bad = 0, i = 0;
+            const __m256 zero = _mm256_setzero_ps();
+            for (; i + 8 <= V; i += 8) {
+                const __m256 v = _mm256_loadu_ps(p + i);
+                if (_mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_NEQ_UQ)) == 0) continue;  /* 8 zeros */
+                if (_mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_NGE_UQ))) bad = 1;       /* < 0 or NaN */
+                for (int l = 0; l < 8; ++l) sum += p[i + l];
+            }
+            for (; i < V; ++i) {
+                if (!(p[i] >= 0.f)) bad = 1;
+                sum += p[i];
+            }
+            if (bad || !(sum > 0.0) || isinf(sum)) return r + 1;
+            total[r] = sum;
+            continue;
         }
-        for (; i < V; ++i) {
-            if (!(p[i] >= 0.f)) bad = 1;
-            total += p[i];
-        }
-        if (bad || !(total > 0.0) || isinf(total)) return r + 1;
-        const double target = u[r] * total;
+        const double target = u[r] * total[r];
         double c = 0.0;
         int64_t tok = -1, last = -1;
-        for (i = 0; i < V && tok < 0; i += 8) {
+        for (int i = 0; i < V && tok < 0; i += 8) {
             const int end = i + 8 < V ? i + 8 : V;
             for (int j = i; j < end; ++j) {
                 if (p[j] == 0.f) continue;
