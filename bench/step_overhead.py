@@ -11,7 +11,8 @@ records wall time, from the second token on; per tier and repetition the JSON gi
 step and per forward, and their difference, ``outside_forward_ms``: what the step spends besides the forwards it
 makes itself (top-p, the verification rule and the draw, the caches' bookkeeping, Python), the tiers below excluded
 (a verifying tier's step contains its drafter's steps, which are subtracted). Medians over repetitions, and the
-time between tokens of each run. JSON on stdout (and to ``--out``).
+time between tokens of each run. On code from before the kernel (a worktree of an older commit, with this script
+copied in and ``PYTHONPATH=src``) both arms run the same PyTorch ops. JSON on stdout (and to ``--out``).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def main() -> int:
 
     timed("step", "step")
     timed("logits_for", "forward")
-    kernel_rows = sampling._kernel_rows
+    kernel_rows = getattr(sampling, "_kernel_rows", None)  # None: code from before the kernel (both arms alike)
     runs: dict[str, list[dict]] = {"kernel": [], "ops": []}
     for rep in range(2 * args.reps):
         which = ("kernel", "ops")[(rep + rep // 2) % 2]  # kernel, ops, ops, kernel, kernel, ops, ...
@@ -108,7 +109,9 @@ def main() -> int:
                                  for t in tier_names}} for which in runs}
     emit_json({"book": args.book, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                "mode": args.mode, "temperature": args.temperature, "top_p": args.top_p, "threads": args.threads,
-               "reps": args.reps, "sampling_kernel": sampling.sampling_status(), "median": summary, "runs": runs,
+               "reps": args.reps, "sampling_kernel": getattr(sampling, "sampling_status", lambda: "none (code from "
+                                                                        "before csrc/sampling.c)")(),
+               "median": summary, "runs": runs,
                "command": "python bench/step_overhead.py " + " ".join(
                    f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None)}, args.out)
     return 0

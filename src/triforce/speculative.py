@@ -72,7 +72,7 @@ def rejection_sample(
     num_accepted = accepted.long().cumprod(-1).sum(-1)  # (B,)
     p_next = target_probs[rows, num_accepted]  # (B, V): p_j, or p_{k+1} for the bonus
     rejected = num_accepted < k
-    q_next = draft_probs[rows, num_accepted.clamp(max=k - 1)] if k else torch.zeros_like(p_next)
+    q_next = draft_probs[rows, num_accepted.clamp(max=k - 1)]  # k >= 1 here
     residual = torch.clamp(p_next - q_next, min=0)  # (B, V), unnormalised: sample() draws w_i / sum(w)
     use_residual = rejected[:, None] & (residual.sum(-1, keepdim=True) > 0)
     dist = torch.where(use_residual, residual, p_next)

@@ -15,7 +15,7 @@
  * rounded to fp32 at each step, minus the candidate's probability, compared in fp32), so both keep the same tokens,
  * up to the choice among exactly equal probabilities at the boundary. A row whose nucleus is larger than max_kept is
  * left to the caller's full sort: its boundary sits in a long sum of small probabilities, which transformers'
- * warper accumulates in ascending order (1-2% of SmolLM2's rows at T = 0.6 and top-p 0.9).
+ * warper accumulates in ascending order (rare at T = 0.6 and top-p 0.9: bench/nucleus.py reports the sizes).
  *
  * triforce_sample: token i of a row with weights w (non-negative, any positive finite sum) is drawn when
  * u * c[V-1] falls in [c[i-1], c[i]), c the fp64 cumulative sums in index order and u in [0, 1): probability
@@ -61,12 +61,16 @@ static int above(const float* p, int n, float t, int* idx) {
     return k;
 }
 
-/* qsort_r's order of candidates: probability descending, then index ascending (arg: the row) */
+/* 1 if token i ranks below token j (lower probability, or the same and a higher index) */
+static inline int below(const float* p, int i, int j) {
+    return p[i] < p[j] || (p[i] == p[j] && i > j);
+}
+
+/* qsort_r's order of candidates: the ranking above, best first (arg: the row) */
 static int by_rank(const void* a, const void* b, void* arg) {
     const float* p = (const float*)arg;
     const int i = *(const int*)a, j = *(const int*)b;
-    if (p[i] != p[j]) return p[i] > p[j] ? -1 : 1;
-    return (i > j) - (i < j);
+    return below(p, i, j) - below(p, j, i);
 }
 
 static int by_index(const void* a, const void* b, void* arg) {
@@ -75,29 +79,26 @@ static int by_index(const void* a, const void* b, void* arg) {
     return (i > j) - (i < j);
 }
 
-/* 1 if token i ranks below token j (lower probability, or the same and a higher index) */
-static inline int below(const float* p, int i, int j) {
-    return p[i] < p[j] || (p[i] == p[j] && i > j);
+/* restores the heap idx[0 .. m) (each parent ranking below its children: the worst at the root) below node a */
+static void sift_down(const float* p, int* idx, int a, int m) {
+    for (int c; (c = 2 * a + 1) < m; a = c) {
+        if (c + 1 < m && below(p, idx[c + 1], idx[c])) ++c;
+        if (!below(p, idx[c], idx[a])) break;
+        const int t = idx[a];
+        idx[a] = idx[c];
+        idx[c] = t;
+    }
 }
 
 /* the m best-ranked of idx[0 .. n) (m < n) moved to idx[0 .. m), in no order: a heap of the m best so far whose root
  * is the worst of them, O(n log m) */
 static void select_best(const float* p, int* idx, int n, int m) {
-    for (int s = m / 2 - 1; s >= 0; --s)  /* heapify idx[0 .. m) */
-        for (int a = s, c; (c = 2 * a + 1) < m; a = c) {
-            if (c + 1 < m && below(p, idx[c + 1], idx[c])) ++c;
-            if (!below(p, idx[c], idx[a])) break;
-            const int t = idx[a]; idx[a] = idx[c]; idx[c] = t;
+    for (int s = m / 2 - 1; s >= 0; --s) sift_down(p, idx, s, m);
+    for (int x = m; x < n; ++x)
+        if (below(p, idx[0], idx[x])) {  /* better than the worst kept: it takes the root's place */
+            idx[0] = idx[x];
+            sift_down(p, idx, 0, m);
         }
-    for (int x = m; x < n; ++x) {
-        if (!below(p, idx[0], idx[x])) continue;  /* not better than the worst kept */
-        idx[0] = idx[x];
-        for (int a = 0, c; (c = 2 * a + 1) < m; a = c) {
-            if (c + 1 < m && below(p, idx[c + 1], idx[c])) ++c;
-            if (!below(p, idx[c], idx[a])) break;
-            const int t = idx[a]; idx[a] = idx[c]; idx[c] = t;
-        }
-    }
 }
 
 /* probs: (N, V) contiguous rows of a softmax, each replaced in place by its nucleus distribution; work: V ints;
