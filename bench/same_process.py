@@ -10,7 +10,7 @@ between repetitions, and the medians of the engine's time between tokens are com
 
 A ``--modes`` entry is a mode with optional :class:`~triforce.hierarchy.SpeculationConfig` fields after commas, so
 one process can also compare settings of one mode, e.g. gamma2 of ``auto`` (``auto,gamma2=3``; numbers are read as
-numbers, ``none`` as None):
+numbers, ``true`` / ``false`` as bools, ``none`` as None):
 
     python bench/same_process.py --book pg1342.txt --prompt-tokens 8000 --new-tokens 128 --reps 5 \
         --modes autoregressive auto,gamma2=3 auto,gamma2=6
@@ -30,7 +30,9 @@ from common import add_run_options, emit_json  # noqa: E402  (bench/common.py, b
 
 
 def _number(value: str):
-    """``value`` as an int, else a float, else the text itself."""
+    """``value`` as a bool (``true`` / ``false``), an int, else a float, else the text itself."""
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
     for kind in (int, float):
         try:
             return kind(value)
@@ -40,8 +42,8 @@ def _number(value: str):
 
 
 def _spec(entry: str, config_class):
-    """``MODE[,FIELD=VALUE...]`` -> the SpeculationConfig (numbers as int or float, ``none`` as None, other values
-    as text); exits with a message naming the entry where it does not make one."""
+    """``MODE[,FIELD=VALUE...]`` -> the SpeculationConfig (numbers as int or float, ``true`` / ``false`` as bools,
+    ``none`` as None, other values as text); exits with a message naming the entry where it does not make one."""
     mode, *fields = entry.split(",")
     kwargs = {}
     for f in fields:

@@ -285,7 +285,7 @@ def test_decode_step_on_codes_in_one_call_is_the_python_layers(family, heads, kv
     """csrc/decode_step.c over block codes: a full-cache decode step and a 7-token verification block (the
     verifier's), a retrieval step (the target over its retrieval cache) and blocks of 2-5 tokens over it (its own
     layout: generated tokens from the end; full slots or empty ones) give the Python layers' logits, keys and
-    recorded queries to float rounding (SiLU's exp is our libm's on one side), with the same argmax; qwen2:
+    recorded queries to float rounding (SiLU's exp is Cephes' on one side), with the same argmax; qwen2:
     projections with random biases the kernel must add. bf16 caches (``--kv-dtype``, a lower tier's
     ``lower_kv_dtype``): the first layer's keys and values written bitwise as ``Tensor.to`` rounds them (later
     layers' may differ by one bf16 rounding step, from SiLU's last bit), and where the Python layers attend with

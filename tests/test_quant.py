@@ -122,7 +122,7 @@ def _int8_step(low, ret, token, n):
 def test_int8_decode_step_in_one_call_is_the_python_layers(family, heads, kv_heads, monkeypatch):
     """csrc/decode_step.c runs an int8 copy's decode step over a retrieval cache as Block.forward does layer by layer
     (qwen2: projections with bias; GQA groups of 2 and 4, and none), and a block of 3 tokens over it: the same logits
-    and the same keys and values written, to float rounding (only SiLU's exp is PyTorch's on one side, our libm's on
+    and the same keys and values written, to float rounding (only SiLU's exp is PyTorch's on one side, Cephes' on
     the other)."""
     if decode_step.decode_step_status().split(" ")[0] != "on":
         pytest.skip(f"decode step kernel {decode_step.decode_step_status()}")

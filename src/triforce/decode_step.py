@@ -21,7 +21,8 @@ from .kernels import (_F, _I, _I64, _P, CHUNK, DECODE_STEP_CFLAGS, DECODE_STEP_E
 
 _decode_step = _Library("decode_step.c", DECODE_STEP_ENV_SWITCH, (), lambda: (DECODE_STEP_CFLAGS, "C"), {
     "triforce_decode_layers": (_I, [_P, _P] + [_I] * 7 + [_F] + [_P] * 8 + [_I, _P] + [_I64] * 2 + [_I] * 3
-                               + [_P] * 2 + [_I, _F, _I, _P, _P])})
+                               + [_P] * 2 + [_I, _F, _I, _P, _P]),
+    "triforce_silu_mul": (None, [_P, _P, _P, _I]), "triforce_silu_mul_isa": (_I, [_P, _P, _P, _I, _I])})
 _fn_table = None  # the kernels' addresses in the order csrc/decode_step.c takes them, built on first use
 #: most tokens of one call (csrc/decode_step.c's MAX_T): decode steps and verification blocks (gamma + 1)
 MAX_BLOCK = 16

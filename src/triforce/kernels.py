@@ -73,8 +73,9 @@ NORM_ROPE_ENV_SWITCH = "TRIFORCE_NORM_ROPE_KERNEL"
 NORM_ROPE_CFLAGS = ("-O3", "-mavx2", "-ffp-contract=off", "-shared", "-fPIC")
 #: environment variable: "0" turns the one-call decode step of int8 lower tiers off (one Python call per operation)
 DECODE_STEP_ENV_SWITCH = "TRIFORCE_DECODE_STEP_KERNEL"
-#: its flags: plain C that calls the other kernels through pointers
-DECODE_STEP_CFLAGS = ("-O3", "-shared", "-fPIC")
+#: its flags: plain C that calls the other kernels through pointers (SiLU's vector paths carry target attributes; no
+#: contraction, so a lane rounds alike at every width)
+DECODE_STEP_CFLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
 #: environment variable: "0" turns the top-p selection and inverse-CDF draw kernel off (PyTorch's ops, sampling.py)
 SAMPLING_ENV_SWITCH = "TRIFORCE_SAMPLING_KERNEL"
 #: its flags: AVX2 compares and maxima, no FMA (nothing to contract)

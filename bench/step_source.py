@@ -1,0 +1,140 @@
+"""The one-call decode step (``csrc/decode_step.c``) of this tree against a build of an earlier source, in the
+forwards ``auto`` runs at a long context.
+
+    git show HEAD~1:src/triforce/csrc/decode_step.c > /tmp/decode_step_before.c
+    python bench/step_source.py --baseline-source /tmp/decode_step_before.c --context 8000 --reps 21 \
+        --out bench/results/step_source.json
+
+For the embedded SmolLM2 (the verifier on its GGUF block codes) at ``--context`` tokens of random KV
+(``triforce.lab.synthetic.fill_random_kv``; each forward rolled back, so every repetition sees the same context),
+three forwards, each as the product runs it (``Transformer.forward``: embedding, the layers in one C call, the final
+norm and the LM head):
+
+* ``full_decode``: the verifier's decode step over the full cache (what autoregressive decoding runs per token);
+* ``full_pass``: its verification block of ``--tokens`` tokens (``auto``'s under sampling: gamma2 3, 4 tokens);
+* ``retrieval_decode``: the retrieval tier ``auto`` gives it under sampling (the same codes with int8 activations
+  over ``--budget`` bf16 slots).
+
+Each runs with the layers' C function from this tree (``ours``) and from ``--baseline-source`` built with the same
+flags (``baseline``), the two builds alternated every repetition (order flipped), ``--calls`` forwards per turn;
+medians (ms) and ``baseline_over_ours``. The two builds' logits are compared for the same inputs (the largest
+absolute difference, whether every row's argmax agrees), and each build's against the same forward with the layers
+called from Python (``Block.forward``, PyTorch's ops). Over random KV the retrieval tier's int8 activations make its
+logits chaotic: a different rounding of one activation moves them by far more than the rounding itself, so compare
+its two distances to the Python layers rather than expect the builds to agree. JSON on stdout (and to ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import time
+from pathlib import Path
+
+import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+import torch
+from common import add_run_options, emit_json  # noqa: E402  (bench/common.py, beside this script)
+
+from triforce.auto import RETRIEVAL_BUDGET_BOUNDS, RETRIEVAL_BUDGET_SHARE_SAMPLING  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--baseline-source", required=True, type=Path, help="an earlier csrc/decode_step.c")
+    p.add_argument("--context", type=int, default=8000, help="tokens in the KV cache (8000)")
+    p.add_argument("--budget", type=int, help="retrieval cache slots (default: auto's under sampling, 1000 at 8K)")
+    p.add_argument("--tokens", type=int, default=4, help="tokens of the verification block (4: gamma2 3)")
+    p.add_argument("--calls", type=int, default=3, help="forwards of each kind per turn of a build (3)")
+    add_run_options(p, None, reps=15, sampling=False)
+    args = p.parse_args()
+    if not args.baseline_source.is_file():
+        p.error(f"--baseline-source: no such file: {args.baseline_source}")
+    for name in ("context", "tokens", "calls"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    from triforce.decode_step import MAX_BLOCK
+    if args.tokens > MAX_BLOCK:
+        p.error(f"--tokens must be at most {MAX_BLOCK} (one call's block), got {args.tokens}")
+    if args.budget is None:
+        lo, hi = RETRIEVAL_BUDGET_BOUNDS
+        args.budget = int(min(hi, max(lo, args.context * RETRIEVAL_BUDGET_SHARE_SAMPLING)))  # as plan_hierarchy
+    torch.set_num_threads(args.threads)
+
+    from triforce import decode_step, kernels
+    from triforce.caches import FullKVCache
+    from triforce.download import cache_dir
+    from triforce.lab.synthetic import fill_random_kv
+    from triforce.loading import load_model
+    from triforce.quant import lower_precision_copy
+    from triforce.retrieval import RetrievalCache
+
+    model = load_model(None).model
+    codes = lower_precision_copy(model, "codes")
+    cfg, n, t = model.cfg, args.context, args.tokens
+    for m in (model, codes):
+        m.set_request_length(n + t + 2)
+    full = FullKVCache(cfg, n + t + 2, model.dtype, model.device)
+    fill_random_kv(full, n, 0)
+    retrieval = RetrievalCache(cfg, full, args.budget, 8, dtype=torch.bfloat16)
+    fill_random_kv(retrieval, n, 1)
+    gen = torch.Generator().manual_seed(0)
+    kinds = {"full_decode": (model, full, 1), "full_pass": (model, full, t), "retrieval_decode": (codes, retrieval, 1)}
+    inputs = {k: torch.randint(0, cfg.vocab_size, (1, rows), generator=gen) for k, (_, _, rows) in kinds.items()}
+
+    def forward(kind: str) -> torch.Tensor:
+        m, cache, rows = kinds[kind]
+        logits = m(inputs[kind], torch.arange(n, n + rows), cache, num_logits=rows)
+        cache.rollback(n)
+        return logits
+
+    forward("full_decode")  # loads this tree's kernels
+    if not decode_step.decode_step_status().startswith("on"):
+        raise SystemExit(f"the one-call decode step is {decode_step.decode_step_status()}")
+    ours = decode_step._decode_step.fns
+    lib = ctypes.CDLL(str(kernels._build(cache_dir() / "kernels", args.baseline_source.resolve(),
+                                         kernels.DECODE_STEP_CFLAGS)))
+    base_fn = lib.triforce_decode_layers
+    base_fn.restype, base_fn.argtypes = ours["triforce_decode_layers"].restype, ours["triforce_decode_layers"].argtypes
+    builds = {"ours": ours, "baseline": dict(ours, triforce_decode_layers=base_fn)}
+
+    logits, times = {}, {(k, b): [] for k in kinds for b in builds}
+    try:
+        for rep in range(args.reps):
+            for build in (("ours", "baseline") if rep % 2 == 0 else ("baseline", "ours")):
+                decode_step._decode_step.fns = builds[build]
+                for kind in kinds:
+                    for _ in range(args.calls):
+                        t0 = time.perf_counter()
+                        out = forward(kind)
+                        times[(kind, build)].append(1e3 * (time.perf_counter() - t0))
+                    logits[(kind, build)] = out
+    finally:
+        decode_step._decode_step.fns = ours
+    python = {}  # the same forwards with the layers called from Python (Block.forward): PyTorch's SiLU
+    for kind, (m, _, _) in kinds.items():
+        one_call, m.decode_step = m.decode_step, None
+        try:
+            python[kind] = forward(kind)
+        finally:
+            m.decode_step = one_call
+    steps = {}
+    for kind in kinds:
+        a, b = logits[(kind, "ours")], logits[(kind, "baseline")]
+        ours_ms, base_ms = statistics.median(times[(kind, "ours")]), statistics.median(times[(kind, "baseline")])
+        steps[kind] = {"rows": kinds[kind][2], "ours_ms": round(ours_ms, 3), "baseline_ms": round(base_ms, 3),
+                       "baseline_over_ours": round(base_ms / ours_ms, 3),
+                       "logits_max_abs_diff": float((a - b).abs().max()),
+                       "argmax_equal": bool(torch.equal(a.argmax(-1), b.argmax(-1))),
+                       "ours_to_python_max_abs_diff": float((a - python[kind]).abs().max()),
+                       "baseline_to_python_max_abs_diff": float((b - python[kind]).abs().max()),
+                       "logits_max_abs": float(python[kind].abs().max())}
+    emit_json({"model": "SmolLM2-135M-Instruct (embedded; verifier on its block codes, retrieval tier on them with "
+                        "int8 activations)",
+               "context": n, "budget": args.budget, "tokens": t, "threads": args.threads, "reps": args.reps,
+               "calls": args.calls, "baseline_source": str(args.baseline_source), "steps": steps}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
