@@ -116,30 +116,23 @@ static void silu_mul_scalar(const float* g, const float* u, float* act, int i, i
 #include <immintrin.h>
 #define ADDI8(k) _mm256_add_epi32(k, _mm256_set1_epi32(127))
 #define FLOOR8(v) _mm256_floor_ps(v)
-__attribute__((target("avx2"))) static void silu_mul_avx2(const float* g, const float* u, float* act, int n) {
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 gg = _mm256_loadu_ps(g + i), uu = _mm256_loadu_ps(u + i);
-        __m256 out;
-        SILU_STEP(__m256, _mm256_set1_ps, _mm256_add_ps, _mm256_sub_ps, _mm256_mul_ps, _mm256_div_ps, _mm256_min_ps,
-                  _mm256_max_ps, FLOOR8, _mm256_cvttps_epi32, ADDI8, _mm256_slli_epi32, _mm256_castsi256_ps);
-        _mm256_storeu_ps(act + i, out);
-    }
-    silu_mul_scalar(g, u, act, i, n);
-}
 #define ADDI16(k) _mm512_add_epi32(k, _mm512_set1_epi32(127))
 #define FLOOR16(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
-__attribute__((target("avx512f"))) static void silu_mul_avx512(const float* g, const float* u, float* act, int n) {
-    int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const __m512 gg = _mm512_loadu_ps(g + i), uu = _mm512_loadu_ps(u + i);
-        __m512 out;
-        SILU_STEP(__m512, _mm512_set1_ps, _mm512_add_ps, _mm512_sub_ps, _mm512_mul_ps, _mm512_div_ps, _mm512_min_ps,
-                  _mm512_max_ps, FLOOR16, _mm512_cvttps_epi32, ADDI16, _mm512_slli_epi32, _mm512_castsi512_ps);
-        _mm512_storeu_ps(act + i, out);
+/* silu_mul_scalar on W lanes of V (intrinsics prefix P, integer cast width SI), the tail on one */
+#define SILU_MUL_VEC(NAME, TARGET, W, V, P, SI, FLOORV, ADDIV)                                                    \
+    __attribute__((target(TARGET))) static void NAME(const float* g, const float* u, float* act, int n) {         \
+        int i = 0;                                                                                                \
+        for (; i + W <= n; i += W) {                                                                              \
+            const V gg = P##_loadu_ps(g + i), uu = P##_loadu_ps(u + i);                                          \
+            V out;                                                                                                \
+            SILU_STEP(V, P##_set1_ps, P##_add_ps, P##_sub_ps, P##_mul_ps, P##_div_ps, P##_min_ps, P##_max_ps,     \
+                      FLOORV, P##_cvttps_epi32, ADDIV, P##_slli_epi32, P##_castsi##SI##_ps);                    \
+            P##_storeu_ps(act + i, out);                                                                          \
+        }                                                                                                         \
+        silu_mul_scalar(g, u, act, i, n);                                                                         \
     }
-    silu_mul_scalar(g, u, act, i, n);
-}
+SILU_MUL_VEC(silu_mul_avx2, "avx2", 8, __m256, _mm256, 256, FLOOR8, ADDI8)
+SILU_MUL_VEC(silu_mul_avx512, "avx512f", 16, __m512, _mm512, 512, FLOOR16, ADDI16)
 #endif
 
 /* with a given width: isa 2 AVX-512, 1 AVX2, 0 scalar; returns -1 (nothing written) where the CPU lacks it */
