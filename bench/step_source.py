@@ -37,13 +37,17 @@ import torch
 from common import add_run_options, emit_json  # noqa: E402  (bench/common.py, beside this script)
 
 from triforce.auto import RETRIEVAL_BUDGET_BOUNDS, RETRIEVAL_BUDGET_SHARE_SAMPLING  # noqa: E402
+from triforce.defaults import DEFAULTS  # noqa: E402
+
+CHUNK = DEFAULTS["chunk_size"]  # the retrieval cache's chunk, as auto builds it
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline-source", required=True, type=Path, help="an earlier csrc/decode_step.c")
     p.add_argument("--context", type=int, default=8000, help="tokens in the KV cache (8000)")
-    p.add_argument("--budget", type=int, help="retrieval cache slots (default: auto's under sampling, 1000 at 8K)")
+    p.add_argument("--budget", type=int, help="retrieval cache slots, chunk size (8) to --context (default: auto's "
+                   "under sampling, 1000 at 8K)")
     p.add_argument("--tokens", type=int, default=4, help="tokens of the verification block (4: gamma2 3)")
     p.add_argument("--calls", type=int, default=3, help="forwards of each kind per turn of a build (3)")
     add_run_options(p, None, reps=15, sampling=False)
@@ -58,12 +62,24 @@ def main() -> int:
         p.error(f"--tokens must be at most {MAX_BLOCK} (one call's block), got {args.tokens}")
     if args.budget is None:
         lo, hi = RETRIEVAL_BUDGET_BOUNDS
-        args.budget = int(min(hi, max(lo, args.context * RETRIEVAL_BUDGET_SHARE_SAMPLING)))  # as plan_hierarchy
+        args.budget = min(args.context, int(min(hi, max(lo, args.context * RETRIEVAL_BUDGET_SHARE_SAMPLING))))
+    if not CHUNK <= args.budget <= args.context:
+        p.error(f"--budget must lie in [chunk size {CHUNK}, --context {args.context}], got {args.budget}")
     torch.set_num_threads(args.threads)
 
+    # the baseline built and its function found before the model loads
     from triforce import decode_step, kernels
-    from triforce.caches import FullKVCache
     from triforce.download import cache_dir
+
+    try:
+        lib = ctypes.CDLL(str(kernels._build(cache_dir() / "kernels", args.baseline_source.resolve(),
+                                             kernels.DECODE_STEP_CFLAGS)))
+        base_fn = lib.triforce_decode_layers
+    except (OSError, RuntimeError, AttributeError) as e:
+        p.error(f"--baseline-source {args.baseline_source}: not a csrc/decode_step.c with triforce_decode_layers "
+                f"({str(e).strip()[-300:]})")
+
+    from triforce.caches import FullKVCache
     from triforce.lab.synthetic import fill_random_kv
     from triforce.loading import load_model
     from triforce.quant import lower_precision_copy
@@ -76,7 +92,7 @@ def main() -> int:
         m.set_request_length(n + t + 2)
     full = FullKVCache(cfg, n + t + 2, model.dtype, model.device)
     fill_random_kv(full, n, 0)
-    retrieval = RetrievalCache(cfg, full, args.budget, 8, dtype=torch.bfloat16)
+    retrieval = RetrievalCache(cfg, full, args.budget, CHUNK, dtype=torch.bfloat16)
     fill_random_kv(retrieval, n, 1)
     gen = torch.Generator().manual_seed(0)
     kinds = {"full_decode": (model, full, 1), "full_pass": (model, full, t), "retrieval_decode": (codes, retrieval, 1)}
@@ -92,9 +108,6 @@ def main() -> int:
     if not decode_step.decode_step_status().startswith("on"):
         raise SystemExit(f"the one-call decode step is {decode_step.decode_step_status()}")
     ours = decode_step._decode_step.fns
-    lib = ctypes.CDLL(str(kernels._build(cache_dir() / "kernels", args.baseline_source.resolve(),
-                                         kernels.DECODE_STEP_CFLAGS)))
-    base_fn = lib.triforce_decode_layers
     base_fn.restype, base_fn.argtypes = ours["triforce_decode_layers"].restype, ours["triforce_decode_layers"].argtypes
     builds = {"ours": ours, "baseline": dict(ours, triforce_decode_layers=base_fn)}
 

@@ -392,10 +392,11 @@ def test_speculative_modes_through_the_lower_right_path_equal_autoregressive_gre
 
 def test_decode_steps_silu_equals_pytorchs_and_is_the_same_at_every_width():
     """csrc/decode_step.c's SiLU(g) * u (Cephes' exp, 16 or 8 lanes or scalar by the CPU) against the exact value
-    (float64): within 4 float32 ulps of the result over [-90, 90] (a bound on the exp polynomial's 2e-7 relative
+    (float64): |got - exact| <= 4 eps |exact| (eps: float32's, 2^-23) over [-90, 90] (a bound on the exp polynomial's 2e-7 relative
     error plus the division's and products' roundings) for g >= -87; below, where the result leaves float32's normal
-    range and exp(-g) is clamped at exp(88.38), at most |g u| 1e-37 (PyTorch's float32 path rounds there too);
-    NaN and +inf propagate; every width this CPU has (AVX-512, AVX2, scalar) gives the same bits; and an element
+    range, at most |g u| 1e-37 (PyTorch's float32 path rounds there too), and exactly 0 past exp's overflow (g < -89,
+    down to -FLT_MAX: exp(-g) is inf, as in PyTorch); NaN propagates, g = +inf gives inf u and g = -inf NaN (as
+    PyTorch's inf / inf); every width this CPU has (AVX-512, AVX2, scalar) gives the same bits; and an element
     gives the same bits in a vector lane as in the scalar tail (n = 16 + 8 + 3)."""
     from triforce import decode_step
 
@@ -418,9 +419,12 @@ def test_decode_steps_silu_equals_pytorchs_and_is_the_same_at_every_width():
     normal = g >= -87
     assert ((got.double() - want).abs() <= 4 * ulp.double())[normal].all()
     assert (got.abs() <= (g * u).abs() * 1e-37)[~normal].all()
-    edge = torch.tensor([float("nan"), float("inf"), 0.5])
-    out = ours(edge, torch.ones(3))
+    edge = torch.tensor([float("nan"), float("inf"), 0.5, float("-inf")])
+    out = ours(edge, torch.ones(4))
     assert out[0].isnan() and out[1] == float("inf") and out[2] == torch.nn.functional.silu(torch.tensor(0.5))
+    assert out[3].isnan()
+    huge = -torch.tensor([89.0, 100.0, 1e4, 1e38, torch.finfo(torch.float32).max])
+    assert (ours(huge, torch.full((5,), -2.0)) == 0).all()
     by_width = {}
     for isa in (2, 1, 0):  # AVX-512, AVX2, scalar: the same bits (no FMA contraction; IEEE multiplies and adds)
         out = torch.empty_like(g)

@@ -69,15 +69,17 @@ static void round_bf16(float* x, int n) {
 
 /* silu(g) * u over n elements: act[i] = g[i] / (1 + exp(-g[i])) * u[i], exp as Cephes' expf (csrc/attention.c's
  * exp8 range reduction and degree-6 polynomial, relative error < 2e-7 on [-88, 88]), with separate multiplies and
- * adds (no FMA) so that a lane gives the same bits at every width: 16 lanes with AVX-512, 8 with AVX2 (picked at run
- * time), one otherwise; libm's scalar expf before it ran serially while the other thread waited, 184,320 calls in a
- * 4-token verification of SmolLM2 (30 layers x 4 tokens x 1,536 channels; bench/step_source.py times the steps against
- * that source). NaN in g propagates; -g is clamped to [-88.38, 88.38] first. */
-#define SILU_STEP(V, SET1, ADD, SUB, MUL, DIV, MIN, MAX, FLOOR, CVT, ADDI, SLLI, CAST)                         \
+ * adds (no FMA) so that a lane gives the same value at every width (bitwise, NaN payloads aside): 16 lanes with
+ * AVX-512, 8 with AVX2 (picked at run time), one otherwise; libm's scalar expf before it ran serially while the other
+ * thread waited, 184,320 calls in a 4-token verification of SmolLM2 (30 layers x 4 tokens x 1,536 channels;
+ * bench/step_source.py times the steps against that source). -g is clamped to [-88.38, 176] and 2^k applied as
+ * 2^(k/2) 2^(k - k/2), so that exp(-g) overflows to inf past 88.7 as libm's does: silu(g) -> -0 for large negative g,
+ * NaN for g = -inf (as PyTorch gives), inf u for g = +inf; NaN in g propagates. */
+#define SILU_STEP(V, VI, SET1, ADD, SUB, MUL, DIV, MIN, MAX, FLOOR, CVT, ADDI, SUBI, SRAI, SLLI, CAST)          \
     do {                                                                                                        \
         V x = SUB(SET1(0.f), gg);                                                                               \
-        x = MAX(MIN(x, SET1(88.3762626647949f)), SET1(-88.3762626647949f));                                     \
-        const V fk = FLOOR(ADD(MUL(x, SET1(1.44269504088896341f)), SET1(0.5f)));                               \
+        x = MAX(MIN(x, SET1(176.0f)), SET1(-88.3762626647949f));                                                \
+        const V fk = FLOOR(ADD(MUL(x, SET1(1.44269504088896341f)), SET1(0.5f)));  /* k in [-127, 254] */        \
         x = SUB(x, MUL(fk, SET1(0.693359375f)));                                                                \
         x = SUB(x, MUL(fk, SET1(-2.12194440e-4f)));                                                             \
         V y = SET1(1.9875691500E-4f);                                                                           \
@@ -87,8 +89,9 @@ static void round_bf16(float* x, int n) {
         y = ADD(MUL(y, x), SET1(1.6666665459E-1f));                                                             \
         y = ADD(MUL(y, x), SET1(5.0000001201E-1f));                                                             \
         y = ADD(MUL(y, MUL(x, x)), ADD(x, SET1(1.0f)));                                                        \
-        const V e = CAST(SLLI(ADDI(CVT(fk)), 23));                                                              \
-        out = MUL(DIV(gg, ADD(SET1(1.0f), MUL(y, e))), uu);                                                     \
+        const VI k = CVT(fk), ka = SRAI(k, 1), kb = SUBI(k, ka);  /* each in [-64, 127]: a normal power of 2 */ \
+        const V e = MUL(MUL(y, CAST(SLLI(ADDI(ka), 23))), CAST(SLLI(ADDI(kb), 23)));                            \
+        out = MUL(DIV(gg, ADD(SET1(1.0f), e)), uu);                                                             \
     } while (0)
 
 static inline float s_min(float a, float b) { return a < b ? a : b; }  /* as _mm_min_ps: b where either is NaN */
@@ -100,6 +103,8 @@ static inline float s_div(float a, float b) { return a / b; }
 static inline float s_set1(float a) { return a; }
 static inline int32_t s_cvt(float a) { return (int32_t)a; }
 static inline int32_t s_addi(int32_t k) { return k + 127; }
+static inline int32_t s_subi(int32_t a, int32_t b) { return a - b; }
+static inline int32_t s_srai(int32_t k, int n) { return k >> n; }  /* arithmetic on GCC and Clang: floor(k / 2^n) */
 static inline uint32_t s_slli(int32_t k, int n) { return (uint32_t)k << n; }
 static inline float s_cast(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
@@ -107,7 +112,8 @@ static void silu_mul_scalar(const float* g, const float* u, float* act, int i, i
     for (; i < n; ++i) {
         const float gg = g[i], uu = u[i];
         float out;
-        SILU_STEP(float, s_set1, s_add, s_sub, s_mul, s_div, s_min, s_max, floorf, s_cvt, s_addi, s_slli, s_cast);
+        SILU_STEP(float, int32_t, s_set1, s_add, s_sub, s_mul, s_div, s_min, s_max, floorf, s_cvt, s_addi, s_subi,
+                  s_srai, s_slli, s_cast);
         act[i] = out;
     }
 }
@@ -125,8 +131,9 @@ static void silu_mul_scalar(const float* g, const float* u, float* act, int i, i
         for (; i + W <= n; i += W) {                                                                              \
             const V gg = P##_loadu_ps(g + i), uu = P##_loadu_ps(u + i);                                          \
             V out;                                                                                                \
-            SILU_STEP(V, P##_set1_ps, P##_add_ps, P##_sub_ps, P##_mul_ps, P##_div_ps, P##_min_ps, P##_max_ps,     \
-                      FLOORV, P##_cvttps_epi32, ADDIV, P##_slli_epi32, P##_castsi##SI##_ps);                    \
+            SILU_STEP(V, V##i, P##_set1_ps, P##_add_ps, P##_sub_ps, P##_mul_ps, P##_div_ps, P##_min_ps,           \
+                      P##_max_ps, FLOORV, P##_cvttps_epi32, ADDIV, P##_sub_epi32, P##_srai_epi32, P##_slli_epi32,   \
+                      P##_castsi##SI##_ps);                                                                       \
             P##_storeu_ps(act + i, out);                                                                          \
         }                                                                                                         \
         silu_mul_scalar(g, u, act, i, n);                                                                         \
