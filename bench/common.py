@@ -122,3 +122,28 @@ def peak_flops(reps: int) -> float:
     """FLOP per second of :func:`gemm_probe` (median of ``reps``)."""
     fn, flops = gemm_probe()
     return flops / _interleaved({"gemm": fn}, reps)["gemm"]
+
+
+def random_kv_steps(context: int, budget: int, capacity: int, lower_kv: str = "bfloat16"):
+    """The embedded SmolLM2 (its verifier on its GGUF block codes) and the retrieval tier ``auto`` gives it under
+    sampling (the same codes with int8 activations, ``--lower-weights codes``), over ``context`` tokens of random KV
+    (``triforce.lab.synthetic.fill_random_kv``, no prefill): ``(model, codes, full, retrieval)``, the full cache of
+    ``capacity`` slots and a ``budget``-slot retrieval cache in ``lower_kv`` (a torch dtype name), chunks of the
+    default chunk size. Both models are sized for ``capacity`` positions; roll each forward back to ``context``."""
+    import torch
+
+    from triforce.caches import FullKVCache
+    from triforce.lab.synthetic import fill_random_kv
+    from triforce.loading import load_model
+    from triforce.quant import lower_precision_copy
+    from triforce.retrieval import RetrievalCache
+
+    model = load_model(None).model
+    codes = lower_precision_copy(model, "codes")
+    for m in (model, codes):
+        m.set_request_length(capacity)
+    full = FullKVCache(model.cfg, capacity, model.dtype, model.device)
+    fill_random_kv(full, context, 0)
+    retrieval = RetrievalCache(model.cfg, full, budget, DEFAULTS["chunk_size"], dtype=getattr(torch, lower_kv))
+    fill_random_kv(retrieval, context, 1)
+    return model, codes, full, retrieval

@@ -41,9 +41,10 @@ import argparse
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 import torch
-from common import _interleaved, add_run_options, emit_json, gemm_probe, gemv_probe, stream_probe  # noqa: E402
+from common import (_interleaved, add_run_options, emit_json, gemm_probe, gemv_probe, random_kv_steps,  # noqa: E402
+                    stream_probe)
 
-from triforce.auto import RETRIEVAL_BUDGET_BOUNDS, RETRIEVAL_BUDGET_SHARE_SAMPLING  # noqa: E402
+from triforce.auto import retrieval_budget  # noqa: E402
 from triforce.defaults import DEFAULTS  # noqa: E402
 
 
@@ -55,8 +56,8 @@ def _speedup(tau: float, gamma: int, decode: float, verify: float, propose: floa
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--context", type=int, default=8000, help="tokens in the KV cache (8000)")
-    p.add_argument("--budget", type=int, help="retrieval cache slots (default: auto's under sampling, the context x "
-                   "RETRIEVAL_BUDGET_SHARE_SAMPLING within RETRIEVAL_BUDGET_BOUNDS: 1000 at 8K)")
+    p.add_argument("--budget", type=int, help="retrieval cache slots (default: auto's under sampling, "
+                   "triforce.auto.retrieval_budget: 1000 at 8K)")
     p.add_argument("--gamma2", type=int, default=DEFAULTS["gamma2"], help="proposals per verification")
     p.add_argument("--tokens-per-verification", type=float, default=5.5,
                    help="tau, tokens emitted per verification (5.5: `triforce bench` at 8K, T = 0.6)")
@@ -67,8 +68,7 @@ def main() -> int:
     add_run_options(p, None, reps=7, sampling=False)
     args = p.parse_args()
     if args.budget is None:
-        lo, hi = RETRIEVAL_BUDGET_BOUNDS
-        args.budget = int(min(hi, max(lo, args.context * RETRIEVAL_BUDGET_SHARE_SAMPLING)))  # as plan_hierarchy
+        args.budget = retrieval_budget(args.context, greedy=False)
     for name in ("context", "budget", "gamma2", "reps", "threads", "short_context"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -81,26 +81,16 @@ def main() -> int:
 
     from triforce.caches import FullKVCache, kv_bytes
     from triforce.lab.synthetic import fill_random_kv
-    from triforce.loading import load_model
     from triforce.model import Linear
-    from triforce.quant import lower_precision_copy
-    from triforce.retrieval import RetrievalCache
 
-    model = load_model(None).model
-    codes = lower_precision_copy(model, "codes")
-    cfg, n, g = model.cfg, args.context, args.gamma2
+    n, g = args.context, args.gamma2
+    # random KV; each forward below rolled back so that every repetition sees the same context (as
+    # measure_tier_latencies), the three steps timed interleaved in one loop (the machine's speed drifts between phases)
+    model, codes, full, retrieval = random_kv_steps(n, args.budget, n + g + 2, args.lower_kv_dtype)
+    cfg, lower_kv = model.cfg, getattr(torch, args.lower_kv_dtype)
     weights = sum(m.weight_t.numel() for m in model.modules() if isinstance(m, Linear))  # every product's weights
     attn_per_key = 4 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers  # QK^T and PV, per query row
 
-    # the three steps timed interleaved in one loop (the machine's speed drifts between phases), random KV, each
-    # forward rolled back so that every repetition sees the same context (as measure_tier_latencies)
-    model.set_request_length(n + g + 2)
-    codes.set_request_length(n + g + 2)
-    full = FullKVCache(cfg, n + g + 2, model.dtype, model.device)
-    fill_random_kv(full, n, 0)
-    lower_kv = getattr(torch, args.lower_kv_dtype)
-    retrieval = RetrievalCache(cfg, full, args.budget, DEFAULTS["chunk_size"], dtype=lower_kv)
-    fill_random_kv(retrieval, n, 1)
     short = FullKVCache(cfg, n + g + 2, model.dtype, model.device)  # same capacity: only the keys read differ
     fill_random_kv(short, args.short_context, 2)
     gen = torch.Generator().manual_seed(0)

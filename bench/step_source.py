@@ -34,9 +34,9 @@ from pathlib import Path
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 import torch
-from common import add_run_options, emit_json  # noqa: E402  (bench/common.py, beside this script)
+from common import add_run_options, emit_json, random_kv_steps  # noqa: E402  (bench/common.py, beside this script)
 
-from triforce.auto import RETRIEVAL_BUDGET_BOUNDS, RETRIEVAL_BUDGET_SHARE_SAMPLING  # noqa: E402
+from triforce.auto import retrieval_budget  # noqa: E402
 from triforce.defaults import DEFAULTS  # noqa: E402
 
 CHUNK = DEFAULTS["chunk_size"]  # the retrieval cache's chunk, as auto builds it
@@ -61,8 +61,7 @@ def main() -> int:
     if args.tokens > MAX_BLOCK:
         p.error(f"--tokens must be at most {MAX_BLOCK} (one call's block), got {args.tokens}")
     if args.budget is None:
-        lo, hi = RETRIEVAL_BUDGET_BOUNDS
-        args.budget = min(args.context, int(min(hi, max(lo, args.context * RETRIEVAL_BUDGET_SHARE_SAMPLING))))
+        args.budget = min(args.context, retrieval_budget(args.context, greedy=False))
     if not CHUNK <= args.budget <= args.context:
         p.error(f"--budget must lie in [chunk size {CHUNK}, --context {args.context}], got {args.budget}")
     torch.set_num_threads(args.threads)
@@ -79,21 +78,9 @@ def main() -> int:
         p.error(f"--baseline-source {args.baseline_source}: not a csrc/decode_step.c with triforce_decode_layers "
                 f"({str(e).strip()[-300:]})")
 
-    from triforce.caches import FullKVCache
-    from triforce.lab.synthetic import fill_random_kv
-    from triforce.loading import load_model
-    from triforce.quant import lower_precision_copy
-    from triforce.retrieval import RetrievalCache
-
-    model = load_model(None).model
-    codes = lower_precision_copy(model, "codes")
-    cfg, n, t = model.cfg, args.context, args.tokens
-    for m in (model, codes):
-        m.set_request_length(n + t + 2)
-    full = FullKVCache(cfg, n + t + 2, model.dtype, model.device)
-    fill_random_kv(full, n, 0)
-    retrieval = RetrievalCache(cfg, full, args.budget, CHUNK, dtype=torch.bfloat16)
-    fill_random_kv(retrieval, n, 1)
+    n, t = args.context, args.tokens
+    model, codes, full, retrieval = random_kv_steps(n, args.budget, n + t + 2)
+    cfg = model.cfg
     gen = torch.Generator().manual_seed(0)
     kinds = {"full_decode": (model, full, 1), "full_pass": (model, full, t), "retrieval_decode": (codes, retrieval, 1)}
     inputs = {k: torch.randint(0, cfg.vocab_size, (1, rows), generator=gen) for k, (_, _, rows) in kinds.items()}

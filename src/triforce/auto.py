@@ -151,6 +151,17 @@ class AutoPlan:
     lower_kv_dtype: str | None = None
 
 
+def retrieval_budget(prompt_tokens: int, greedy: bool, max_budget: int = DEFAULTS["budget"]) -> int:
+    """The retrieval tier's budget :func:`plan_hierarchy` starts from, in slots (tokens): :data:`RETRIEVAL_BUDGET_SHARE`
+    of the prompt (:data:`RETRIEVAL_BUDGET_SHARE_SAMPLING` under sampling), within :data:`RETRIEVAL_BUDGET_BOUNDS` and
+    never above ``max_budget`` (the paper's 4,096 of 120K tokens, TriForce Sec. 5, scaled to the prompt); e.g. 1,000
+    at 8,000 tokens under sampling. Pure arithmetic, raises nothing; ``plan_hierarchy`` then raises it to the
+    smallest budget a block fits in."""
+    lo, hi = RETRIEVAL_BUDGET_BOUNDS
+    share = RETRIEVAL_BUDGET_SHARE if greedy else RETRIEVAL_BUDGET_SHARE_SAMPLING
+    return int(min(hi, max_budget, max(lo, prompt_tokens * share)))
+
+
 def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, prompt_tokens: int, bottom: str | None,
                    sampling: SamplingParams, gamma1: int = DEFAULTS["gamma1"], gamma2: int = DEFAULTS["gamma2"],
                    chunk_size: int = DEFAULTS["chunk_size"], max_budget: int = DEFAULTS["budget"],
@@ -198,9 +209,7 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
     """
     kv = kv_bytes(cfg, prompt_tokens, kv_dtype)
     share = kv / max(1, weight_bytes)
-    lo, hi = RETRIEVAL_BUDGET_BOUNDS
-    budget_share = RETRIEVAL_BUDGET_SHARE if sampling.greedy else RETRIEVAL_BUDGET_SHARE_SAMPLING
-    budget = int(min(hi, max_budget, max(lo, prompt_tokens * budget_share)))
+    budget = retrieval_budget(prompt_tokens, sampling.greedy, max_budget)
     reach = 2 * gamma2 if adaptive_gamma else gamma2  # the most tokens the tier may run ahead
     room = chunk_size + reach + 2  # the smallest budget of such a tier (SpeculationConfig's check)
     fits = max_budget >= room  # the budget given leaves room for a block: never raised above it
@@ -217,7 +226,7 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
     weight_bound = (fits and not retrieval and bottom != "self" and device_type == "cpu"
                     and layer_bytes >= WEIGHT_BOUND_LAYER_BYTES)
     if weight_bound:
-        budget = max(int(min(hi, max_budget)), room)  # the whole prompt where it fits
+        budget = max(int(min(RETRIEVAL_BUDGET_BOUNDS[1], max_budget)), room)  # the whole prompt where it fits
     int8_bytes = weight_bytes // torch.empty((), dtype=kv_dtype).element_size()  # the weights' dtype, as a rule
     verifier_bytes = weight_bytes if step_weight_bytes is None else step_weight_bytes
     # the tier reads the target's own weights where the verifier reads fewer bytes than an int8 copy (block codes)
