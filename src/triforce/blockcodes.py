@@ -40,6 +40,7 @@ _BUILDS = {"AVX-512 VNNI": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx5
                        BLOCKCODES_CFLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl")),
            "AVX2": (("avx2", "fma", "f16c"), BLOCKCODES_CFLAGS)}
 _SYMBOLS = {"triforce_blockcode_linear": (_I, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I]),
+            "triforce_blockcode_dequantize": (_I, [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I]),
             "triforce_blockcode_linear_q8": (_I, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _P]),
             "triforce_blockcode_fit": (_I, [_P, _I, _I, _I, _P, _P, _P])}
 
@@ -67,16 +68,24 @@ def blockcodes_status() -> str:
     return _blockcodes.status
 
 
+#: flags added to a :class:`BlockCodes`' width in the kernel's ``bits`` argument (csrc/blockcodes.c): fp32 scales and
+#: minima (a K-quant's), groups of 16 inputs (Q6_K's)
+BC_F32, BC_G16 = 32, 64
+
+
 @dataclass
 class BlockCodes:
-    """One (in, out) weight matrix as block codes, in the layout of ``csrc/blockcodes.c``.
+    """One (in, out) weight matrix as block codes, in the layout of ``csrc/blockcodes.c``: ``w = fl(d q) + m`` per
+    group of ``group`` inputs and output, with ``d q`` exact in fp32.
 
     Attributes:
-        bits: 4 (Q4_1: ``w = d * q + m``) or 8 (Q8_0: ``w = d * q``).
+        bits: 4 (codes in [0, 15], nibbles) or 8 (codes in [-128, 127], int8).
         codes: bits 4: (out / 8, in) int32, nibble k the code of output 8c + k; bits 8: (out / 8, in, 8) int8.
-        d: (out / 8, in / 32, 8) fp16 scales per block of 32 inputs (as GGUF stores them; the kernel converts them to
-            fp32 exactly); m: the same shape, the fp16 minima (bits 4), or None.
+        d: (out / 8, in / group, 8) scales per group of inputs: fp16 as GGUF's Q4_0/Q4_1/Q5_0/Q8_0 store them, or fp32
+            (a K-quant's super-block scale times its 6- or 8-bit group scale, exact in fp32); m: the same shape and
+            dtype, the minima (None: ``w = d q``).
         in_features, out_features: the matrix's shape, (in, out).
+        group: inputs per scale, 32 or 16 (Q6_K).
     """
 
     bits: int
@@ -85,11 +94,20 @@ class BlockCodes:
     m: torch.Tensor | None
     in_features: int
     out_features: int
+    group: int = GROUP
+
+    @property
+    def kernel_bits(self) -> int:
+        """The ``bits`` argument of the kernels: the width plus :data:`BC_F32` and :data:`BC_G16` as they apply."""
+        return self.bits | (BC_F32 if self.d.dtype == torch.float32 else 0) | (BC_G16 if self.group == 16 else 0)
 
     @cached_property
     def q8_dot_ok(self) -> bool:
-        """Whether :func:`blockcode_linear_q8` takes these codes: 4-bit codes, or 8-bit codes within [-127, 127] (the
-        kernel's ``vpsignb`` cannot negate -128; ggml's own Q8_0 quantization never writes it). Checked once."""
+        """Whether :func:`blockcode_linear_q8` takes these codes: fp16 scales over groups of 32 with 4-bit codes, or
+        8-bit codes within [-127, 127] (the kernel's ``vpsignb`` cannot negate -128; ggml's own Q8_0 quantization never
+        writes it). Checked once."""
+        if self.kernel_bits not in (4, 8):
+            return False
         return self.bits == 4 or int(self.codes.min()) > -128
 
     @property
@@ -97,19 +115,72 @@ class BlockCodes:
         """Bytes a product reads: codes, scales and minima."""
         return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m) if t is not None)
 
-    def dequantize(self) -> torch.Tensor:
-        """The (in, out) fp32 weights the codes stand for, computed as the check in :func:`find_block_codes` does."""
-        n_in, n_out = self.in_features, self.out_features
-        if self.bits == 4:
-            shifts = 4 * torch.arange(8, dtype=torch.int64)
-            q = ((self.codes.to(torch.int64)[..., None] & 0xFFFFFFFF) >> shifts) & 15  # (out/8, in, 8)
-        else:
-            q = self.codes.to(torch.int64)
-        d = self.d.float().repeat_interleave(GROUP, dim=1)  # (out/8, in, 8)
-        w = d * q.float()
+    def unpacked(self) -> torch.Tensor:
+        """The codes as (out / 8, in, 8) int8 (4-bit codes unpacked; 8-bit codes as they are)."""
+        if self.bits == 8:
+            return self.codes
+        shifts = 4 * torch.arange(8, dtype=torch.int32)
+        return ((self.codes[..., None] >> shifts) & 15).to(torch.int8)
+
+    def dequantize(self, c_from: int = 0, c_to: int | None = None) -> torch.Tensor:
+        """The (in, out) fp32 weights the codes stand for (``fl(fl(d q) + m)``), or those of column blocks
+        [c_from, c_to) (outputs 8 c_from .. 8 c_to - 1) as an (in, 8 (c_to - c_from)) tile: csrc/blockcodes.c's
+        ``triforce_blockcode_dequantize`` where the kernel loads, else the same arithmetic in PyTorch."""
+        c_to = self.out_features // 8 if c_to is None else c_to
+        fns = _blockcodes.load()
+        if fns is not None:
+            w = torch.empty(self.in_features, 8 * (c_to - c_from))
+            rc = fns["triforce_blockcode_dequantize"](self.codes.data_ptr(), self.kernel_bits, self.d.data_ptr(),
+                                                      None if self.m is None else self.m.data_ptr(), w.data_ptr(),
+                                                      self.in_features, self.out_features, c_from, c_to,
+                                                      torch.get_num_threads())
+            if rc == 0:
+                return w
+        q = self.unpacked()[c_from:c_to].float()  # (C, in, 8)
+        w = self.d[c_from:c_to].float().repeat_interleave(self.group, dim=1) * q
         if self.m is not None:
-            w = w + self.m.float().repeat_interleave(GROUP, dim=1)
-        return w.permute(1, 0, 2).reshape(n_in, n_out)
+            w = w + self.m[c_from:c_to].float().repeat_interleave(self.group, dim=1)
+        return w.permute(1, 0, 2).reshape(self.in_features, -1)
+
+    def promoted(self, bits: int, f32: bool, group: int, has_m: bool) -> "BlockCodes":
+        """The same weights in a wider format (8-bit codes, fp32 scales, groups of 16, minima of 0), so that matrices
+        of different GGUF types can share one product (q, k and v; gate and up). Exact: fp16 scales are fp32 values,
+        a group's scale serves both its halves, and ``fl(d q) + 0`` is ``d q`` (a zero weight's sign aside, which no
+        FMA chain starting at +0 can see)."""
+        codes = self.codes if bits == self.bits else self.unpacked()
+        d, m = self.d, self.m
+        if has_m and m is None:
+            m = torch.zeros_like(d)
+        if f32:
+            d, m = d.float(), None if m is None else m.float()
+        if group != self.group:
+            d, m = d.repeat_interleave(2, dim=1), None if m is None else m.repeat_interleave(2, dim=1)
+        return BlockCodes(bits, codes, d.contiguous(), None if m is None else m.contiguous(), self.in_features,
+                          self.out_features, group)
+
+
+def concat_outputs(parts: list[BlockCodes]) -> BlockCodes:
+    """Matrices of the same inputs side by side along their outputs (q, k, v as one qkv product), each first
+    :meth:`~BlockCodes.promoted` to the narrowest format that holds them all.
+
+    Raises:
+        ValueError: parts of different input sizes.
+    """
+    if len({p.in_features for p in parts}) != 1:
+        raise ValueError(f"concat_outputs: input sizes differ: {[p.in_features for p in parts]}")
+    bits, f32 = max(p.bits for p in parts), any(p.d.dtype == torch.float32 for p in parts)
+    group, has_m = min(p.group for p in parts), any(p.m is not None for p in parts)
+    if f32 and bits == 4 and not has_m:  # the kernel's fp32-scale formats: 4-bit codes with minima, or 8-bit codes
+        bits = 8
+    if f32 and group == 16:
+        bits = 8
+    parts = [p.promoted(bits, f32, group, has_m) for p in parts]
+    if len(parts) == 1:
+        return parts[0]
+    cat = lambda ts: torch.cat(ts, dim=0)  # noqa: E731  (the column-block axis)
+    return BlockCodes(bits, cat([p.codes for p in parts]), cat([p.d for p in parts]),
+                      cat([p.m for p in parts]) if has_m else None, parts[0].in_features,
+                      sum(p.out_features for p in parts), group)
 
 
 def find_block_codes(weight_t: torch.Tensor) -> BlockCodes | None:
@@ -184,7 +255,7 @@ def _product(symbol: str, x: torch.Tensor, codes: BlockCodes, *extra) -> torch.T
         return None
     x = x.contiguous()
     y = torch.empty(x.shape[0], codes.out_features)
-    rc = fns[symbol](x.data_ptr(), codes.codes.data_ptr(), codes.bits, codes.d.data_ptr(),
+    rc = fns[symbol](x.data_ptr(), codes.codes.data_ptr(), codes.kernel_bits, codes.d.data_ptr(),
                      None if codes.m is None else codes.m.data_ptr(), y.data_ptr(), x.shape[0], codes.in_features,
                      codes.out_features, torch.get_num_threads(), *extra)
     return y if rc == 0 else None
@@ -214,3 +285,29 @@ def blockcode_linear_q8(x: torch.Tensor, codes: BlockCodes) -> torch.Tensor | No
     work = torch.empty(x.numel() * codes.bits + 8 * x.shape[0] * (x.shape[1] // GROUP) + 32, dtype=torch.uint8)
     base = work.data_ptr() + (-work.data_ptr()) % 32  # the kernel's aligned loads
     return _product("triforce_blockcode_linear_q8", x, codes, base)
+
+
+#: outputs of one dequantized tile in :func:`blockcode_matmul` (a multiple of 8): 8.75 MB of fp32 weights for 1,024
+#: inputs, so a tile stays in the last-level cache while the GEMM reads it
+MATMUL_TILE_OUTPUTS = 2048
+
+
+def blockcode_matmul(x: torch.Tensor, codes: BlockCodes) -> torch.Tensor:
+    """``y = x W`` for any number of rows (prefill): W's columns dequantized a tile at a time
+    (:meth:`BlockCodes.dequantize`, exactly the weights the codes stand for) and multiplied by PyTorch's GEMM, so no
+    fp32 copy of the matrix is kept.
+
+    Args:
+        x: (M, in) activations on the CPU (any float dtype; computed in fp32).
+        codes: the weights.
+
+    Returns:
+        (M, out) fp32.
+    """
+    x = x.float()
+    y = torch.empty(x.shape[0], codes.out_features)
+    step = MATMUL_TILE_OUTPUTS // 8
+    for c in range(0, codes.out_features // 8, step):
+        c_to = min(c + step, codes.out_features // 8)
+        y[:, 8 * c:8 * c_to] = x @ codes.dequantize(c, c_to)
+    return y

@@ -75,7 +75,7 @@ class LayerTable:
                 if ok:
                     q8_here = bool(q8 and q8[i]) and w.q8_dot_ok
                     qs.append(w.codes), scales.append(w.d), mins.append(w.m)
-                    bits.append(w.bits | (Q8_ACTIVATIONS if q8_here else 0))
+                    bits.append(w.kernel_bits | (Q8_ACTIVATIONS if q8_here else 0))
             else:
                 q, s = w
                 ok = (q.dtype == torch.int8 and tuple(q.shape) == want and q.is_contiguous() and q.device.type == "cpu"

@@ -11,11 +11,16 @@ from typing import Any
 
 import torch
 
-from .config import ModelLoadError, check_architecture
+from .config import ModelConfig, ModelLoadError, check_architecture
 
 
-def read_gguf(path: str | Path) -> tuple[Any, dict[str, torch.Tensor], Any]:
-    """Read a GGUF file with transformers' reader: ``(hf_config, fp32 state dict in HF names, tokenizer)``.
+def read_gguf(path: str | Path, codes: bool = False) -> tuple[Any, dict[str, Any], Any]:
+    """Read a GGUF file: ``(hf_config, state dict in HF names, tokenizer)``, config and tokenizer by transformers.
+
+    Args:
+        path: the .gguf file.
+        codes: keep quantized matrices as the file stores them (``ggufcodes.read_gguf_codes``: block codes and the
+            embedding's rows, no fp32 copy); else transformers' reader dequantizes every tensor to fp32.
 
     Raises:
         UnsupportedModelError: an architecture outside :data:`~triforce.config.SUPPORTED_ARCHITECTURES`.
@@ -31,8 +36,17 @@ def read_gguf(path: str | Path) -> tuple[Any, dict[str, torch.Tensor], Any]:
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
     check_architecture(meta.get("config", {}).get("model_type"))
     hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(hf_config)
-    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    if codes:
+        from .ggufcodes import read_gguf_codes
+
+        cfg = ModelConfig.from_hf(hf_config)
+        try:
+            state = read_gguf_codes(path, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.tie_word_embeddings)
+        except ValueError as e:
+            raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+    else:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(hf_config)
+        state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return hf_config, state, tokenizer

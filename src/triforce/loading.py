@@ -127,6 +127,17 @@ def _read_folder(folder: Path, dtype: torch.dtype, device: str | torch.device, t
     return hf_config, state, tokenizer
 
 
+def _read_gguf_as(path: Path, dtype: torch.dtype, device: torch.device, tp):
+    """A GGUF file's config, state and tokenizer: its quantized matrices kept as the file stores them (block codes,
+    ``ggufcodes.py``) for an fp32 model on the CPU where the block-code kernel runs, else dequantized to ``dtype``."""
+    from .blockcodes import blockcodes_status
+
+    if dtype == torch.float32 and device.type == "cpu" and tp is None and blockcodes_status().startswith("on"):
+        return read_gguf(path, codes=True)
+    hf_config, state, tokenizer = read_gguf(path)
+    return hf_config, {k: v.to(dtype) for k, v in state.items()}, tokenizer
+
+
 def _prod(shape) -> int:
     n = 1
     for s in shape:
@@ -171,8 +182,7 @@ def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"model file {path} is not a .gguf file; pass a GGUF file or a Hugging Face folder")
-        hf_config, state, tokenizer = read_gguf(path)
-        state = {k: v.to(torch_dtype) for k, v in state.items()}
+        hf_config, state, tokenizer = _read_gguf_as(path, torch_dtype, device, tp)
     elif path.is_dir():
         if (path / "config.json").is_file():
             hf_config, state, tokenizer = _read_folder(path, torch_dtype, device, tp)
@@ -181,8 +191,7 @@ def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype
             if len(ggufs) != 1:
                 raise ModelLoadError(f"folder {path} has no config.json and {len(ggufs)} GGUF files; expected a Hugging "
                                      "Face folder (config.json + safetensors) or exactly one .gguf file")
-            hf_config, state, tokenizer = read_gguf(ggufs[0])
-            state = {k: v.to(torch_dtype) for k, v in state.items()}
+            hf_config, state, tokenizer = _read_gguf_as(ggufs[0], torch_dtype, device, tp)
     elif _looks_like_hub_id(source):
         try:
             from huggingface_hub import snapshot_download

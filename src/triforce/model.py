@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .blockcodes import blockcode_linear, blockcode_linear_q8
+from .blockcodes import BlockCodes, blockcode_linear, blockcode_linear_q8, blockcode_matmul, concat_outputs
 from .caches import KVCache, RaggedCache
 from .config import ModelConfig
 from .cudagraph import graphs_apply, run_graphed
@@ -56,6 +56,8 @@ class Linear(nn.Module):
                 y = blockcode_linear(x.reshape(-1, x.shape[-1]), self.codes)
         # a verification block or a batched step (and a decode step where the kernel beats MKL's GEMV): our kernel,
         # unless oneDNN's product over packed weights is faster on this CPU (the AVX2 build)
+        if y is None and self.weight_t is None:  # codes only (a GGUF file read as stored): dequantized tiles
+            y = blockcode_matmul(x.reshape(-1, x.shape[-1]), self.codes)
         if y is None and ((1 < rows <= LINEAR_MAX_ROWS and (self.packed is None or f32_beats_onednn()))
                           or (rows == 1 and f32_one_row_pays())):
             y = f32_linear(x.reshape(-1, x.shape[-1]), self.weight_t)
@@ -349,6 +351,8 @@ class Transformer(nn.Module):
         def weight_t(*names: str) -> torch.Tensor:
             """The named (out, in) weights stacked along out, as our Linear stores them: (in, sum of out)."""
             parts = [take(n) for n in names]
+            if isinstance(parts[0], BlockCodes):  # a GGUF file read as stored (ggufcodes.py): no fp32 copy
+                return concat_outputs(parts)
             w = parts[0] if len(parts) == 1 else torch.cat(parts)
             del parts
             return w.to(dtype).T.contiguous()
@@ -370,18 +374,26 @@ class Transformer(nn.Module):
             for n in ("input_layernorm", "post_attention_layernorm"):
                 new[p + n + ".weight"] = take(p + n + ".weight")
         new["norm.weight"] = take("norm.weight")
-        if cfg.tie_word_embeddings:  # one matrix: the LM head's (d, V), whose columns are the token embeddings
+        if cfg.tie_word_embeddings and "lm_head.weight" not in renamed:  # one matrix: the LM head's (d, V), whose
+            # columns are the token embeddings (a GGUF file read as stored gives its codes and its rows apart)
             new["lm_head.weight_t"] = weight_t("embed_tokens.weight")
         else:
             new["embed_tokens.weight"] = take("embed_tokens.weight")
             new["lm_head.weight_t"] = weight_t("lm_head.weight")
         del renamed
+        coded = {k: new.pop(k) for k in [k for k, v in new.items() if not isinstance(v, torch.Tensor)]}
         params = dict(model.named_parameters())
         for name, tensor in new.items():
             if name not in params or tuple(params[name].shape) != tuple(tensor.shape):
                 expected = tuple(params[name].shape) if name in params else None
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
         model.load_state_dict(new, strict=False, assign=True)
+        for name, value in coded.items():  # block codes in place of weight_t, a GGUF embedding's rows
+            owner, _, attr = name.rpartition(".")
+            if isinstance(value, BlockCodes):
+                model.get_submodule(owner).weight_t, model.get_submodule(owner).codes = None, value
+            else:
+                setattr(model, owner, value)
         model = model.to(device=device, dtype=dtype)
         model.rope = RotaryEmbedding(cfg, device=device)
         if tp is not None:
@@ -410,7 +422,8 @@ class Transformer(nn.Module):
         count = 0
         for module in self.modules():
             if isinstance(module, Linear):
-                module.codes = find_block_codes(module.weight_t)
+                if module.weight_t is not None:  # else codes read from the file as stored (ggufcodes.py)
+                    module.codes = find_block_codes(module.weight_t)
                 count += module.codes is not None
         try:  # every layer on codes: its decode steps and verification blocks in one call where the cache offers it
             self.decode_step = DecodeStep(self)
@@ -439,7 +452,7 @@ class Transformer(nn.Module):
         except (RuntimeError, AttributeError, NotImplementedError):
             return False
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and module.weight_t is not None:
                 module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight_t.detach().T.contiguous(), None)
         return True
 
@@ -482,7 +495,9 @@ class Transformer(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters (tied weights counted once)."""
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        return (sum(p.numel() * p.element_size() for p in self.parameters())
+                + sum(m.codes.nbytes for m in self.modules() if isinstance(m, Linear) and m.weight_t is None)
+                + getattr(self.embed_tokens, "nbytes", 0))
 
     def layers_on_codes(self) -> bool:
         """Whether every layer's projections read GGUF block codes in one-call decode steps
@@ -494,5 +509,5 @@ class Transformer(nn.Module):
         """Bytes of weights a decode step reads: a projection's block codes where it has them (``blockcodes.py``),
         else its parameters (:meth:`weight_bytes` without the codes' fp32 copies; the embedding row is not counted
         apart from the tied LM head)."""
-        coded = [m for m in self.modules() if isinstance(m, Linear) and m.codes is not None]
+        coded = [m for m in self.modules() if isinstance(m, Linear) and m.codes is not None and m.weight_t is not None]
         return self.weight_bytes() - sum(m.weight_t.numel() * m.weight_t.element_size() - m.codes.nbytes for m in coded)

@@ -36,9 +36,11 @@
 #define MAX_ROWS 64
 #define GROUP 32
 
-/* 8 fp16 scales or minima, as fp32 (exact) */
-static inline __attribute__((always_inline)) __m256 half8(const uint16_t* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+/* the 8 scales or minima at index k (a multiple of 8) of a (out / 8, groups, 8) array, as fp32: fp16 values converted
+ * exactly, or fp32 values (F32: a K-quant's products of two fp16 scales, exact in fp32) */
+static inline __attribute__((always_inline)) __m256 scale8(const void* p, int64_t k, const int F32) {
+    if (F32) return _mm256_loadu_ps((const float*)p + k);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + k)));
 }
 
 /* BLOCK_PRODUCT_EXACT: a weight's d q is exact in fp32 (an fp16 scale's 11 significant bits times a code's 4 or 8,
@@ -62,14 +64,15 @@ static inline __attribute__((always_inline)) __m256 weights8(const void* codes, 
 }
 
 /* L1 prefetch of group g of column blocks [c_from, c_to): their codes, scales and minima */
-static inline __attribute__((always_inline)) void prefetch_group(const void* codes, const int BITS, const uint16_t* d,
-                                                                 const uint16_t* m, const int HAS_M, int64_t c_from,
-                                                                 int64_t c_to, int in, int groups, int g) {
+static inline __attribute__((always_inline)) void prefetch_group(const void* codes, const int BITS, const void* d,
+                                                                 const void* m, const int HAS_M, const int F32,
+                                                                 const int G, int64_t c_from, int64_t c_to, int in,
+                                                                 int groups, int g) {
     for (int64_t u = c_from; u < c_to; ++u) {
-        const char* cn = (const char*)codes + (u * in + g * GROUP) * BITS;  /* 4 or 8 bytes an input */
-        for (int o = 0; o < GROUP * BITS; o += 64) _mm_prefetch(cn + o, _MM_HINT_T0);
-        _mm_prefetch((const char*)(d + (u * groups + g) * 8), _MM_HINT_T0);
-        if (HAS_M) _mm_prefetch((const char*)(m + (u * groups + g) * 8), _MM_HINT_T0);
+        const char* cn = (const char*)codes + (u * in + g * G) * BITS;  /* 4 or 8 bytes an input */
+        for (int o = 0; o < G * BITS; o += 64) _mm_prefetch(cn + o, _MM_HINT_T0);
+        _mm_prefetch((const char*)d + (u * groups + g) * 8 * (F32 ? 4 : 2), _MM_HINT_T0);
+        if (HAS_M) _mm_prefetch((const char*)m + (u * groups + g) * 8 * (F32 ? 4 : 2), _MM_HINT_T0);
     }
 }
 
@@ -80,19 +83,20 @@ static inline __attribute__((always_inline)) void prefetch_group(const void* cod
  * codes, every matrix once, one row, 2 threads: 10.4 ms before, 8.3 ms with it, the same outputs bitwise;
  * bench/blockcodes.py, bench/results/blockcodes_prefetch_2026-12-03.json). */
 static inline __attribute__((always_inline)) void tile(const float* x, const int R, int in, const void* codes,
-                                                       const int BITS, const uint16_t* d, const uint16_t* m, const int HAS_M,
-                                                       int64_t c0, const int NC, int out, float* y, const int PF) {
+                                                       const int BITS, const void* d, const void* m, const int HAS_M,
+                                                       const int F32, const int G, int64_t c0, const int NC, int out,
+                                                       float* y, const int PF) {
     __m256 acc[8];  /* R * NC <= 8 */
     for (int a = 0; a < R * NC; ++a) acc[a] = _mm256_setzero_ps();
-    const int groups = in / GROUP;
+    const int groups = in / G;
     for (int g = 0; g < groups; ++g) {
         __m256 dv[4], mv[4];
         for (int u = 0; u < NC; ++u) {
-            dv[u] = half8(d + ((c0 + u) * groups + g) * 8);
-            mv[u] = HAS_M ? half8(m + ((c0 + u) * groups + g) * 8) : _mm256_setzero_ps();
+            dv[u] = scale8(d, ((c0 + u) * groups + g) * 8, F32);
+            mv[u] = HAS_M ? scale8(m, ((c0 + u) * groups + g) * 8, F32) : _mm256_setzero_ps();
         }
-        if (PF) prefetch_group(codes, BITS, d, m, HAS_M, c0 + NC, c0 + 2 * NC, in, groups, g);
-        for (int i = g * GROUP; i < (g + 1) * GROUP; ++i) {
+        if (PF) prefetch_group(codes, BITS, d, m, HAS_M, F32, G, c0 + NC, c0 + 2 * NC, in, groups, g);
+        for (int i = g * G; i < (g + 1) * G; ++i) {
             __m256 w[4];
             for (int u = 0; u < NC; ++u) w[u] = weights8(codes, BITS, c0 + u, in, i, dv[u], mv[u], HAS_M);
             for (int r = 0; r < R; ++r) {
@@ -108,20 +112,20 @@ static inline __attribute__((always_inline)) void tile(const float* x, const int
 /* All rows over the 4 column blocks [cq, cq + 4): passes of R rows, NC blocks at a time (one row: 4 independent FMA
  * chains, so a one-row product is not bound by FMA latency); the first pass (pf) prefetches the next NC blocks while
  * they are the thread's (below c1) */
-#define PASS(BITS, HAS_M, R, NC)                                                                                   \
+#define PASS(BITS, HAS_M, R, NC)                                                                           \
     for (int64_t c = cq; c < cq + 4; c += NC)                                                                      \
-        if (pf && c + NC < c1) tile(xm, R, in, codes, BITS, d, m, HAS_M, c, NC, out, ym, 1);                       \
-        else tile(xm, R, in, codes, BITS, d, m, HAS_M, c, NC, out, ym, 0);
-#define ROWS(BITS, HAS_M)                                                                                          \
+        if (pf && c + NC < c1) tile(xm, R, in, codes, BITS, d, m, HAS_M, F32, G, c, NC, out, ym, 1);               \
+        else tile(xm, R, in, codes, BITS, d, m, HAS_M, F32, G, c, NC, out, ym, 0);
+#define ROWS(BITS, HAS_M)                                                                                            \
     switch (rows) {                                                                                                \
-        case 1: PASS(BITS, HAS_M, 1, 4) break;                                                                     \
-        case 2: PASS(BITS, HAS_M, 2, 4) break;                                                                     \
-        case 3: PASS(BITS, HAS_M, 3, 2) break;                                                                     \
-        case 4: PASS(BITS, HAS_M, 4, 2) break;                                                                     \
-        case 5: PASS(BITS, HAS_M, 5, 1) break;                                                                     \
-        case 6: PASS(BITS, HAS_M, 6, 1) break;                                                                     \
-        case 7: PASS(BITS, HAS_M, 7, 1) break;                                                                     \
-        default: PASS(BITS, HAS_M, 8, 1) break;                                                                    \
+        case 1: PASS(BITS, HAS_M, 1, 4) break;                                                             \
+        case 2: PASS(BITS, HAS_M, 2, 4) break;                                                             \
+        case 3: PASS(BITS, HAS_M, 3, 2) break;                                                             \
+        case 4: PASS(BITS, HAS_M, 4, 2) break;                                                             \
+        case 5: PASS(BITS, HAS_M, 5, 1) break;                                                             \
+        case 6: PASS(BITS, HAS_M, 6, 1) break;                                                             \
+        case 7: PASS(BITS, HAS_M, 7, 1) break;                                                             \
+        default: PASS(BITS, HAS_M, 8, 1) break;                                                            \
     }
 
 #ifdef __AVX512F__
@@ -156,31 +160,39 @@ static inline __attribute__((always_inline)) __m512 weights16(const void* codes,
     return HAS_M ? _mm512_fmadd_ps(dv, qf, mv) : _mm512_mul_ps(dv, qf);  /* exact d q: BLOCK_PRODUCT_EXACT */
 }
 
-/* the 8 + 8 fp16 values of column blocks c and c + 1 at group g of a (out / 8, groups, 8) array, as fp32 (exact) */
-static inline __attribute__((always_inline)) __m512 pair16(const uint16_t* a, int64_t c, int groups, int g) {
-    const __m128i lo = _mm_loadu_si128((const __m128i*)(a + (c * groups + g) * 8));
-    const __m128i hi = _mm_loadu_si128((const __m128i*)(a + ((c + 1) * groups + g) * 8));
+/* the 8 + 8 values of column blocks c and c + 1 at group g of a (out / 8, groups, 8) array, as fp32 (exact): fp16,
+ * or fp32 (F32) */
+static inline __attribute__((always_inline)) __m512 pair16(const void* a, int64_t c, int groups, int g, const int F32) {
+    if (F32) {
+        const float* f = (const float*)a;
+        const __m256 lo = _mm256_loadu_ps(f + (c * groups + g) * 8), hi = _mm256_loadu_ps(f + ((c + 1) * groups + g) * 8);
+        return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+    }
+    const uint16_t* h = (const uint16_t*)a;
+    const __m128i lo = _mm_loadu_si128((const __m128i*)(h + (c * groups + g) * 8));
+    const __m128i hi = _mm_loadu_si128((const __m128i*)(h + ((c + 1) * groups + g) * 8));
     return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
 }
 
 /* tile() on 16 lanes: y[m, 8 c0 : 8 (c0 + 2 NP)) for R rows and the NP column-block pairs from c0 (c0 even); with
  * PF, each group also prefetches the same group of the next 2 NP column blocks below c1 (the thread's end) */
 static inline __attribute__((always_inline)) void tile16(const float* x, const int R, int in, const void* codes,
-                                                         const int BITS, const uint16_t* d, const uint16_t* m,
-                                                         const int HAS_M, int64_t c0, const int NP, float* y, int out,
-                                                         const int PF, int64_t c1) {
+                                                         const int BITS, const void* d, const void* m,
+                                                         const int HAS_M, const int F32, const int G, int64_t c0,
+                                                         const int NP, float* y, int out, const int PF, int64_t c1) {
     __m512 acc[16];  /* R * NP <= 16 */
     for (int a = 0; a < R * NP; ++a) acc[a] = _mm512_setzero_ps();
-    const int groups = in / GROUP;
+    const int groups = in / G;
     for (int g = 0; g < groups; ++g) {
         __m512 dv[4], mv[4];
         for (int p = 0; p < NP; ++p) {
-            dv[p] = pair16(d, c0 + 2 * p, groups, g);
+            dv[p] = pair16(d, c0 + 2 * p, groups, g, F32);
             if (BITS == 4) dv[p] = _mm512_mul_ps(dv[p], _mm512_loadu_ps(UNSHIFT16));  /* d 2^-s: exact */
-            mv[p] = HAS_M ? pair16(m, c0 + 2 * p, groups, g) : _mm512_setzero_ps();
+            mv[p] = HAS_M ? pair16(m, c0 + 2 * p, groups, g, F32) : _mm512_setzero_ps();
         }
-        if (PF) prefetch_group(codes, BITS, d, m, HAS_M, c0 + 2 * NP, c0 + 4 * NP < c1 ? c0 + 4 * NP : c1, in, groups, g);
-        for (int i = g * GROUP; i < (g + 1) * GROUP; ++i) {
+        if (PF) prefetch_group(codes, BITS, d, m, HAS_M, F32, G, c0 + 2 * NP, c0 + 4 * NP < c1 ? c0 + 4 * NP : c1, in,
+                               groups, g);
+        for (int i = g * G; i < (g + 1) * G; ++i) {
             __m512 w[4];
             for (int p = 0; p < NP; ++p) w[p] = weights16(codes, BITS, c0 + 2 * p, in, i, dv[p], mv[p], HAS_M);
             for (int r = 0; r < R; ++r) {
@@ -196,7 +208,7 @@ static inline __attribute__((always_inline)) void tile16(const float* x, const i
 /* One thread's column blocks [c0, c1) (a multiple of 4), all M rows: one or two rows over 8 column blocks at a time
  * (4 independent FMA chains a row, so a one-row product is not bound by FMA latency), more rows over 4 (2 pairs),
  * up to 8 rows a pass; a pass over a span's first rows prefetches the next span while it is the thread's. */
-#define TILE16(BITS, HAS_M, R, NP, PF) tile16(xm, R, in, codes, BITS, d, m, HAS_M, cq, NP, ym, out, PF, c1)
+#define TILE16(BITS, HAS_M, R, NP, PF) tile16(xm, R, in, codes, BITS, d, m, HAS_M, F32, G, cq, NP, ym, out, PF, c1)
 #define SPAN16(BITS, HAS_M)                                                                                        \
     for (int64_t cq = c0, span; cq < c1; cq += span) {                                                             \
         span = M <= 2 && cq + 8 <= c1 ? 8 : 4;                                                                     \
@@ -229,11 +241,42 @@ static inline __attribute__((always_inline)) void tile16(const float* x, const i
     }
 #endif
 
-/* x: (M, in) fp32 contiguous, y: (M, out) fp32; codes, d, m as above; in a multiple of 32, out of 32 (4 column
- * blocks per one-row step). Returns 0, or -1 for arguments outside what the kernel handles (nothing written). */
-int triforce_blockcode_linear(const float* x, const void* codes, int bits, const uint16_t* d, const uint16_t* m, float* y,
+/* bits: the code width (4 or 8) plus BC_F32 (d and m are fp32 arrays: a K-quant's per-group scale d_sb sc and minimum
+ * dmin_sb mc, exact products of an fp16 and a 6- or 8-bit integer) and BC_G16 (groups of 16 inputs: Q6_K's) */
+#define BC_F32 32
+#define BC_G16 64
+/* the formats the exact product is built for: fp16 scales, groups of 32 (Q4_0, Q4_1, Q5_0, Q8_0); fp32 scales, groups
+ * of 32 (Q4_K 4-bit with minima, Q5_K 8-bit with minima, a fused matrix's promotion) or 16 (Q6_K, and with minima a
+ * fusion of Q6_K with Q4_K or Q5_K). DISPATCH(BODY) runs BODY(BITS, HAS_M) with F32 and G constants in scope. */
+#define DISPATCH(BODY)                                                                                             \
+    switch (bits | (m ? 1 : 0)) {                                                                                  \
+        case 4 | 1: { const int F32 = 0, G = 32; BODY(4, 1) } break;                                               \
+        case 4: { const int F32 = 0, G = 32; BODY(4, 0) } break;                                                   \
+        case 8 | 1: { const int F32 = 0, G = 32; BODY(8, 1) } break;                                               \
+        case 8: { const int F32 = 0, G = 32; BODY(8, 0) } break;                                                   \
+        case 4 | BC_F32 | 1: { const int F32 = 1, G = 32; BODY(4, 1) } break;                                      \
+        case 8 | BC_F32 | 1: { const int F32 = 1, G = 32; BODY(8, 1) } break;                                      \
+        case 8 | BC_F32: { const int F32 = 1, G = 32; BODY(8, 0) } break;                                          \
+        case 8 | BC_F32 | BC_G16: { const int F32 = 1, G = 16; BODY(8, 0) } break;                                 \
+        default: { const int F32 = 1, G = 16; BODY(8, 1) } break; /* 8 | BC_F32 | BC_G16 | 1 */                    \
+    }
+
+static int format_ok(int bits, const void* m) {
+    switch (bits | (m ? 1 : 0)) {
+        case 4 | 1: case 4: case 8 | 1: case 8: case 4 | BC_F32 | 1: case 8 | BC_F32 | 1: case 8 | BC_F32:
+        case 8 | BC_F32 | BC_G16: case 8 | BC_F32 | BC_G16 | 1:
+            return 1;
+        default:
+            return 0;
+    }
+}
+
+/* x: (M, in) fp32 contiguous, y: (M, out) fp32; codes, d, m as above (d, m fp32 with BC_F32, (out / 8, in / G, 8)); in
+ * a multiple of 32, out of 32 (4 column blocks per one-row step). Returns 0, or -1 for arguments outside what the
+ * kernel handles (nothing written). */
+int triforce_blockcode_linear(const float* x, const void* codes, int bits, const void* d, const void* m, float* y,
                               int M, int in, int out, int nthreads) {
-    if (M < 1 || M > MAX_ROWS || in < GROUP || in % GROUP || out < 32 || out % 32 || (bits != 4 && bits != 8)
+    if (M < 1 || M > MAX_ROWS || in < GROUP || in % GROUP || out < 32 || out % 32 || !format_ok(bits, m)
         || nthreads < 1)
         return -1;
     const int64_t quads = out / 32;  /* 4 column blocks each, a contiguous range of them per thread */
@@ -242,20 +285,14 @@ int triforce_blockcode_linear(const float* x, const void* codes, int bits, const
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t c0 = 4 * (quads * t / nt), c1 = 4 * (quads * (t + 1) / nt);  /* this thread's column blocks */
 #ifdef __AVX512F__
-        if (bits == 4 && m) { SPAN16(4, 1) }
-        else if (bits == 4) { SPAN16(4, 0) }
-        else if (m) { SPAN16(8, 1) }
-        else { SPAN16(8, 0) }
+        DISPATCH(SPAN16)
 #else
         for (int64_t cq = c0; cq < c1; cq += 4)
             for (int m0 = 0; m0 < M; m0 += 8) {
                 const int rows = M - m0 < 8 ? M - m0 : 8, pf = m0 == 0;
                 const float* xm = x + (int64_t)m0 * in;
                 float* ym = y + (int64_t)m0 * out;
-                if (bits == 4 && m) { ROWS(4, 1) }
-                else if (bits == 4) { ROWS(4, 0) }
-                else if (m) { ROWS(8, 1) }
-                else { ROWS(8, 0) }
+                DISPATCH(ROWS)
             }
 #endif
     }
@@ -348,8 +385,8 @@ static inline __attribute__((always_inline)) void dot_tile(const __m256i* xp, co
             for (int k = 0; k < 8; k += 2)
                 dot8_step(_mm256_loadu_si256((const __m256i*)cg + k), _mm256_loadu_si256((const __m256i*)cg + k + 1),
                           xg + k, R, xstride, s0, s1);
-        const __m256 dv = half8(d + (c * groups + g) * 8);
-        const __m256 mv = HAS_M ? half8(m + (c * groups + g) * 8) : _mm256_setzero_ps();
+        const __m256 dv = scale8(d, (c * groups + g) * 8, 0);
+        const __m256 mv = HAS_M ? scale8(m, (c * groups + g) * 8, 0) : _mm256_setzero_ps();
         for (int r = 0; r < R; ++r) {
             const __m128i u = _mm_add_epi32(_mm256_castsi256_si128(s0[r]), _mm256_extracti128_si256(s0[r], 1));
             const __m128i w = _mm_add_epi32(_mm256_castsi256_si128(s1[r]), _mm256_extracti128_si256(s1[r], 1));
@@ -537,4 +574,37 @@ int triforce_blockcode_fit(const float* w, int in, int out, int bits, void* code
         }
     }
     return bad;
+}
+
+/* The fp32 weights of column blocks [c_from, c_to) (outputs 8 c_from .. 8 c_to - 1), written to w as an (in, 8 (c_to -
+ * c_from)) row-major tile: w = fl(fl(d q) + m) per weight, the value the products above multiply by (d q is exact, so
+ * one rounding; built with -ffp-contract=off). For products of more rows than MAX_ROWS (prefill): a tile of dense
+ * weights for the GEMM, so no fp32 copy of the matrix is kept. Plain C. Returns 0, or -1 (nothing written). */
+int triforce_blockcode_dequantize(const void* codes, int bits, const void* d, const void* m, float* w, int in, int out,
+                                  int c_from, int c_to, int nthreads) {
+    if (in < GROUP || in % GROUP || out < 32 || out % 32 || !format_ok(bits, m) || c_from < 0 || c_to > out / 8
+        || c_from >= c_to || nthreads < 1)
+        return -1;
+    const int G = bits & BC_G16 ? 16 : 32, F32 = (bits & BC_F32) != 0, width = bits & 15, groups = in / G;
+    const int64_t ld = 8 * (int64_t)(c_to - c_from);
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int c = c_from; c < c_to; ++c)
+        for (int g = 0; g < groups; ++g) {
+            float dv[8], mv[8];
+            for (int k = 0; k < 8; ++k) {
+                const int64_t s = ((int64_t)c * groups + g) * 8 + k;
+                dv[k] = F32 ? ((const float*)d)[s] : _cvtsh_ss(((const uint16_t*)d)[s]);
+                mv[k] = !m ? 0.f : F32 ? ((const float*)m)[s] : _cvtsh_ss(((const uint16_t*)m)[s]);
+            }
+            for (int i = g * G; i < (g + 1) * G; ++i) {
+                float* row = w + (int64_t)i * ld + 8 * (int64_t)(c - c_from);
+                for (int k = 0; k < 8; ++k) {
+                    const int q = width == 4 ? (int)((((const uint32_t*)codes)[(int64_t)c * in + i] >> (4 * k)) & 15u)
+                                             : ((const int8_t*)codes)[((int64_t)c * in + i) * 8 + k];
+                    const float p = dv[k] * (float)q;
+                    row[k] = m ? p + mv[k] : p;
+                }
+            }
+        }
+    return 0;
 }
