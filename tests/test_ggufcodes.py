@@ -108,3 +108,143 @@ def test_embedding_rows_are_the_dequantized_rows(qtype):
     rows = GGUFRows(raw, qtype, 256)
     ids = torch.tensor([5, 0, 63, 5])
     assert torch.equal(rows.rows(ids), dense(raw, qtype, 256)[ids])
+
+
+def write_tiny_gguf(path, arch: str, types: dict, seed: int = 0) -> None:
+    """A tiny GGUF file (2 layers, hidden 256, 4 heads, 2 KV heads, vocabulary 320) whose matrices are random
+    blocks of the given types (name suffix -> type; F32 for the rest), with the metadata transformers' reader needs."""
+    from gguf import GGUFWriter
+
+    hidden, inter, heads, kv, vocab, layers = 256, 512, 4, 2, 320, 2
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab)
+    rng = np.random.default_rng(seed)
+    hd = hidden // heads
+    shapes = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden)}
+    for i in range(layers):
+        shapes.update({f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv * hd, hidden),
+                       f"blk.{i}.attn_v.weight": (kv * hd, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+                       f"blk.{i}.ffn_gate.weight": (inter, hidden), f"blk.{i}.ffn_up.weight": (inter, hidden),
+                       f"blk.{i}.ffn_down.weight": (hidden, inter)})
+    for n, (o, i) in shapes.items():
+        qtype = next((t for suffix, t in types.items() if n.endswith(suffix)), None)
+        if qtype is None:
+            w.add_tensor(n, (rng.standard_normal((o, i)) * 0.05).astype(np.float32))
+        else:
+            w.add_tensor(n, random_blocks(qtype, o, i, seed=len(n)), raw_dtype=qtype)
+    for i in range(layers):
+        for n in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{n}.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        if arch == "qwen2":
+            for n, o in (("attn_q", hidden), ("attn_k", kv * hd), ("attn_v", kv * hd)):
+                w.add_tensor(f"blk.{i}.{n}.bias", (0.1 * rng.standard_normal(o)).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tensors_read_as_stored_are_transformers_tensors(arch, tmp_path):
+    """Names, Llama's q/k row order, biases and the mixed types of a Q4_K_M-like file against transformers' reader
+    (which dequantizes with gguf-py): every matrix bitwise."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from triforce.ggufcodes import read_gguf_codes
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, arch, {"attn_v.weight": QT.Q6_K, "ffn_down.weight": QT.Q6_K, "output.weight": QT.Q8_0,
+                                 "token_embd.weight": QT.Q4_K, "attn_q.weight": QT.Q4_K, "attn_k.weight": QT.Q5_0,
+                                 "ffn_gate.weight": QT.Q4_K, "ffn_up.weight": QT.Q5_K, "attn_output.weight": QT.Q4_0})
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name))
+    ref = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    ours = read_gguf_codes(path, 4, 2, tied=False)
+    assert set(ours) == set(ref)
+    for name, value in ours.items():
+        if isinstance(value, GGUFRows):
+            got = value.rows(torch.arange(value.shape[0]))
+        elif isinstance(value, torch.Tensor):
+            got = value
+        else:
+            got = value.dequantize().T
+        assert torch.equal(got, ref[name].float()), name
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen_gguf(tmp_path_factory):
+    """A tiny Qwen2 GGUF file of a Q4_K_M-like mix (tensors only), its ModelConfig, and transformers' dense state."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from triforce.config import ModelConfig
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_tiny_gguf(path, "qwen2", {"attn_v.weight": QT.Q6_K, "ffn_down.weight": QT.Q6_K, "output.weight": QT.Q6_K,
+                                    "token_embd.weight": QT.Q4_K, "attn_q.weight": QT.Q4_K, "attn_k.weight": QT.Q4_K,
+                                    "ffn_gate.weight": QT.Q4_K, "ffn_up.weight": QT.Q4_K, "attn_output.weight": QT.Q4_K},
+                    seed=7)
+    hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    dense = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    return path, ModelConfig.from_hf(hf_config), dense
+
+
+def coded_model(path, cfg):
+    """Our model over the file's codes (no fp32 weights), with its one-call decode step."""
+    from triforce.ggufcodes import read_gguf_codes
+    from triforce.model import Transformer
+
+    model = Transformer.from_state_dict(cfg, read_gguf_codes(path, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                             cfg.tie_word_embeddings), consume=True)
+    model.attach_block_codes()
+    return model
+
+
+def test_model_on_stored_weights_equals_the_dequantized_model(tiny_qwen_gguf):
+    from triforce.caches import FullKVCache
+    from triforce.model import Transformer
+
+    path, cfg, dense = tiny_qwen_gguf
+    coded = coded_model(path, cfg)
+    assert all(m.weight_t is None and m.codes is not None for m in coded.modules() if isinstance(m, Linear))
+    plain = Transformer.from_state_dict(cfg, dict(dense))
+    ids = torch.randint(0, 320, (1, 90), generator=torch.Generator().manual_seed(2))
+    logits = {}
+    for name, model in (("coded", coded), ("plain", plain)):
+        cache = FullKVCache(model.cfg, 96)
+        with torch.no_grad():
+            logits[name] = torch.cat([model(ids[:, :80], torch.arange(80), cache),  # prefill: dequantized tiles
+                                      model(ids[:, 80:89], torch.arange(80, 89), cache),  # a block: the codes
+                                      model(ids[:, 89:], torch.tensor([89]), cache)], 1)  # a decode step
+    torch.testing.assert_close(logits["coded"], logits["plain"], rtol=1e-4, atol=1e-4)
+    assert coded.weight_bytes() < plain.weight_bytes() / 3  # codes, not fp32 copies
+
+
+def test_every_mode_on_stored_weights_equals_autoregressive_greedy(tiny_qwen_gguf):
+    from triforce.engine import Engine, SpeculationConfig
+    from triforce.sampling import SamplingParams
+
+    path, cfg, _ = tiny_qwen_gguf
+    engine = Engine(coded_model(path, cfg))
+    g, greedy = torch.Generator().manual_seed(5), SamplingParams(temperature=0)
+    for _ in range(4):
+        prompt = torch.randint(0, 320, (int(torch.randint(8, 70, (1,), generator=g)),), generator=g).tolist()
+        ref, _ = engine.generate(prompt, max_new_tokens=16, sampling=greedy)
+        for mode, lower in (("retrieval", None), ("retrieval", "codes"), ("retrieval", "int8"), ("retrieval", "int4")):
+            spec = SpeculationConfig(mode=mode, budget=24, chunk_size=4, gamma1=3, gamma2=5, draft_sink=2,
+                                     draft_window=8, lower_weights=lower)
+            out, _ = engine.generate(prompt, max_new_tokens=16, sampling=greedy, spec=spec)
+            assert out == ref, (mode, lower)

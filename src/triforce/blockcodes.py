@@ -13,8 +13,12 @@ A decode step of the verifier is bound by those bytes, and the verifier alone de
 this changes no token, only the time (the lossless rule of TriForce, arXiv 2404.11912, Sec. 4, holds as with fp32
 weights; tests/test_blockcodes.py checks the products bitwise and greedy equality).
 
-Weights from other sources (bf16 or fp32 checkpoints, GGUF k-quants) are not block codes of these two formats:
-the check fails on the first blocks and they stay fp32 only. ``TRIFORCE_BLOCK_CODES=0`` turns the codes off.
+A GGUF file loaded for an fp32 CPU model is read as it stores its matrices (``ggufcodes.py``: Q4_0, Q4_1, Q5_0, Q8_0,
+Q4_K, Q5_K, Q6_K), with no fp32 copy: K-quants keep fp32 scales and minima per group (the exact products of their
+fp16 super-block scales and 6- or 8-bit group scales; ``BC_F32``) and Q6_K groups of 16 inputs (``BC_G16``); more
+rows than the kernel takes (prefill) multiply dequantized tiles (:func:`blockcode_matmul`). Weights from other
+sources (bf16 or fp32 checkpoints) are not block codes: the check fails on the first blocks and they stay fp32 only.
+``TRIFORCE_BLOCK_CODES=0`` turns the codes off.
 """
 
 from __future__ import annotations
@@ -311,3 +315,21 @@ def blockcode_matmul(x: torch.Tensor, codes: BlockCodes) -> torch.Tensor:
         c_to = min(c + step, codes.out_features // 8)
         y[:, 8 * c:8 * c_to] = x @ codes.dequantize(c, c_to)
     return y
+
+
+def place_stored(model: torch.nn.Module, stored: dict) -> None:
+    """Put weights kept as a file stores them into a built model: ``"<module>.weight_t"`` -> :class:`BlockCodes`
+    (the Linear keeps no fp32 ``weight_t``), ``"<attribute>.weight"`` -> a module that replaces the attribute (a
+    GGUF embedding's rows, ``ggufcodes.GGUFRows``)."""
+    for name, value in stored.items():
+        owner = name.rpartition(".")[0]
+        if isinstance(value, BlockCodes):
+            module = model.get_submodule(owner)
+            module.weight_t, module.codes = None, value
+        else:
+            setattr(model, owner, value)
+
+
+def dense_weight_t(linear) -> torch.Tensor:
+    """A Linear's (in, out) fp32 weights: its ``weight_t``, or its codes dequantized (a GGUF file read as stored)."""
+    return linear.weight_t if linear.weight_t is not None else linear.codes.dequantize()

@@ -35,7 +35,12 @@ def read_gguf(path: str | Path, codes: bool = False) -> tuple[Any, dict[str, Any
     except Exception as e:  # transformers raises ValueError/KeyError/... for files it cannot read
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
     check_architecture(meta.get("config", {}).get("model_type"))
-    hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:  # the config from the metadata just read (AutoConfig.from_pretrained would parse the file again)
+        from transformers import CONFIG_MAPPING
+
+        hf_config = CONFIG_MAPPING[meta["config"]["model_type"]].from_dict(dict(meta["config"]))
+    except Exception:  # noqa: BLE001  (transformers' own path, slower)
+        hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     if codes:
         from .ggufcodes import read_gguf_codes
 

@@ -170,7 +170,7 @@ class GGUFRows(torch.nn.Module):
 
     def __init__(self, raw: np.ndarray, qtype: QT, n_cols: int) -> None:
         super().__init__()
-        self.raw = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))
+        self.raw = torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8))
         self.qtype, self.n_cols = qtype, n_cols
 
     @property
@@ -247,7 +247,9 @@ def read_gguf_codes(path, n_heads: int, n_kv_heads: int, tied: bool) -> dict[str
         if name is None or (tied and name == "lm_head.weight"):
             continue
         n_in = int(t.shape[0])
-        data = np.asarray(t.data)
+        # read from the file, not through the reader's memory map: only this tensor is resident while it converts
+        data = np.fromfile(str(path), dtype=np.uint8, count=int(t.n_bytes), offset=int(t.data_offset))
+        data = data.view(t.data.dtype).reshape(t.data.shape)
         if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
             data = data[_unpermute_rows(data.shape[0], n_heads if ".attn_q." in t.name else n_kv_heads)]
         coded = t.tensor_type in CODED_TYPES and data.ndim == 2 and data.shape[0] % 32 == 0 and n_in % 32 == 0
@@ -262,7 +264,7 @@ def read_gguf_codes(path, n_heads: int, n_kv_heads: int, tied: bool) -> dict[str
                 continue
             except ValueError:  # a Q4_0 matrix whose fp16 minima overflow in some rows: fp32, as transformers reads it
                 pass
-        dense = np.array(gguf_dequantize(data, t.tensor_type), dtype=np.float32)  # a writable copy
+        dense = np.asarray(gguf_dequantize(data, t.tensor_type), dtype=np.float32)
         state[name] = torch.from_numpy(dense.reshape(-1, n_in) if data.ndim == 2 else dense.reshape(-1))
     if "model.embed_tokens.weight" not in state:
         raise ValueError(f"GGUF file {path} has no token_embd.weight")

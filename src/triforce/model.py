@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .blockcodes import BlockCodes, blockcode_linear, blockcode_linear_q8, blockcode_matmul, concat_outputs
+from .blockcodes import (BlockCodes, blockcode_linear, blockcode_linear_q8, blockcode_matmul, concat_outputs,
+                         place_stored)
 from .caches import KVCache, RaggedCache
 from .config import ModelConfig
 from .cudagraph import graphs_apply, run_graphed
@@ -43,7 +44,7 @@ class Linear(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))  # (in, out)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed = None  # oneDNN-prepacked copy for multi-row products on CPU (see Transformer.pack_weights)
-        self.codes = None  # the weights' exact GGUF block codes (blockcodes.py), read instead of weight_t for <= 64 rows
+        self.codes = None  # exact GGUF block codes (blockcodes.py), read instead of weight_t (None: codes only)
         self.q8 = False  # multiply the codes by int8-quantized activations (a copy for the tiers below the verifier)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
@@ -388,12 +389,7 @@ class Transformer(nn.Module):
                 expected = tuple(params[name].shape) if name in params else None
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
         model.load_state_dict(new, strict=False, assign=True)
-        for name, value in coded.items():  # block codes in place of weight_t, a GGUF embedding's rows
-            owner, _, attr = name.rpartition(".")
-            if isinstance(value, BlockCodes):
-                model.get_submodule(owner).weight_t, model.get_submodule(owner).codes = None, value
-            else:
-                setattr(model, owner, value)
+        place_stored(model, coded)  # block codes in place of weight_t, a GGUF embedding's rows (ggufcodes.py)
         model = model.to(device=device, dtype=dtype)
         model.rope = RotaryEmbedding(cfg, device=device)
         if tp is not None:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from .defaults import LOWER_WEIGHTS
 from .decode_step import DecodeStep
+from .blockcodes import dense_weight_t
 from .kernels import int8_linear
 from .model import Linear, Transformer, compile_forward
 
@@ -65,7 +66,7 @@ class Int8Linear(nn.Module):
 
     def __init__(self, linear: Linear) -> None:
         super().__init__()
-        w = linear.weight_t.detach().float().T  # (out, in)
+        w = dense_weight_t(linear).detach().float().T  # (out, in)
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # (out,)
         self.q = nn.Parameter(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous(),
                               requires_grad=False)
@@ -121,7 +122,7 @@ class Int4Linear(nn.Module):
 
     def __init__(self, linear: Linear) -> None:
         super().__init__()
-        w = linear.weight_t.detach().float().T  # (out, in)
+        w = dense_weight_t(linear).detach().float().T  # (out, in)
         n_out, n_in = w.shape
         if n_in % INT4_GROUP:
             raise ValueError(f"int4 weights need an input size divisible by {INT4_GROUP}, got {n_in}")
@@ -140,7 +141,7 @@ class Int4Linear(nn.Module):
         else:
             sz = self.scale_zeros.float()
             deq = (q - 8) * sz[..., 0].T[..., None] + sz[..., 1].T[..., None]  # the kernel's bf16 scales, exactly
-            self.dequantized = nn.Parameter(deq.reshape(n_out, n_in).to(linear.weight_t.dtype), requires_grad=False)
+            self.dequantized = nn.Parameter(deq.reshape(n_out, n_in).to(torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         shape = x.shape
@@ -159,7 +160,7 @@ class BF16Linear(nn.Module):
 
     def __init__(self, linear: Linear) -> None:
         super().__init__()
-        self.weight = nn.Parameter(linear.weight_t.detach().T.to(torch.bfloat16).contiguous(), requires_grad=False)
+        self.weight = nn.Parameter(dense_weight_t(linear).detach().T.to(torch.bfloat16).contiguous(), requires_grad=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -198,7 +199,8 @@ def lower_precision_copy(model: Transformer, weights: str) -> Transformer:
             if weights == "int8":
                 return linear  # the same tensors
             linear = _Dequantized(linear)
-        if weights == "int4" and linear.weight_t.shape[0] % INT4_GROUP:
+        n_in = linear.weight_t.shape[0] if linear.weight_t is not None else linear.codes.in_features
+        if weights == "int4" and n_in % INT4_GROUP:
             return Int8Linear(linear)  # a projection int4's groups do not fit keeps int8
         return kinds[weights](linear)
 
