@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .config import ModelConfig, ModelLoadError, check_architecture
+from .config import ModelLoadError, check_architecture
 
 
 def read_gguf(path: str | Path, codes: bool = False) -> tuple[Any, dict[str, Any], Any]:
@@ -19,8 +19,9 @@ def read_gguf(path: str | Path, codes: bool = False) -> tuple[Any, dict[str, Any
 
     Args:
         path: the .gguf file.
-        codes: keep quantized matrices as the file stores them (``ggufcodes.read_gguf_codes``: block codes and the
-            embedding's rows, no fp32 copy); else transformers' reader dequantizes every tensor to fp32.
+        codes: leave the tensors to the caller, who reads them as the file stores them
+            (``ggufcodes.read_gguf_codes``; the state is then None); else transformers' reader dequantizes every
+            tensor to fp32.
 
     Raises:
         UnsupportedModelError: an architecture outside :data:`~triforce.config.SUPPORTED_ARCHITECTURES`.
@@ -41,14 +42,8 @@ def read_gguf(path: str | Path, codes: bool = False) -> tuple[Any, dict[str, Any
         hf_config = CONFIG_MAPPING[meta["config"]["model_type"]].from_dict(dict(meta["config"]))
     except Exception:  # noqa: BLE001  (transformers' own path, slower)
         hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    if codes:
-        from .ggufcodes import read_gguf_codes
-
-        cfg = ModelConfig.from_hf(hf_config)
-        try:
-            state = read_gguf_codes(path, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.tie_word_embeddings)
-        except ValueError as e:
-            raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+    if codes:  # the caller reads the tensors as stored (ggufcodes.read_gguf_codes)
+        state = None
     else:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(hf_config)

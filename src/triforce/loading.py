@@ -133,7 +133,15 @@ def _read_gguf_as(path: Path, dtype: torch.dtype, device: torch.device, tp):
     from .blockcodes import blockcodes_status
 
     if dtype == torch.float32 and device.type == "cpu" and tp is None and blockcodes_status().startswith("on"):
-        return read_gguf(path, codes=True)
+        from .ggufcodes import read_gguf_codes
+
+        hf_config, _, tokenizer = read_gguf(path, codes=True)
+        cfg = ModelConfig.from_hf(hf_config)
+        try:
+            state = read_gguf_codes(path, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.tie_word_embeddings)
+        except ValueError as e:
+            raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+        return hf_config, state, tokenizer
     hf_config, state, tokenizer = read_gguf(path)
     return hf_config, {k: v.to(dtype) for k, v in state.items()}, tokenizer
 

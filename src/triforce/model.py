@@ -375,8 +375,8 @@ class Transformer(nn.Module):
             for n in ("input_layernorm", "post_attention_layernorm"):
                 new[p + n + ".weight"] = take(p + n + ".weight")
         new["norm.weight"] = take("norm.weight")
-        if cfg.tie_word_embeddings and "lm_head.weight" not in renamed:  # one matrix: the LM head's (d, V), whose
-            # columns are the token embeddings (a GGUF file read as stored gives its codes and its rows apart)
+        if cfg.tie_word_embeddings and isinstance(renamed.get("embed_tokens.weight"), torch.Tensor):  # one matrix:
+            # the LM head's (d, V), whose columns are the token embeddings (a GGUF file read as stored: codes, rows)
             new["lm_head.weight_t"] = weight_t("embed_tokens.weight")
         else:
             new["embed_tokens.weight"] = take("embed_tokens.weight")
