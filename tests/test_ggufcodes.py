@@ -233,7 +233,7 @@ def test_model_on_stored_weights_equals_the_dequantized_model(tiny_qwen_gguf):
     assert coded.weight_bytes() < plain.weight_bytes() / 3  # codes, not fp32 copies
 
 
-def test_every_mode_on_stored_weights_equals_autoregressive_greedy(tiny_qwen_gguf):
+def test_retrieval_modes_on_stored_weights_equal_autoregressive_greedy(tiny_qwen_gguf):
     from triforce.engine import Engine, SpeculationConfig
     from triforce.sampling import SamplingParams
 

@@ -34,7 +34,6 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from .blockcodes import BlockCodes
 
-QK_K = 256
 #: the GGUF types read as block codes; others (F32, F16, BF16, the rest) are dequantized to fp32 tensors
 CODED_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
 #: rows converted at a time (a multiple of 8): bounds the conversion's temporaries for a large vocabulary
