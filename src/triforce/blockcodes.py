@@ -16,8 +16,10 @@ weights; tests/test_blockcodes.py checks the products bitwise and greedy equalit
 A GGUF file loaded for an fp32 CPU model is read as it stores its matrices (``ggufcodes.py``: Q4_0, Q4_1, Q5_0, Q8_0,
 Q4_K, Q5_K, Q6_K), with no fp32 copy: K-quants keep fp32 scales and minima per group (the exact products of their
 fp16 super-block scales and 6- or 8-bit group scales; ``BC_F32``) and Q6_K groups of 16 inputs (``BC_G16``); more
-rows than the kernel takes (prefill) multiply dequantized tiles (:func:`blockcode_matmul`). Weights from other
-sources (bf16 or fp32 checkpoints) are not block codes: the check fails on the first blocks and they stay fp32 only.
+rows than the kernel takes (prefill) multiply dequantized tiles (:func:`blockcode_matmul`). A bf16 or fp16
+checkpoint loaded for an fp32 CPU model keeps its matrices at 2 bytes a weight (:func:`codes_from_16bit`, width 16:
+the weights themselves, widened exactly in registers), so its products read half the bytes of an fp32 copy for the
+same outputs. fp32 checkpoints are not block codes: the check fails on the first blocks and they stay fp32.
 ``TRIFORCE_BLOCK_CODES=0`` turns the codes off.
 """
 
@@ -73,28 +75,31 @@ def blockcodes_status() -> str:
 
 
 #: flags added to a :class:`BlockCodes`' width in the kernel's ``bits`` argument (csrc/blockcodes.c): fp32 scales and
-#: minima (a K-quant's), groups of 16 inputs (Q6_K's)
-BC_F32, BC_G16 = 32, 64
+#: minima (a K-quant's), groups of 16 inputs (Q6_K's), bf16 weights (width 16)
+BC_F32, BC_G16, BC_BF16 = 32, 64, 128
+#: the 2-byte weight dtypes kept as they are stored (width 16)
+WIDTH16_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass
 class BlockCodes:
     """One (in, out) weight matrix as block codes, in the layout of ``csrc/blockcodes.c``: ``w = fl(d q) + m`` per
-    group of ``group`` inputs and output, with ``d q`` exact in fp32.
+    group of ``group`` inputs and output, with ``d q`` exact in fp32; or (width 16) the 2-byte weights themselves.
 
     Attributes:
-        bits: 4 (codes in [0, 15], nibbles) or 8 (codes in [-128, 127], int8).
-        codes: bits 4: (out / 8, in) int32, nibble k the code of output 8c + k; bits 8: (out / 8, in, 8) int8.
+        bits: 4 (codes in [0, 15], nibbles), 8 (codes in [-128, 127], int8) or 16 (bf16 or fp16 weights).
+        codes: bits 4: (out / 8, in) int32, nibble k the code of output 8c + k; bits 8: (out / 8, in, 8) int8;
+            bits 16: (out / 8, in, 8) bf16 or fp16, the weight of output 8c + k at input i.
         d: (out / 8, in / group, 8) scales per group of inputs: fp16 as GGUF's Q4_0/Q4_1/Q5_0/Q8_0 store them, or fp32
-            (a K-quant's super-block scale times its 6- or 8-bit group scale, exact in fp32); m: the same shape and
-            dtype, the minima (None: ``w = d q``).
+            (a K-quant's super-block scale times its 6- or 8-bit group scale, exact in fp32); None for bits 16.
+            m: the same shape and dtype, the minima (None: ``w = d q``).
         in_features, out_features: the matrix's shape, (in, out).
         group: inputs per scale, 32 or 16 (Q6_K).
     """
 
     bits: int
     codes: torch.Tensor
-    d: torch.Tensor
+    d: torch.Tensor | None
     m: torch.Tensor | None
     in_features: int
     out_features: int
@@ -102,7 +107,10 @@ class BlockCodes:
 
     @property
     def kernel_bits(self) -> int:
-        """The ``bits`` argument of the kernels: the width plus :data:`BC_F32` and :data:`BC_G16` as they apply."""
+        """The ``bits`` argument of the kernels: the width plus :data:`BC_F32`, :data:`BC_G16` and :data:`BC_BF16` as
+        they apply."""
+        if self.bits == 16:
+            return 16 | (BC_BF16 if self.codes.dtype == torch.bfloat16 else 0)
         return self.bits | (BC_F32 if self.d.dtype == torch.float32 else 0) | (BC_G16 if self.group == 16 else 0)
 
     @cached_property
@@ -120,7 +128,13 @@ class BlockCodes:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m) if t is not None)
 
     def unpacked(self) -> torch.Tensor:
-        """The codes as (out / 8, in, 8) int8 (4-bit codes unpacked; 8-bit codes as they are)."""
+        """The codes as (out / 8, in, 8) int8 (4-bit codes unpacked; 8-bit codes as they are).
+
+        Raises:
+            ValueError: 2-byte weights (bits 16), which are not codes.
+        """
+        if self.bits == 16:
+            raise ValueError("BlockCodes.unpacked: 2-byte weights (bits 16) have no codes")
         if self.bits == 8:
             return self.codes
         shifts = 4 * torch.arange(8, dtype=torch.int32)
@@ -134,12 +148,15 @@ class BlockCodes:
         fns = _blockcodes.load()
         if fns is not None:
             w = torch.empty(self.in_features, 8 * (c_to - c_from))
-            rc = fns["triforce_blockcode_dequantize"](self.codes.data_ptr(), self.kernel_bits, self.d.data_ptr(),
+            rc = fns["triforce_blockcode_dequantize"](self.codes.data_ptr(), self.kernel_bits,
+                                                      None if self.d is None else self.d.data_ptr(),
                                                       None if self.m is None else self.m.data_ptr(), w.data_ptr(),
                                                       self.in_features, self.out_features, c_from, c_to,
                                                       torch.get_num_threads())
             if rc == 0:
                 return w
+        if self.bits == 16:
+            return self.codes[c_from:c_to].float().permute(1, 0, 2).reshape(self.in_features, -1)
         q = self.unpacked()[c_from:c_to].float()  # (C, in, 8)
         w = self.d[c_from:c_to].float().repeat_interleave(self.group, dim=1) * q
         if self.m is not None:
@@ -168,10 +185,15 @@ def concat_outputs(parts: list[BlockCodes]) -> BlockCodes:
     :meth:`~BlockCodes.promoted` to the narrowest format that holds them all.
 
     Raises:
-        ValueError: parts of different input sizes.
+        ValueError: parts of different input sizes, or 2-byte weights (bits 16) beside other formats or dtypes.
     """
     if len({p.in_features for p in parts}) != 1:
         raise ValueError(f"concat_outputs: input sizes differ: {[p.in_features for p in parts]}")
+    if any(p.bits == 16 for p in parts):
+        if len({(p.bits, p.codes.dtype) for p in parts}) != 1:
+            raise ValueError("concat_outputs: 2-byte weights (bits 16) join only 2-byte weights of the same dtype")
+        return BlockCodes(16, torch.cat([p.codes for p in parts]), None, None, parts[0].in_features,
+                          sum(p.out_features for p in parts))
     bits, f32 = max(p.bits for p in parts), any(p.d.dtype == torch.float32 for p in parts)
     group, has_m = min(p.group for p in parts), any(p.m is not None for p in parts)
     if f32 and bits == 4 and not has_m:  # the kernel's fp32-scale formats: 4-bit codes with minima, or 8-bit codes
@@ -185,6 +207,27 @@ def concat_outputs(parts: list[BlockCodes]) -> BlockCodes:
     return BlockCodes(bits, cat([p.codes for p in parts]), cat([p.d for p in parts]),
                       cat([p.m for p in parts]) if has_m else None, parts[0].in_features,
                       sum(p.out_features for p in parts), group)
+
+
+def codes_from_16bit(weight: torch.Tensor) -> BlockCodes | None:
+    """A bf16 or fp16 checkpoint's (out, in) weight matrix kept at 2 bytes a weight, in the kernel's layout (bits 16):
+    the products widen each weight exactly to fp32 in registers, so they equal :func:`~triforce.kernels.f32_linear`
+    over ``weight.float().T`` bitwise, from half the bytes.
+
+    Args:
+        weight: (out, in) bf16 or fp16 on the CPU (a checkpoint's ``*_proj.weight``, ``lm_head.weight``), in and out
+            multiples of 32.
+
+    Returns:
+        :class:`BlockCodes` with ``codes`` (out / 8, in, 8) of ``weight``'s dtype, or None (another dtype, device or
+        shape, or the kernel unavailable: ``blockcodes_status()`` says why).
+    """
+    if (weight.dtype not in WIDTH16_DTYPES or weight.device.type != "cpu" or weight.dim() != 2
+            or weight.shape[0] % 32 or weight.shape[1] % GROUP or weight.numel() == 0 or _blockcodes.load() is None):
+        return None
+    n_out, n_in = weight.shape
+    codes = weight.detach().reshape(n_out // 8, 8, n_in).transpose(1, 2).contiguous()  # (out / 8, in, 8)
+    return BlockCodes(16, codes, None, None, n_in, n_out)
 
 
 def find_block_codes(weight_t: torch.Tensor) -> BlockCodes | None:
@@ -259,7 +302,8 @@ def _product(symbol: str, x: torch.Tensor, codes: BlockCodes, *extra) -> torch.T
         return None
     x = x.contiguous()
     y = torch.empty(x.shape[0], codes.out_features)
-    rc = fns[symbol](x.data_ptr(), codes.codes.data_ptr(), codes.kernel_bits, codes.d.data_ptr(),
+    rc = fns[symbol](x.data_ptr(), codes.codes.data_ptr(), codes.kernel_bits,
+                     None if codes.d is None else codes.d.data_ptr(),
                      None if codes.m is None else codes.m.data_ptr(), y.data_ptr(), x.shape[0], codes.in_features,
                      codes.out_features, torch.get_num_threads(), *extra)
     return y if rc == 0 else None
@@ -315,6 +359,43 @@ def blockcode_matmul(x: torch.Tensor, codes: BlockCodes) -> torch.Tensor:
         c_to = min(c + step, codes.out_features // 8)
         y[:, 8 * c:8 * c_to] = x @ codes.dequantize(c, c_to)
     return y
+
+
+class StoredRows(torch.nn.Module):
+    """A token embedding kept at 2 bytes a weight (a bf16 or fp16 checkpoint), each looked-up row widened exactly to
+    fp32: the rows the fp32 model's ``nn.Embedding`` would return, from half the memory.
+
+    Attributes:
+        table: (V, d) bf16 or fp16, the checkpoint's rows; or None where ``codes`` (a tied LM head's
+            :class:`BlockCodes` of width 16, (V / 8, d, 8)) hold them: row v is ``codes[v // 8, :, v % 8]``, no second
+            copy.
+    """
+
+    def __init__(self, table: torch.Tensor | None = None, codes: BlockCodes | None = None) -> None:
+        super().__init__()
+        if (table is None) == (codes is None) or (codes is not None and codes.bits != 16):
+            raise ValueError("StoredRows: give a (V, d) 2-byte table or a tied head's 2-byte codes, not both")
+        self.table, self.codes = table, codes
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(V, d), as the dense embedding's."""
+        return tuple(self.table.shape) if self.table is not None else (self.codes.out_features, self.codes.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held here (0 where the LM head's codes hold the rows: counted there)."""
+        return 0 if self.table is None else self.table.numel() * self.table.element_size()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """(n,) int64 row ids -> (n, d) fp32."""
+        ids = ids.reshape(-1)
+        if self.table is not None:
+            return self.table.index_select(0, ids).float()
+        return self.codes.codes[ids // 8, :, ids % 8].float()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) int64 -> (B, T, d) fp32
+        return self.rows(ids).reshape(*ids.shape, -1)
 
 
 def place_stored(model: torch.nn.Module, stored: dict) -> None:

@@ -27,7 +27,7 @@ _fn_table = None  # the kernels' addresses in the order csrc/decode_step.c takes
 #: most tokens of one call (csrc/decode_step.c's MAX_T): decode steps and verification blocks (gamma + 1)
 MAX_BLOCK = 16
 #: added to a weight's bits: its block codes multiply int8-quantized activations (csrc/decode_step.c's Q8_ACTIVATIONS)
-Q8_ACTIVATIONS = 16
+Q8_ACTIVATIONS = 256
 
 
 def decode_step_status() -> str:

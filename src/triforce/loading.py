@@ -110,29 +110,66 @@ def _read_folder(folder: Path, dtype: torch.dtype, device: str | torch.device, t
 
         check_tp_size(ModelConfig.from_hf(hf_config), tp.world_size)
     files = _safetensors_files(folder)
+    stored = _keeps_stored(dtype, device, tp)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = 0
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            numel += sum(_prod(sf.get_slice(name).get_shape()) for name in sf.keys())
-    from .parallel import agree_on_fit
-
-    agree_on_fit(tp, lambda: check_fits({"weights": numel * itemsize}, device, f"model {folder.name}"))
-    state: dict[str, torch.Tensor] = {}
+    nbytes = 0
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
-                state[name] = sf.get_tensor(name).to(dtype)
+                s = sf.get_slice(name)
+                two = stored and s.get_dtype() in ("BF16", "F16")
+                nbytes += _prod(s.get_shape()) * (2 if two else itemsize)
+    from .parallel import agree_on_fit
+
+    agree_on_fit(tp, lambda: check_fits({"weights": nbytes}, device, f"model {folder.name}"))
+    state: dict[str, Any] = {}
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                if stored and tied and name == "lm_head.weight":
+                    continue  # tied: the head is the embedding's matrix, kept once
+                state[name] = _as_stored(name, sf.get_tensor(name), dtype, state, tied) if stored else \
+                    sf.get_tensor(name).to(dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     return hf_config, state, tokenizer
+
+
+def _keeps_stored(dtype: torch.dtype, device: torch.device, tp) -> bool:
+    """Whether weights stay as the file stores them (GGUF block codes, a checkpoint's bf16/fp16 matrices): an fp32
+    model on the CPU, one process, where the block-code kernel runs (``blockcodes.py``)."""
+    from .blockcodes import blockcodes_status
+
+    return dtype == torch.float32 and device.type == "cpu" and tp is None and blockcodes_status().startswith("on")
+
+
+def _as_stored(name: str, tensor: torch.Tensor, dtype: torch.dtype, state: dict, tied: bool):
+    """A checkpoint tensor for the model: a bf16/fp16 projection or LM head kept at 2 bytes
+    (:func:`~triforce.blockcodes.codes_from_16bit`), its token embedding as :class:`~triforce.blockcodes.StoredRows`
+    (tied: the head's codes, which it also writes to ``state``), anything else converted to ``dtype``."""
+    from .blockcodes import WIDTH16_DTYPES, StoredRows, codes_from_16bit
+
+    if tensor.dtype not in WIDTH16_DTYPES or tensor.dim() != 2:
+        return tensor.to(dtype)
+    if name.endswith("embed_tokens.weight"):
+        if not tied:
+            return StoredRows(table=tensor)
+        codes = codes_from_16bit(tensor)
+        if codes is None:
+            return tensor.to(dtype)
+        state["lm_head.weight"] = codes
+        return StoredRows(codes=codes)
+    if name.endswith("_proj.weight") or name == "lm_head.weight":
+        codes = codes_from_16bit(tensor)
+        if codes is not None:
+            return codes
+    return tensor.to(dtype)
 
 
 def _read_gguf_as(path: Path, dtype: torch.dtype, device: torch.device, tp):
     """A GGUF file's config, state and tokenizer: its quantized matrices kept as the file stores them (block codes,
     ``ggufcodes.py``) for an fp32 model on the CPU where the block-code kernel runs, else dequantized to ``dtype``."""
-    from .blockcodes import blockcodes_status
-
-    if dtype == torch.float32 and device.type == "cpu" and tp is None and blockcodes_status().startswith("on"):
+    if _keeps_stored(dtype, device, tp):
         from .ggufcodes import read_gguf_codes
 
         hf_config, _, tokenizer = read_gguf(path, codes=True)

@@ -14,6 +14,8 @@
  *     bits 8: codes (out / 8, in, 8) int8
  *     d, m:   (out / 8, in / 32, 8) fp16 per block of 32 inputs, as the GGUF file stores them (converted to fp32
  *             exactly in registers); m NULL for m = 0 (the add is skipped: d * q exactly)
+ *     bits 16: (out / 8, in, 8) the weights themselves, bf16 or fp16 (a 2-byte checkpoint kept as it is stored), each
+ *             widened exactly to fp32 in registers; d and m NULL
  *
  * triforce_blockcode_fit finds the codes of an fp32 (in, out) matrix in this layout, one pass over it (8 outputs per
  * vector, a block's 32 inputs down the lanes): the block's scale is max - min over 15 (Q4_1) or max |w| over 127
@@ -49,8 +51,12 @@ static inline __attribute__((always_inline)) __m256 scale8(const void* p, int64_
  * threads: bench/results/blockcodes_fma_2026-12-05.json) */
 
 /* 8 weights of column block c at input i, exactly as fp32 */
-static inline __attribute__((always_inline)) __m256 weights8(const void* codes, const int BITS, int64_t c, int in,
-                                                             int i, __m256 dv, __m256 mv, const int HAS_M) {
+static inline __attribute__((always_inline)) __m256 weights8(const void* codes, const int BITS, const int BF, int64_t c,
+                                                             int in, int i, __m256 dv, __m256 mv, const int HAS_M) {
+    if (BITS == 16) {  /* the weights themselves: bf16 (BF) or fp16, widened exactly */
+        const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)codes + (c * in + i) * 8));
+        return BF ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+    }
     __m256i q;
     if (BITS == 4) {
         const uint32_t word = ((const uint32_t*)codes)[c * in + i];
@@ -71,6 +77,7 @@ static inline __attribute__((always_inline)) void prefetch_group(const void* cod
     for (int64_t u = c_from; u < c_to; ++u) {
         const char* cn = (const char*)codes + (u * in + g * G) * BITS;  /* 4 or 8 bytes an input */
         for (int o = 0; o < G * BITS; o += 64) _mm_prefetch(cn + o, _MM_HINT_T0);
+        if (BITS == 16) continue;  /* no scales */
         _mm_prefetch((const char*)d + (u * groups + g) * 8 * (F32 ? 4 : 2), _MM_HINT_T0);
         if (HAS_M) _mm_prefetch((const char*)m + (u * groups + g) * 8 * (F32 ? 4 : 2), _MM_HINT_T0);
     }
@@ -83,7 +90,7 @@ static inline __attribute__((always_inline)) void prefetch_group(const void* cod
  * codes, every matrix once, one row, 2 threads: 10.4 ms before, 8.3 ms with it, the same outputs bitwise;
  * bench/blockcodes.py, bench/results/blockcodes_prefetch_2026-12-03.json). */
 static inline __attribute__((always_inline)) void tile(const float* x, const int R, int in, const void* codes,
-                                                       const int BITS, const void* d, const void* m, const int HAS_M,
+                                                       const int BITS, const int BF, const void* d, const void* m, const int HAS_M,
                                                        const int F32, const int G, int64_t c0, const int NC, int out,
                                                        float* y, const int PF) {
     __m256 acc[8];  /* R * NC <= 8 */
@@ -92,13 +99,13 @@ static inline __attribute__((always_inline)) void tile(const float* x, const int
     for (int g = 0; g < groups; ++g) {
         __m256 dv[4], mv[4];
         for (int u = 0; u < NC; ++u) {
-            dv[u] = scale8(d, ((c0 + u) * groups + g) * 8, F32);
+            dv[u] = BITS == 16 ? _mm256_setzero_ps() : scale8(d, ((c0 + u) * groups + g) * 8, F32);
             mv[u] = HAS_M ? scale8(m, ((c0 + u) * groups + g) * 8, F32) : _mm256_setzero_ps();
         }
         if (PF) prefetch_group(codes, BITS, d, m, HAS_M, F32, G, c0 + NC, c0 + 2 * NC, in, groups, g);
         for (int i = g * G; i < (g + 1) * G; ++i) {
             __m256 w[4];
-            for (int u = 0; u < NC; ++u) w[u] = weights8(codes, BITS, c0 + u, in, i, dv[u], mv[u], HAS_M);
+            for (int u = 0; u < NC; ++u) w[u] = weights8(codes, BITS, BF, c0 + u, in, i, dv[u], mv[u], HAS_M);
             for (int r = 0; r < R; ++r) {
                 const __m256 xb = _mm256_broadcast_ss(x + (int64_t)r * in + i);
                 for (int u = 0; u < NC; ++u) acc[r * NC + u] = _mm256_fmadd_ps(xb, w[u], acc[r * NC + u]);
@@ -114,8 +121,8 @@ static inline __attribute__((always_inline)) void tile(const float* x, const int
  * they are the thread's (below c1) */
 #define PASS(BITS, HAS_M, R, NC)                                                                           \
     for (int64_t c = cq; c < cq + 4; c += NC)                                                                      \
-        if (pf && c + NC < c1) tile(xm, R, in, codes, BITS, d, m, HAS_M, F32, G, c, NC, out, ym, 1);               \
-        else tile(xm, R, in, codes, BITS, d, m, HAS_M, F32, G, c, NC, out, ym, 0);
+        if (pf && c + NC < c1) tile(xm, R, in, codes, BITS, BF, d, m, HAS_M, F32, G, c, NC, out, ym, 1);               \
+        else tile(xm, R, in, codes, BITS, BF, d, m, HAS_M, F32, G, c, NC, out, ym, 0);
 #define ROWS(BITS, HAS_M)                                                                                            \
     switch (rows) {                                                                                                \
         case 1: PASS(BITS, HAS_M, 1, 4) break;                                                             \
@@ -144,8 +151,15 @@ static const float UNSHIFT16[16] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0
  * takes q 2^s (s = 4 (k % 8), exact as an unsigned conversion: 4 significant bits) times dv = d 2^-s, so
  * fl(dv q 2^s) = fl(d q), the same weight as the AVX2 path's. dv is exact because every scale is an fp16 value or 0
  * (GGUF stores them so; triforce_blockcode_fit only writes such): |d| >= 2^-24, so d 2^-28 stays a normal fp32. */
-static inline __attribute__((always_inline)) __m512 weights16(const void* codes, const int BITS, int64_t c, int in,
-                                                              int i, __m512 dv, __m512 mv, const int HAS_M) {
+static inline __attribute__((always_inline)) __m512 weights16(const void* codes, const int BITS, const int BF,
+                                                              int64_t c, int in, int i, __m512 dv, __m512 mv,
+                                                              const int HAS_M) {
+    if (BITS == 16) {  /* the weights themselves: bf16 (BF) or fp16, widened exactly */
+        const uint16_t* h = (const uint16_t*)codes + (c * in + i) * 8;
+        const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)h)),
+                                                     _mm_loadu_si128((const __m128i*)(h + (int64_t)in * 8)), 1);
+        return BF ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(both), 16)) : _mm512_cvtph_ps(both);
+    }
     __m512 qf;
     if (BITS == 4) {
         const uint32_t* w = (const uint32_t*)codes + c * in + i;
@@ -177,7 +191,7 @@ static inline __attribute__((always_inline)) __m512 pair16(const void* a, int64_
 /* tile() on 16 lanes: y[m, 8 c0 : 8 (c0 + 2 NP)) for R rows and the NP column-block pairs from c0 (c0 even); with
  * PF, each group also prefetches the same group of the next 2 NP column blocks below c1 (the thread's end) */
 static inline __attribute__((always_inline)) void tile16(const float* x, const int R, int in, const void* codes,
-                                                         const int BITS, const void* d, const void* m,
+                                                         const int BITS, const int BF, const void* d, const void* m,
                                                          const int HAS_M, const int F32, const int G, int64_t c0,
                                                          const int NP, float* y, int out, const int PF, int64_t c1) {
     __m512 acc[16];  /* R * NP <= 16 */
@@ -186,7 +200,7 @@ static inline __attribute__((always_inline)) void tile16(const float* x, const i
     for (int g = 0; g < groups; ++g) {
         __m512 dv[4], mv[4];
         for (int p = 0; p < NP; ++p) {
-            dv[p] = pair16(d, c0 + 2 * p, groups, g, F32);
+            dv[p] = BITS == 16 ? _mm512_setzero_ps() : pair16(d, c0 + 2 * p, groups, g, F32);
             if (BITS == 4) dv[p] = _mm512_mul_ps(dv[p], _mm512_loadu_ps(UNSHIFT16));  /* d 2^-s: exact */
             mv[p] = HAS_M ? pair16(m, c0 + 2 * p, groups, g, F32) : _mm512_setzero_ps();
         }
@@ -194,7 +208,7 @@ static inline __attribute__((always_inline)) void tile16(const float* x, const i
                                groups, g);
         for (int i = g * G; i < (g + 1) * G; ++i) {
             __m512 w[4];
-            for (int p = 0; p < NP; ++p) w[p] = weights16(codes, BITS, c0 + 2 * p, in, i, dv[p], mv[p], HAS_M);
+            for (int p = 0; p < NP; ++p) w[p] = weights16(codes, BITS, BF, c0 + 2 * p, in, i, dv[p], mv[p], HAS_M);
             for (int r = 0; r < R; ++r) {
                 const __m512 xb = _mm512_set1_ps(x[(int64_t)r * in + i]);
                 for (int p = 0; p < NP; ++p) acc[r * NP + p] = _mm512_fmadd_ps(xb, w[p], acc[r * NP + p]);
@@ -208,7 +222,7 @@ static inline __attribute__((always_inline)) void tile16(const float* x, const i
 /* One thread's column blocks [c0, c1) (a multiple of 4), all M rows: one or two rows over 8 column blocks at a time
  * (4 independent FMA chains a row, so a one-row product is not bound by FMA latency), more rows over 4 (2 pairs),
  * up to 8 rows a pass; a pass over a span's first rows prefetches the next span while it is the thread's. */
-#define TILE16(BITS, HAS_M, R, NP, PF) tile16(xm, R, in, codes, BITS, d, m, HAS_M, F32, G, cq, NP, ym, out, PF, c1)
+#define TILE16(BITS, HAS_M, R, NP, PF) tile16(xm, R, in, codes, BITS, BF, d, m, HAS_M, F32, G, cq, NP, ym, out, PF, c1)
 #define SPAN16(BITS, HAS_M)                                                                                        \
     for (int64_t cq = c0, span; cq < c1; cq += span) {                                                             \
         span = M <= 2 && cq + 8 <= c1 ? 8 : 4;                                                                     \
@@ -241,30 +255,35 @@ static inline __attribute__((always_inline)) void tile16(const float* x, const i
     }
 #endif
 
-/* bits: the code width (4 or 8) plus BC_F32 (d and m are fp32 arrays: a K-quant's per-group scale d_sb sc and minimum
- * dmin_sb mc, exact products of an fp16 and a 6- or 8-bit integer) and BC_G16 (groups of 16 inputs: Q6_K's) */
+/* bits: the code width (4, 8, or 16: the weights themselves, fp16 or with BC_BF16 bf16, no scales) plus BC_F32 (d and m
+ * are fp32 arrays: a K-quant's per-group scale d_sb sc and minimum dmin_sb mc, exact products of an fp16 and a 6- or
+ * 8-bit integer) and BC_G16 (groups of 16 inputs: Q6_K's) */
 #define BC_F32 32
 #define BC_G16 64
+#define BC_BF16 128
 /* the formats the exact product is built for: fp16 scales, groups of 32 (Q4_0, Q4_1, Q5_0, Q8_0); fp32 scales, groups
  * of 32 (Q4_K 4-bit with minima, Q5_K 8-bit with minima, a fused matrix's promotion) or 16 (Q6_K, and with minima a
- * fusion of Q6_K with Q4_K or Q5_K). DISPATCH(BODY) runs BODY(BITS, HAS_M) with F32 and G constants in scope. */
+ * fusion of Q6_K with Q4_K or Q5_K); 2-byte weights (a bf16 or fp16 checkpoint). DISPATCH(BODY) runs BODY(BITS,
+ * HAS_M) with F32, G and BF constants in scope. */
 #define DISPATCH(BODY)                                                                                             \
     switch (bits | (m ? 1 : 0)) {                                                                                  \
-        case 4 | 1: { const int F32 = 0, G = 32; BODY(4, 1) } break;                                               \
-        case 4: { const int F32 = 0, G = 32; BODY(4, 0) } break;                                                   \
-        case 8 | 1: { const int F32 = 0, G = 32; BODY(8, 1) } break;                                               \
-        case 8: { const int F32 = 0, G = 32; BODY(8, 0) } break;                                                   \
-        case 4 | BC_F32 | 1: { const int F32 = 1, G = 32; BODY(4, 1) } break;                                      \
-        case 8 | BC_F32 | 1: { const int F32 = 1, G = 32; BODY(8, 1) } break;                                      \
-        case 8 | BC_F32: { const int F32 = 1, G = 32; BODY(8, 0) } break;                                          \
-        case 8 | BC_F32 | BC_G16: { const int F32 = 1, G = 16; BODY(8, 0) } break;                                 \
-        default: { const int F32 = 1, G = 16; BODY(8, 1) } break; /* 8 | BC_F32 | BC_G16 | 1 */                    \
+        case 4 | 1: { const int F32 = 0, G = 32, BF = 0; BODY(4, 1) } break;                                       \
+        case 4: { const int F32 = 0, G = 32, BF = 0; BODY(4, 0) } break;                                           \
+        case 8 | 1: { const int F32 = 0, G = 32, BF = 0; BODY(8, 1) } break;                                       \
+        case 8: { const int F32 = 0, G = 32, BF = 0; BODY(8, 0) } break;                                           \
+        case 4 | BC_F32 | 1: { const int F32 = 1, G = 32, BF = 0; BODY(4, 1) } break;                              \
+        case 8 | BC_F32 | 1: { const int F32 = 1, G = 32, BF = 0; BODY(8, 1) } break;                              \
+        case 8 | BC_F32: { const int F32 = 1, G = 32, BF = 0; BODY(8, 0) } break;                                  \
+        case 8 | BC_F32 | BC_G16: { const int F32 = 1, G = 16, BF = 0; BODY(8, 0) } break;                         \
+        case 8 | BC_F32 | BC_G16 | 1: { const int F32 = 1, G = 16, BF = 0; BODY(8, 1) } break;                     \
+        case 16: { const int F32 = 0, G = 32, BF = 0; BODY(16, 0) } break;                                         \
+        default: { const int F32 = 0, G = 32, BF = 1; BODY(16, 0) } break; /* 16 | BC_BF16 */                      \
     }
 
 static int format_ok(int bits, const void* m) {
     switch (bits | (m ? 1 : 0)) {
         case 4 | 1: case 4: case 8 | 1: case 8: case 4 | BC_F32 | 1: case 8 | BC_F32 | 1: case 8 | BC_F32:
-        case 8 | BC_F32 | BC_G16: case 8 | BC_F32 | BC_G16 | 1:
+        case 8 | BC_F32 | BC_G16: case 8 | BC_F32 | BC_G16 | 1: case 16: case 16 | BC_BF16:
             return 1;
         default:
             return 0;
@@ -585,19 +604,29 @@ int triforce_blockcode_dequantize(const void* codes, int bits, const void* d, co
     if (in < GROUP || in % GROUP || out < 32 || out % 32 || !format_ok(bits, m) || c_from < 0 || c_to > out / 8
         || c_from >= c_to || nthreads < 1)
         return -1;
-    const int G = bits & BC_G16 ? 16 : 32, F32 = (bits & BC_F32) != 0, width = bits & 15, groups = in / G;
+    const int G = bits & BC_G16 ? 16 : 32, F32 = (bits & BC_F32) != 0, width = bits & 31, groups = in / G;
     const int64_t ld = 8 * (int64_t)(c_to - c_from);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int c = c_from; c < c_to; ++c)
         for (int g = 0; g < groups; ++g) {
             float dv[8], mv[8];
-            for (int k = 0; k < 8; ++k) {
+            for (int k = 0; k < 8 && width != 16; ++k) {
                 const int64_t s = ((int64_t)c * groups + g) * 8 + k;
                 dv[k] = F32 ? ((const float*)d)[s] : _cvtsh_ss(((const uint16_t*)d)[s]);
                 mv[k] = !m ? 0.f : F32 ? ((const float*)m)[s] : _cvtsh_ss(((const uint16_t*)m)[s]);
             }
             for (int i = g * G; i < (g + 1) * G; ++i) {
                 float* row = w + (int64_t)i * ld + 8 * (int64_t)(c - c_from);
+                if (width == 16) {  /* 2-byte weights, widened exactly */
+                    const uint16_t* h = (const uint16_t*)codes + ((int64_t)c * in + i) * 8;
+                    for (int k = 0; k < 8; ++k) {
+                        const uint32_t u = (uint32_t)h[k] << 16;
+                        float f;
+                        __builtin_memcpy(&f, &u, 4);
+                        row[k] = bits & BC_BF16 ? f : _cvtsh_ss(h[k]);
+                    }
+                    continue;
+                }
                 for (int k = 0; k < 8; ++k) {
                     const int q = width == 4 ? (int)((((const uint32_t*)codes)[(int64_t)c * in + i] >> (4 * k)) & 15u)
                                              : ((const int8_t*)codes)[((int64_t)c * in + i) * 8 + k];

@@ -165,10 +165,11 @@ static void add_bias(float* y, const float* b, int n) {
 
 /* bits of a projection whose block codes multiply int8-quantized activations (csrc/blockcodes.c's integer dot
  * products: a tier below the verifier) */
-#define Q8_ACTIVATIONS 16
+#define Q8_ACTIVATIONS 256
 
-/* y = x W^T for M rows: bits 0 the int8 kernel (w: (out, in) int8, s: per-channel scales), 4 or 8 the block-code
- * kernel (w: codes, s: the blocks' scales, mn: their minima or NULL), 4 or 8 plus Q8_ACTIVATIONS its integer dot
+/* y = x W^T for M rows: bits 0 the int8 kernel (w: (out, in) int8, s: per-channel scales), else csrc/blockcodes.c's
+ * bits (w: codes or 2-byte weights, s: the blocks' scales, mn: their minima, or NULL), 4 or 8 plus Q8_ACTIVATIONS its
+ * integer dot
  * products (qwork: their buffer, 32-byte aligned) */
 static int project(void* const* fns, int bits, const void* w, const void* s, const void* mn, const float* x,
                    float* y, int M, int in, int out, int nthreads, void* qwork) {
