@@ -126,7 +126,7 @@ class _ScriptedEngine:
 
 def _scripted(tok, ids):
     tf = object.__new__(TriForce)
-    tf.tokenizer, tf.engine, tf.drafter, tf.draft = tok, _ScriptedEngine(ids), "model", None
+    tf.tokenizer, tf.engine, tf.drafter, tf.draft, tf.prompt_cache = tok, _ScriptedEngine(ids), "model", None, None
     return tf
 
 

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import os
 
 from dataclasses import dataclass
 from typing import Callable, Generator, Sequence
@@ -23,7 +24,7 @@ from .defaults import DEFAULTS
 from .detok import IncrementalDetokenizer
 from .engine import Engine, GenerationStats, SpeculationConfig
 from .loading import LoadedModel, ModelLoadError, load_model
-from .prompts import encode_prompt
+from .prompts import encode_prompt_cut
 from .sampling import SamplingParams
 
 
@@ -80,13 +81,21 @@ class TriForce:
         draft: an optional loaded draft model sharing the target's tokenizer, ``"ngram"`` for the model-free
             n-gram drafter, or ``"self"`` for the target drafting for itself with int4 weights (no second model).
         offload_kv, on_chip_layers, kv_dtype: KV-cache offloading and dtype (see :class:`~triforce.engine.Engine`).
+        prompt_cache: a directory of prompt caches (``promptcache.py``): each request first loads the longest prefix
+            of its prompt that a file there holds, and a request that computed at least ``prompt_cache_min_tokens``
+            new tokens writes its full KV cache there; ``prompt_cache_max_bytes`` caps the directory (least recently
+            used first; None: no cap). None: no files.
 
     Raises:
         TokenizerMismatchError: the draft's vocabulary differs from the target's.
+        ValueError: ``prompt_cache`` is a file, or a negative cap or minimum.
     """
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | str | None = None, offload_kv: bool = False,
-                 on_chip_layers: int | None = None, kv_dtype: str | None = None) -> None:
+                 on_chip_layers: int | None = None, kv_dtype: str | None = None,
+                 prompt_cache: str | os.PathLike | None = None,
+                 prompt_cache_max_bytes: int | None = DEFAULTS["prompt_cache_max_bytes"],
+                 prompt_cache_min_tokens: int = DEFAULTS["prompt_cache_min_tokens"]) -> None:
         self.drafter = draft if draft in ("ngram", "self") else "model"
         if draft in ("ngram", "self"):
             draft = None
@@ -98,12 +107,18 @@ class TriForce:
         self.tokenizer = target.tokenizer
         self.engine = Engine(target.model, draft.model if draft else None, eos_ids=target.eos_ids,
                              offload_kv=offload_kv, on_chip_layers=on_chip_layers, kv_dtype=kv_dtype)
+        self.prompt_cache = None
+        if prompt_cache is not None:
+            from .promptcache import PromptCache, model_key
+
+            key = model_key(target.source, target.model.cfg, target.model.dtype, self.engine.kv_dtype)
+            self.prompt_cache = PromptCache(prompt_cache, key, prompt_cache_max_bytes, prompt_cache_min_tokens)
 
     @classmethod
     def load(cls, model: str | None = None, draft: str | None = None, dtype: str = "float32",
              device: str = "cpu", tp=None, offload_kv: bool = False, on_chip_layers: int | None = None,
              kv_dtype: str | None = None, quantize: str | None = None,
-             packed_weights: bool | None = None, threads: int | str | None = None) -> "TriForce":
+             packed_weights: bool | None = None, threads: int | str | None = None, **cache_options) -> "TriForce":
         """Load the target (default: the embedded SmolLM2-135M-Instruct) and an optional draft (a model source,
         ``"ngram"`` for the model-free drafter or ``"self"`` for the target's own int4 copy); see :func:`load_model`. With ``tp`` (a
         :class:`~triforce.parallel.TensorParallel`) the target is this rank's shard and the draft is replicated;
@@ -116,7 +131,8 @@ class TriForce:
         memory (:meth:`~triforce.model.Transformer.packing_pays`). ``threads``: CPU threads for torch, for the
         whole process (``torch.set_num_threads``): an integer, ``"auto"`` (the command line's default: one per
         physical core that other programs leave idle while the model loads, :mod:`triforce.threads`), or None to
-        leave torch's current setting.
+        leave torch's current setting. ``cache_options``: ``prompt_cache``, ``prompt_cache_max_bytes``,
+        ``prompt_cache_min_tokens`` (see :class:`TriForce`).
 
         Raises:
             ValueError: an unknown ``quantize`` or ``kv_dtype``, or ``threads`` not ``"auto"``, None or an integer in
@@ -156,7 +172,8 @@ class TriForce:
                 draft_model.model.pack_weights()
         if probe is not None:
             set_threads(default_threads(probe.idle_cpus()))
-        return cls(target, draft_model, offload_kv=offload_kv, on_chip_layers=on_chip_layers, kv_dtype=kv_dtype)
+        return cls(target, draft_model, offload_kv=offload_kv, on_chip_layers=on_chip_layers, kv_dtype=kv_dtype,
+                   **cache_options)
 
     def compile(self, mode: str = "default") -> None:
         """``torch.compile`` the target's (and the draft's) fixed-shape block code; see
@@ -180,7 +197,13 @@ class TriForce:
 
     def encode(self, prompt: str, chat: bool = False, system: str | None = None,
                max_prompt_tokens: int | None = None, document: str | None = None) -> list[int]:
-        """Prompt text -> token ids (see :func:`~triforce.prompts.encode_prompt`).
+        """Prompt text -> token ids: :meth:`encode_cut`'s ids (same arguments and errors)."""
+        return self.encode_cut(prompt, chat, system, max_prompt_tokens, document)[0]
+
+    def encode_cut(self, prompt: str, chat: bool = False, system: str | None = None,
+                   max_prompt_tokens: int | None = None, document: str | None = None):
+        """Prompt text -> ``(token ids, cut)``, ``cut`` a :class:`~triforce.prompts.PromptCut` saying what
+        ``max_prompt_tokens`` dropped, or None (see :func:`~triforce.prompts.encode_prompt_cut`).
 
         With ``document``, ``prompt`` is a question about it: the prompt is the document, a blank line and the
         question (one user message with ``chat``), the document first so that a follow-up question about the same
@@ -193,8 +216,8 @@ class TriForce:
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         if document is not None and not isinstance(document, str):
             raise ValueError(f"document must be a string or None, got {type(document).__name__}")
-        return encode_prompt(self.tokenizer, prompt, chat=chat, system=system, max_prompt_tokens=max_prompt_tokens,
-                             context_length=self.target.model.cfg.max_position_embeddings, document=document)
+        return encode_prompt_cut(self.tokenizer, prompt, chat=chat, system=system, max_prompt_tokens=max_prompt_tokens,
+                                 context_length=self.target.model.cfg.max_position_embeddings, document=document)
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = DEFAULTS["max_new_tokens"],
                sampling: SamplingParams = SamplingParams(), spec: SpeculationConfig | None = None,
@@ -228,6 +251,7 @@ class TriForce:
             raise ValueError(f"prompt must be one string or a list of token ids, got a list of {len(prompt)} "
                              "strings: for several prompts use generate(prompts=[...])")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        cached, file_hit = self._load_prompt_cache(ids)
         gen = self.engine.stream(ids, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=seed,
                                  prefill_progress=prefill_progress)
         out: list[int] = []
@@ -277,8 +301,35 @@ class TriForce:
         if finish == "length" and out and out[-1] in self.engine.eos_ids:
             finish = "eos"
         stats.finish_reason = finish
+        if self.prompt_cache is not None:
+            stats.prompt_cache = self._store_prompt_cache(cached, file_hit)
         text = "".join(pieces)
         return GenerationResult(text, out, finish, stats)
+
+    def _load_prompt_cache(self, ids: list[int]):
+        """Before a request: the prompt tokens the engine already holds (its kept prefix), and the prefix loaded from
+        :attr:`prompt_cache` where a file holds more (handed to the engine), or None."""
+        if self.prompt_cache is None:
+            return 0, None
+        held = self.engine.prefix_tokens
+        cached = 0
+        while cached < min(len(held), len(ids)) and held[cached] == ids[cached]:
+            cached += 1
+        hit = self.prompt_cache.lookup(ids, self.target.model.cfg, self.target.model.device, longer_than=cached)
+        if hit is not None:
+            self.engine.adopt_prefix(hit.cache, hit.tokens)
+            cached = len(hit.tokens)
+        return cached, hit
+
+    def _store_prompt_cache(self, cached: int, hit) -> dict:
+        """After a request: its full KV cache written to :attr:`prompt_cache` where it computed enough new tokens;
+        the stats' ``prompt_cache`` entry (tokens loaded from a file, the file, the file written or None)."""
+        tokens, full = self.engine.prefix_tokens, self.engine.full_cache
+        stored = None
+        if full is not None and tokens and self.prompt_cache.should_store(tokens, cached):
+            stored = str(self.prompt_cache.store(full, tokens))
+        return {"loaded_tokens": len(hit.tokens) if hit else 0, "loaded_from": str(hit.path) if hit else None,
+                "stored": stored}
 
     def generate(self, prompt: str | Sequence[int] | None = None, *, prompts: Sequence[str | Sequence[int]] | None = None,
                  max_batch: int = DEFAULTS["max_batch"], **kwargs) -> GenerationResult | list[GenerationResult]:

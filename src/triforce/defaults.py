@@ -45,6 +45,9 @@ DEFAULTS: dict[str, object] = {
     "cuda_graphs": "off",
     "offload_kv": False,
     "on_chip_layers": None,  # chosen by the memory planner
+    "prompt_cache": None,  # no prompt cache files (promptcache.py)
+    "prompt_cache_max_bytes": None,  # no cap on the directory
+    "prompt_cache_min_tokens": 64,  # a request writes its KV when it computed at least this many new tokens
     "tp": 1,
     # sampling
     "max_new_tokens": 256,

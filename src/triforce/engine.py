@@ -72,6 +72,7 @@ class GenerationStats:
     retrieval_holds_full_cache: bool | None = None
     kv_placement: dict | None = None
     auto: dict | None = None
+    prompt_cache: dict | None = None  # with a prompt cache directory: tokens loaded, file read, file written
 
     def to_dict(self) -> dict:
         """All fields as a JSON-ready dict."""
@@ -249,8 +250,8 @@ class Engine:
         cfg.check_length(size_request(len(prompt_ids), max_new_tokens, spec)[0])  # before any allocation or placement
         context = cfg.max_position_embeddings
         if cfg.rope_type != "dynamic" and len(prompt_ids) >= context:
-            raise ParameterError(f"`max_prompt_tokens`: the prompt has {len(prompt_ids)} tokens, not fewer than the "
-                                 f"model's context of {context}; keep the first N with `max_prompt_tokens` N")
+            raise ParameterError(f"`max_prompt_tokens`: the prompt has {len(prompt_ids)} tokens, the model's context {context}: "
+                                 f"keep the first N with `max_prompt_tokens` N (at most {context} less the new tokens)")
         if cfg.rope_type != "dynamic" and len(prompt_ids) + max_new_tokens > context:
             raise ValueError(f"max_new_tokens={max_new_tokens} with a prompt of {len(prompt_ids)} tokens exceeds the "
                              f"model's context of {context} tokens (max_position_embeddings)")

@@ -4,6 +4,7 @@ truncation."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import ParameterError
@@ -64,10 +65,38 @@ def _encode(tokenizer: Any, text: str, chat: bool, system: str | None) -> list[i
     return [int(i) for i in tokenizer(text, add_special_tokens=True)["input_ids"]]
 
 
+@dataclass
+class PromptCut:
+    """What ``max_prompt_tokens`` dropped from a prompt (reported on stderr, in the stats line and in ``--json``).
+
+    Attributes:
+        kept_tokens: tokens of the prompt as given to the model.
+        dropped_tokens: tokens cut away (of the document, with a question about it; else of the prompt's end).
+        kept: which part stayed: ``"first tokens"`` or ``"the document's first tokens and the question"``.
+    """
+
+    kept_tokens: int
+    dropped_tokens: int
+    kept: str
+
+    def summary(self) -> str:
+        """One line for stderr."""
+        total = self.kept_tokens + self.dropped_tokens
+        return (f"the prompt was cut to {self.kept_tokens} of {total} tokens (--max-prompt-tokens): kept "
+                f"{self.kept}, dropped {self.dropped_tokens} ({100 * self.dropped_tokens / total:.1f}%)")
+
+
 def encode_prompt(tokenizer: Any, text: str, chat: bool = False, system: str | None = None,
                   max_prompt_tokens: int | None = None, context_length: int | None = None,
                   document: str | None = None) -> list[int]:
-    """Token ids of a prompt.
+    """Token ids of a prompt: :func:`encode_prompt_cut`'s ids (same arguments and errors)."""
+    return encode_prompt_cut(tokenizer, text, chat, system, max_prompt_tokens, context_length, document)[0]
+
+
+def encode_prompt_cut(tokenizer: Any, text: str, chat: bool = False, system: str | None = None,
+                      max_prompt_tokens: int | None = None, context_length: int | None = None,
+                      document: str | None = None) -> tuple[list[int], PromptCut | None]:
+    """Token ids of a prompt, and what ``max_prompt_tokens`` cut from it.
 
     Args:
         tokenizer: a transformers tokenizer.
@@ -82,7 +111,7 @@ def encode_prompt(tokenizer: Any, text: str, chat: bool = False, system: str | N
             (document, blank line, question), inside one user message with ``chat``.
 
     Returns:
-        list of int token ids.
+        ``(ids, cut)``: a list of int token ids, and a :class:`PromptCut` where tokens were dropped (else None).
 
     Raises:
         ValueError: ``max_prompt_tokens`` < 1 or above the model's context; ``system`` without ``chat``;
@@ -98,9 +127,11 @@ def encode_prompt(tokenizer: Any, text: str, chat: bool = False, system: str | N
         raise ParameterError("`system` is only used with `chat`")
     if chat and not getattr(tokenizer, "chat_template", None):
         raise ParameterError("this tokenizer has no chat template: `chat` cannot be used")
+    cut = None
     if document is None:
         ids = _encode(tokenizer, text, chat, system)
-        if max_prompt_tokens is not None:
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            cut = PromptCut(max_prompt_tokens, len(ids) - max_prompt_tokens, "the first tokens")
             ids = ids[:max_prompt_tokens]
     else:
         ids = _encode(tokenizer, document_prompt(document, text), chat, system)
@@ -117,6 +148,7 @@ def encode_prompt(tokenizer: Any, text: str, chat: bool = False, system: str | N
                     break
                 keep = max(0, keep - (len(ids) - max_prompt_tokens))
             ids = ids[:max_prompt_tokens] if len(ids) > max_prompt_tokens else ids
+            cut = PromptCut(len(ids), max(0, len(doc_ids) - keep), "the document's first tokens and the question")
     if not ids:
         raise ParameterError("`prompt` is empty: give some text")
-    return ids
+    return ids, cut

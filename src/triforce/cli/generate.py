@@ -25,8 +25,12 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
                                            "(document first, then the question)")
     src.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     src.add_argument("--system", help="system message (with --chat)")
-    src.add_argument("--max-prompt-tokens", type=int, help="keep the first N prompt tokens (with --prompt and "
+    src.add_argument("--max-prompt-tokens", type=int, help="keep the first N prompt tokens, N at most the model's "
+                                                            "context less the tokens to generate (with --prompt and "
                                                             "--prompt-file: cut the document so the question stays)")
+    src.add_argument("--prompt-cache", metavar="DIR", help="keep prompts' KV caches in files in DIR: a later run whose "
+                                                            "prompt starts with a kept prompt (the same document, a "
+                                                            "new question) loads it instead of prefilling it")
     add_generation_args(gen)
     gen.set_defaults(max_new_tokens=None)  # not given: the default, lowered to what the context leaves (_fit_new_tokens)
     gen.add_argument("--json", action="store_true", help="print one JSON object (schema in README) instead of text")
@@ -66,11 +70,27 @@ def load_from_args(args: argparse.Namespace, tp=None):
     tf = TriForce.load(args.model, args.draft, dtype=args.dtype, device=args.device, tp=tp,
                        offload_kv=args.offload_kv, on_chip_layers=args.on_chip_layers, kv_dtype=args.kv_dtype,
                        quantize=args.quantize, packed_weights={"auto": None, "on": True, "off": False}[args.packed_weights],
-                       threads="auto" if args.threads is None else args.threads)
+                       threads="auto" if args.threads is None else args.threads,
+                       prompt_cache=getattr(args, "prompt_cache", None))
     if args.compile:
         tf.compile(args.compile)
     tf.set_cuda_graphs(args.cuda_graphs == "on")
     return tf
+
+
+def _text_of(raw: bytes, name: str) -> str:
+    """A prompt file's bytes as text: UTF-8 (a few undecodable bytes replaced).
+
+    Raises:
+        CLIError: a binary file (a NUL byte in its first 64 KiB) or one that is not UTF-8 text (more than 1% of its
+            characters undecodable).
+    """
+    if b"\x00" in raw[:65536]:
+        raise CLIError(f"--prompt-file {name!r} is not a text file (it holds binary data); give a UTF-8 text file")
+    text = raw.decode("utf-8", errors="replace")
+    if text.count("\ufffd") > 0.01 * max(1, len(text)):
+        raise CLIError(f"--prompt-file {name!r} is not UTF-8 text; convert it to UTF-8 (for example with iconv)")
+    return text
 
 
 def _read_prompt(args: argparse.Namespace) -> tuple[str, str | None]:
@@ -85,13 +105,14 @@ def _read_prompt(args: argparse.Namespace) -> tuple[str, str | None]:
     document = None
     if args.prompt_file is not None:
         if args.prompt_file == "-":
-            document = sys.stdin.read()
+            raw = sys.stdin.buffer.read()
         else:
             try:
-                with open(args.prompt_file, encoding="utf-8", errors="replace") as f:
-                    document = f.read()
+                with open(args.prompt_file, "rb") as f:
+                    raw = f.read()
             except OSError as e:
                 raise CLIError(f"--prompt-file {args.prompt_file!r}: {e.strerror}") from e
+        document = _text_of(raw, args.prompt_file)
         document = strip_gutenberg(document)
     if args.prompt is None:
         return document, None
@@ -175,8 +196,18 @@ def _generate(args: argparse.Namespace, out) -> int:
     except ValueError as e:
         raise option_error(e) from e
     try:
-        ids = tf.encode(text, chat=args.chat, system=args.system, max_prompt_tokens=args.max_prompt_tokens,
-                        document=document)
+        cfg = tf.engine.target.cfg
+        if args.max_prompt_tokens is not None and cfg.rope_type != "dynamic":
+            limit = cfg.max_position_embeddings - (args.max_new_tokens if given_new_tokens else 1)
+            if args.max_prompt_tokens > limit:
+                raise CLIError(f"--max-prompt-tokens must be at most {limit}: the model's context of "
+                               f"{cfg.max_position_embeddings} tokens less "
+                               + (f"--max-new-tokens {args.max_new_tokens}" if given_new_tokens else
+                                  "1 token to generate") + f", got {args.max_prompt_tokens}")
+        ids, cut = tf.encode_cut(text, chat=args.chat, system=args.system, max_prompt_tokens=args.max_prompt_tokens,
+                                 document=document)
+        if cut is not None:
+            print(f"triforce: {cut.summary()}", file=sys.stderr)
         if not given_new_tokens:
             _fit_new_tokens(args, len(ids), tf.engine.target.cfg)
         if args.offload_kv:  # the memory planner's choice, reported before the prefill
@@ -216,12 +247,19 @@ def _generate(args: argparse.Namespace, out) -> int:
         kernels = dict(attention_kernel=kernel_status(), linear_kernel=linear_status(),
                        norm_rope_kernel=norm_rope_status(), block_code_kernel=blockcodes_status(),
                        sampling_kernel=sampling_status())
-        out.write(json.dumps(dict(result.to_dict(), threads=threads, **kernels), indent=2) + "\n")
+        cut_info = None if cut is None else dict(kept_tokens=cut.kept_tokens, dropped_tokens=cut.dropped_tokens,
+                                                 kept=cut.kept)
+        out.write(json.dumps(dict(result.to_dict(), prompt_cut=cut_info, threads=threads, **kernels), indent=2) + "\n")
         out.flush()
     else:
         out.write("\n")
         out.flush()
         s = result.stats
+        if cut is not None:
+            print(f"triforce: {cut.summary()}", file=sys.stderr)
+        if s.prompt_cache and s.prompt_cache["loaded_tokens"]:
+            print(f"triforce: {s.prompt_cache['loaded_tokens']} prompt tokens loaded from {s.prompt_cache['loaded_from']}",
+                  file=sys.stderr)
         print(f"[{result.finish_reason}] {s.summary()}; peak memory {fmt_bytes(s.peak_memory_bytes)}; "
               f"{threads} thread{'' if threads == 1 else 's'}; attention kernel {kernel_status()}", file=sys.stderr)
     return 130 if result.finish_reason == "interrupted" else 0

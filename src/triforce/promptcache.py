@@ -1,0 +1,258 @@
+"""Prompt caches on disk: a prompt's full KV cache kept in a file, so that a later process prefills only what follows.
+
+A long document costs minutes of prefill on a CPU; a new question about it, a later ``triforce generate`` or a
+restarted server should not pay that again. As llama.cpp's ``--prompt-cache`` and llama-server's ``--slot-save-path``
+do, the verifier's full KV cache (positions 0 .. T-1 of the tokens it holds after a request) is written to a file;
+a later request whose prompt starts with some of those tokens loads their keys and values and prefills only the rest
+(the engine's prefix reuse, :meth:`~triforce.engine.Engine.adopt_prefix`). The KV of a prefix depends only on the
+prefix (causal attention), so the loaded values are the ones a prefill would compute, and the output distribution is
+unchanged.
+
+One file per entry, ``<dir>/<model key>-<tokens hash>.safetensors`` (safetensors: a JSON header and raw tensors,
+read through a memory map, only the positions reused):
+
+- tensors ``k``, ``v``: (L, 1, nkv, T, hs) in the KV dtype; ``tokens``: (T,) int64;
+- metadata: ``format`` (:data:`FORMAT_VERSION`), ``model_key`` (:func:`model_key`: the weight files' names, sizes and
+  modification times, the config's shape, the weights' and KV dtypes, triforce's version) and ``crc32`` of the
+  tensors' bytes.
+
+A file that is truncated or corrupted (safetensors' header check, the checksum), from another model, dtype or
+version of the format is skipped with one warning, never read into the cache. The directory is kept under a size
+cap by deleting the least recently used entries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .caches import FullKVCache
+from .config import ModelConfig
+
+#: bumped whenever the file layout changes; files of another version are skipped
+FORMAT_VERSION = "1"
+_SUFFIX = ".safetensors"
+
+
+def model_key(source: str, cfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
+    """A short hex key that changes whenever the KV a prompt produces could: the model's files (names, sizes,
+    modification times; a folder's config.json and weights, or a GGUF file), its configuration, the weights' and KV
+    dtypes,
+    and triforce's version.
+
+    Args:
+        source: the model's path (:attr:`~triforce.loading.LoadedModel.source`); a hub id keys by name only.
+        cfg: its configuration; dtype: the weights' dtype; kv_dtype: the full KV cache's dtype.
+
+    Returns:
+        24 hex digits.
+    """
+    from . import __version__
+
+    path = Path(source).expanduser()
+    files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.suffix in (".json", ".safetensors", ".gguf"))
+    stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.is_file()]
+    blob = json.dumps([str(path.resolve()) if path.exists() else source, stamp, repr(cfg), str(dtype), str(kv_dtype),
+                       __version__, FORMAT_VERSION])
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _crc(*tensors: torch.Tensor) -> str:
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(t.contiguous().view(torch.uint8).numpy().data, crc)
+    return f"{crc:08x}"
+
+
+@dataclass
+class PromptCacheHit:
+    """A prefix loaded from a file.
+
+    Attributes:
+        cache: a :class:`~triforce.caches.FullKVCache` holding the KV of ``tokens`` (``length == len(tokens)``).
+        tokens: the prefix of the request's prompt it covers.
+        path: the file it came from.
+    """
+
+    cache: FullKVCache
+    tokens: list[int]
+    path: Path
+
+
+class PromptCache:
+    """A directory of prompt caches for one model (see the module docstring).
+
+    Args:
+        directory: where the files live (created if missing).
+        key: :func:`model_key` of the model and dtypes whose KV is stored.
+        max_bytes: size cap of this model's files in the directory; the least recently used go first (None: no cap).
+        min_new_tokens: :meth:`should_store` answers True only where at least this many tokens were computed beyond
+            what was loaded (a short follow-up question does not rewrite a long document's file).
+
+    Raises:
+        ValueError: ``max_bytes`` or ``min_new_tokens`` negative, or ``directory`` exists and is not a directory.
+    """
+
+    def __init__(self, directory: str | os.PathLike, key: str, max_bytes: int | None = None,
+                 min_new_tokens: int = 1) -> None:
+        self.directory = Path(directory).expanduser()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ValueError(f"prompt_cache: {self.directory} exists and is not a directory")
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
+            raise ValueError(f"prompt_cache max_bytes must be None or an integer >= 0, got {max_bytes!r}")
+        if not isinstance(min_new_tokens, int) or min_new_tokens < 0:
+            raise ValueError(f"prompt_cache min_new_tokens must be an integer >= 0, got {min_new_tokens!r}")
+        self.key, self.max_bytes, self.min_new_tokens = key, max_bytes, min_new_tokens
+        self._warned: set[Path] = set()
+
+    def _entries(self) -> list[Path]:
+        if not self.directory.is_dir():
+            return []
+        return sorted(self.directory.glob(f"{self.key}-*{_SUFFIX}"))
+
+    def _skip(self, path: Path, why: str) -> None:
+        if path not in self._warned:
+            self._warned.add(path)
+            warnings.warn(f"prompt cache {path} ignored: {why}", stacklevel=3)
+
+    def _tokens(self, path: Path) -> list[int] | None:
+        """The tokens a file covers, after its header checks (None, with one warning, where a check fails)."""
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != FORMAT_VERSION:
+                    self._skip(path, f"format {meta.get('format')!r}, this version reads {FORMAT_VERSION!r}")
+                    return None
+                if meta.get("model_key") != self.key:
+                    self._skip(path, "written for another model or dtype")
+                    return None
+                return f.get_tensor("tokens").tolist()
+        except Exception as e:  # a truncated or garbled file: safetensors' own header and size checks
+            self._skip(path, f"unreadable ({type(e).__name__}: {str(e)[:80]})")
+            return None
+
+    def lookup(self, prompt: list[int], cfg: ModelConfig, device: torch.device | str = "cpu",
+               longer_than: int = 0) -> PromptCacheHit | None:
+        """The longest prefix of ``prompt`` that a file holds, loaded into a full KV cache, or None.
+
+        Args:
+            prompt: the request's token ids.
+            cfg: the target's configuration (the cache's shape); device: where the cache goes.
+            longer_than: only prefixes of more tokens count (what the engine already holds).
+
+        Returns:
+            :class:`PromptCacheHit` (its file's modification time is refreshed: least recently used goes first), or
+            None: no file shares more than ``longer_than`` first tokens with ``prompt`` and passes its checks (a
+            failing file is warned about once and the next best tried), or the model uses dynamic NTK RoPE (its keys
+            depend on the request's length).
+        """
+        if cfg.rope_type == "dynamic" or not prompt:
+            return None
+        candidates = []
+        for path in self._entries():
+            tokens = self._tokens(path)
+            if tokens is None:
+                continue
+            n = 0
+            for a, b in zip(tokens, prompt):
+                if a != b:
+                    break
+                n += 1
+            if n > longer_than:
+                candidates.append((n, path))
+        for n, path in sorted(candidates, reverse=True):  # the longest prefix whose file passes its checks
+            kv = self._read_kv(path, cfg)
+            if kv is not None:
+                cache = FullKVCache(cfg, n, kv[0].dtype, device)
+                cache.k.copy_(kv[0][:, :, :, :n])
+                cache.v.copy_(kv[1][:, :, :, :n])
+                cache.length = n
+                os.utime(path)  # most recently used
+                return PromptCacheHit(cache, list(prompt[:n]), path)
+        return None
+
+    def _read_kv(self, path: Path, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A file's keys and values (memory-mapped), after the shape and checksum checks (None, warned, where one
+        fails)."""
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                k, v = f.get_tensor("k"), f.get_tensor("v")
+                crc = (f.metadata() or {}).get("crc32")
+        except Exception as e:
+            self._skip(path, f"unreadable ({type(e).__name__})")
+            return None
+        L, nkv, hs = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        if k.dim() != 5 or tuple(k.shape[:3]) != (L, 1, nkv) or k.shape[4] != hs or k.shape != v.shape:
+            self._skip(path, f"KV of shape {tuple(k.shape)}, this model's is ({L}, 1, {nkv}, T, {hs})")
+            return None
+        if _crc(k, v) != crc:
+            self._skip(path, "checksum mismatch (a corrupted file)")
+            return None
+        return k, v
+
+    def should_store(self, tokens: list[int], loaded: int) -> bool:
+        """Whether a request that ends holding the KV of ``tokens``, of which ``loaded`` came from a file or the
+        engine's kept prefix, adds enough to write (:attr:`min_new_tokens`)."""
+        return len(tokens) - loaded >= max(1, self.min_new_tokens)
+
+    def store(self, cache: FullKVCache, tokens: list[int]) -> Path:
+        """Write the KV of ``tokens`` (positions 0 .. len-1 of ``cache``) as a new entry, atomically (a temporary
+        file renamed into place); entries whose tokens are a prefix of ``tokens`` are deleted (this one covers
+        them), then the least recently used until this model's files fit :attr:`max_bytes`.
+
+        Raises:
+            ValueError: ``cache`` holds fewer positions than ``tokens``, or more than one sequence.
+        """
+        from safetensors.torch import save_file
+
+        n = len(tokens)
+        if cache.length < n or cache.k.shape[1] != 1:
+            raise ValueError(f"store: the cache holds {cache.length} positions of {cache.k.shape[1]} sequences, "
+                             f"need {n} of 1")
+        k = cache.k[:, :, :, :n].to("cpu").contiguous()
+        v = cache.v[:, :, :, :n].to("cpu").contiguous()
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        digest = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"{self.key}-{digest}{_SUFFIX}"
+        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file({"k": k, "v": v, "tokens": ids}, tmp,
+                      metadata={"format": FORMAT_VERSION, "model_key": self.key, "crc32": _crc(k, v)})
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        for other in self._entries():
+            if other != path:
+                held = self._tokens(other)
+                if held is not None and len(held) <= n and held == tokens[:len(held)]:
+                    other.unlink(missing_ok=True)
+        self._evict(keep=path)
+        return path
+
+    def _evict(self, keep: Path) -> None:
+        if self.max_bytes is None:
+            return
+        entries = sorted(self._entries(), key=lambda p: p.stat().st_mtime)  # oldest use first
+        total = sum(p.stat().st_size for p in entries)
+        for p in entries:
+            if total <= self.max_bytes:
+                break
+            if p != keep:
+                total -= p.stat().st_size
+                p.unlink(missing_ok=True)
