@@ -134,6 +134,8 @@ BAD = [
     (["--system", "x"], "--chat"),
     (["--max-prompt-tokens", "0"], "--max-prompt-tokens"),
     (["--max-prompt-tokens", "100000"], "--max-prompt-tokens"),
+    (["--prompt-cache", __file__], "--prompt-cache must be a directory"),
+    (["--prompt-cache-max-gib", "-1"], "--prompt-cache-max-gib must be a number of GiB >= 0"),
     (["--threads", "0"], "--threads"),
     (["--stop", ""], "--stop"),
     (["--temperature", "inf"], "--temperature"),

@@ -138,3 +138,20 @@ def test_speculative_modes_on_bf16_weights_equal_autoregressive_greedy(bf16_fold
                                      draft_window=8, lower_weights=lower)
             out, _ = engine.generate(prompt, max_new_tokens=16, sampling=greedy, spec=spec)
             assert out == ref, lower
+
+
+def test_auto_weighs_the_int8_tier_by_its_copys_bytes_not_the_stored_ones(bf16_folder):
+    """The int8 tier under a 2-byte verifier reads one byte a weight (half the verifier's), not a quarter as an fp32
+    verifier's bytes over 4 would say: ``int8_copy_bytes`` counts the copy ``lower_precision_copy`` makes."""
+    from triforce.loading import load_model
+    from triforce.quant import int8_copy_bytes, lower_precision_copy
+
+    model = load_model(bf16_folder[0]).model
+    copy = lower_precision_copy(model, "int8")
+    made = sum(p.numel() * p.element_size() for lin in [copy.lm_head] + [
+        m for b in copy.layers for m in (b.self_attn.qkv_proj, b.self_attn.o_proj, b.mlp.gate_up_proj, b.mlp.down_proj)]
+        for p in (lin.q, lin.scale_f32))
+    assert int8_copy_bytes(model) == made == int8_copy_bytes(copy)
+    stored = [model.lm_head] + [
+        m for b in model.layers for m in (b.self_attn.qkv_proj, b.self_attn.o_proj, b.mlp.gate_up_proj, b.mlp.down_proj)]
+    assert made == sum(lin.codes.nbytes // 2 + 4 * lin.codes.out_features for lin in stored)  # 1 byte against 2

@@ -167,7 +167,8 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
                    chunk_size: int = DEFAULTS["chunk_size"], max_budget: int = DEFAULTS["budget"],
                    device_type: str = "cpu", draft_weight_bytes: int | None = None,
                    step_weight_bytes: int | None = None, lower_kv_bf16: bool = False,
-                   lower_kv_dtype: torch.dtype | None = None, adaptive_gamma: bool = False) -> AutoPlan:
+                   lower_kv_dtype: torch.dtype | None = None, adaptive_gamma: bool = False,
+                   int8_weight_bytes: int | None = None) -> AutoPlan:
     """Choose the hierarchy for a request of ``prompt_tokens`` (rules in the module docstring).
 
     Args:
@@ -201,6 +202,9 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
             retrieval tier with no model below it (nor the ``self`` tier) gets a bf16 cache where the full one is fp32
             (lossless: the tier only proposes; a retrieval step of SmolLM2 at 8K tokens reads a 1,000-slot cache of
             23 MB instead of 46).
+        int8_weight_bytes: bytes of an int8 copy of the target's projections and LM head
+            (:meth:`~triforce.model.Transformer.int8_weight_bytes`); None: ``weight_bytes`` over the KV cache's
+            element size (weights stored in the cache's dtype).
         lower_kv_dtype: the lower caches' dtype the user named (``SpeculationConfig.lower_kv_dtype``), or None: the
             bytes a retrieval step is weighed on are then that dtype's, and the plan chooses none.
 
@@ -227,7 +231,8 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
                     and layer_bytes >= WEIGHT_BOUND_LAYER_BYTES)
     if weight_bound:
         budget = max(int(min(RETRIEVAL_BUDGET_BOUNDS[1], max_budget)), room)  # the whole prompt where it fits
-    int8_bytes = weight_bytes // torch.empty((), dtype=kv_dtype).element_size()  # the weights' dtype, as a rule
+    int8_bytes = (weight_bytes // torch.empty((), dtype=kv_dtype).element_size() if int8_weight_bytes is None
+                  else int8_weight_bytes)
     verifier_bytes = weight_bytes if step_weight_bytes is None else step_weight_bytes
     # the tier reads the target's own weights where the verifier reads fewer bytes than an int8 copy (block codes)
     lower_weights, lower_bytes = ("int8", int8_bytes) if int8_bytes <= verifier_bytes else ("codes", verifier_bytes)

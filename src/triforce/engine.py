@@ -45,6 +45,7 @@ from .model import Transformer
 from .ngram import NGramDrafter
 from .parallel import agree_on_fit
 from .plan import DRAFT_PREFILL_CHUNK, RequestPlan, check_plan_fits, draft_kv_dtype, plan_request, size_request
+from .quant import int8_copy_bytes, lower_precision_copy
 from .retrieval import RetrievalCache
 from .sampling import SamplingParams
 from .speculative import rejection_sample
@@ -189,8 +190,6 @@ class Engine:
             return model
         key = (id(model), weights)
         if key not in self._lower:
-            from .quant import lower_precision_copy
-
             self._lower[key] = lower_precision_copy(model, weights)
         lower = self._lower[key]
         lower.rope = model.rope  # RoPE is fixed per request (dynamic NTK): follow the source model
@@ -220,7 +219,7 @@ class Engine:
                               sampling, gamma1=spec.gamma1, gamma2=spec.gamma2, chunk_size=spec.chunk_size,
                               max_budget=spec.budget, device_type=self.target.device.type,
                               draft_weight_bytes=self.draft.weight_bytes() if self.draft is not None else None,
-                              step_weight_bytes=self.target.step_weight_bytes(),
+                              step_weight_bytes=self.target.step_weight_bytes(), int8_weight_bytes=int8_copy_bytes(self.target),
                               lower_kv_bf16=bf16_cache_reads_fast(self.target.device.type),
                               lower_kv_dtype=KV_DTYPES.get(spec.lower_kv_dtype), adaptive_gamma=spec.adaptive_gamma)
 

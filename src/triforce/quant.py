@@ -218,6 +218,16 @@ def lower_precision_copy(model: Transformer, weights: str) -> Transformer:
     return out
 
 
+def int8_copy_bytes(model: Transformer) -> int:
+    """Bytes of ``lower_precision_copy(model, "int8")``'s projections and LM head: one byte a weight and an fp32
+    scale per output row, whatever bytes ``model`` stores them in (fp32, 2-byte or block codes)."""
+    linears = [model.lm_head] + [lin for block in model.layers for lin in (
+        block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj)]
+    shapes = [tuple(lin.q.shape) if isinstance(lin, Int8Linear) else tuple(lin.weight_t.shape[::-1])
+              if lin.weight_t is not None else (lin.codes.out_features, lin.codes.in_features) for lin in linears]
+    return sum(o * i + 4 * o for o, i in shapes)
+
+
 class _Dequantized:
     """An :class:`Int8Linear`'s weights as a :class:`~triforce.model.Linear`'s ``weight_t`` (in, out) fp32 and
     ``bias``: the source of a cheaper copy (int4, bf16) of a verifier that was quantized to int8 itself."""

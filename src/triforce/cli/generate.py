@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import sys
 
@@ -31,6 +32,9 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     src.add_argument("--prompt-cache", metavar="DIR", help="keep prompts' KV caches in files in DIR: a later run whose "
                                                             "prompt starts with a kept prompt (the same document, a "
                                                             "new question) loads it instead of prefilling it")
+    src.add_argument("--prompt-cache-max-gib", type=float, metavar="GIB",
+                     help="with --prompt-cache: GiB the directory may hold; the least recently used files are deleted "
+                          "first (default: no cap)")
     add_generation_args(gen)
     gen.set_defaults(max_new_tokens=None)  # not given: the default, lowered to what the context leaves (_fit_new_tokens)
     gen.add_argument("--json", action="store_true", help="print one JSON object (schema in README) instead of text")
@@ -71,7 +75,9 @@ def load_from_args(args: argparse.Namespace, tp=None):
                        offload_kv=args.offload_kv, on_chip_layers=args.on_chip_layers, kv_dtype=args.kv_dtype,
                        quantize=args.quantize, packed_weights={"auto": None, "on": True, "off": False}[args.packed_weights],
                        threads="auto" if args.threads is None else args.threads,
-                       prompt_cache=getattr(args, "prompt_cache", None))
+                       prompt_cache=getattr(args, "prompt_cache", None),
+                       prompt_cache_max_bytes=None if getattr(args, "prompt_cache_max_gib", None) is None
+                       else int(args.prompt_cache_max_gib * 2**30))
     if args.compile:
         tf.compile(args.compile)
     tf.set_cuda_graphs(args.cuda_graphs == "on")
@@ -174,6 +180,11 @@ def _generate(args: argparse.Namespace, out) -> int:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {args.max_new_tokens}")
         if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {args.max_prompt_tokens}")
+        gib = args.prompt_cache_max_gib
+        if gib is not None and not (gib >= 0 and math.isfinite(gib)):
+            raise CLIError(f"--prompt-cache-max-gib must be a number of GiB >= 0, got {gib}")
+        if args.prompt_cache is not None and os.path.exists(args.prompt_cache) and not os.path.isdir(args.prompt_cache):
+            raise CLIError(f"--prompt-cache must be a directory, got the file {args.prompt_cache!r}")
         if args.system is not None and not args.chat:
             raise ValueError("system is only used with --chat")
         if any(not s for s in args.stop):
