@@ -65,7 +65,7 @@ def blockcodes_build(isa: str) -> _Library:
 
 
 _blockcodes = _Library("blockcodes.c", BLOCKCODES_ENV_SWITCH, _BUILDS["AVX2"][0], lambda: best_build(_BUILDS),
-                       _SYMBOLS)
+                       _SYMBOLS, _BUILDS)
 
 
 def blockcodes_status() -> str:

@@ -42,17 +42,12 @@ operation for SmolLM2 at 8K tokens, ``bench/decode_step.py``); ``TRIFORCE_DECODE
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
 import os
-import shlex
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
+
+from .kernelbuild import _CSRC, _Library, _build, _cpu_flags, best_build, forced_build, kernel_dirs  # noqa: F401
 
 #: environment variable: "0" turns the attention kernel off (SDPA everywhere)
 ENV_SWITCH = "TRIFORCE_ATTENTION_KERNEL"
@@ -96,19 +91,6 @@ MAX_HEAD_DIM = 256
 #: keys per work item, whatever the block: the same chunks for a decode step and a verification block, so a query
 #: row's result does not depend on the rows beside it (each thread's scores of a chunk: rows * CHUNK floats)
 CHUNK = 256
-_CSRC = Path(__file__).with_name("csrc")
-_SOURCE = _CSRC / "attention.c"
-
-_lock = threading.Lock()
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line.split(":", 1)[-1] for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
-
 
 def cpu() -> dict:
     """The CPU the kernels are built for: ``{"cpu": model name, "cores": logical CPUs, "isa": "AVX-512" | "AVX2" |
@@ -131,102 +113,23 @@ def _cpu_has_avx2_fma() -> bool:
     return {"avx2", "fma"} <= _cpu_flags()
 
 
-def _build(out_dir: Path, source_path: Path = _SOURCE, cflags: tuple[str, ...] = CFLAGS) -> Path:
-    """Compile ``source_path`` with ``cflags`` into ``out_dir`` (atomic rename, so concurrent builders never see half a
-    file); a build is kept per (source, flags, compiler) hash."""
-    cc = shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
-    if not cc:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    source = source_path.read_bytes()
-    key = hashlib.sha256(source + " ".join((*cc, *cflags)).encode()).hexdigest()[:16]
-    lib = out_dir / f"{source_path.stem}-{key}.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        run = subprocess.run([*cc, *cflags, "-o", tmp, str(source_path), "-lm"], capture_output=True, text=True,
-                             timeout=120)
-        if run.returncode != 0:
-            raise RuntimeError(f"{' '.join(cc)} failed: {run.stderr.strip()[-500:]}")
-        os.replace(tmp, lib)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
-
-
-class _Library:
-    """One C file of ``csrc/``, built once per machine and loaded with ctypes on first use (feature detection with a
-    fallback): ``load()`` gives its functions by name, or None with ``status`` saying why they are unavailable."""
-
-    def __init__(self, source: str, switch: str, cpu_needs: tuple[str, ...], flags, symbols: dict) -> None:
-        self.source, self.switch, self.cpu_needs, self.flags, self.symbols = source, switch, cpu_needs, flags, symbols
-        self.fns: dict | None = None
-        self.status = "not loaded"
-        self.one_row: bool | None = None  # the linear kernels' decode-step choice, set by f32_one_row_pays
-        self.beats_onednn: bool | None = None  # and their multi-row one, set by f32_beats_onednn
-
-    def load(self) -> dict | None:
-        with _lock:
-            if self.fns is not None or self.status != "not loaded":
-                return self.fns
-            if os.environ.get(self.switch, "1") == "0":
-                self.status = f"off ({self.switch}=0)"
-                return None
-            if not set(self.cpu_needs) <= _cpu_flags():
-                self.status = f"unavailable: the CPU has no {'/'.join(n.upper() for n in self.cpu_needs)}"
-                return None
-            cflags, label = self.flags()
-            try:
-                from .download import cache_dir
-
-                lib = ctypes.CDLL(str(_build(cache_dir() / "kernels", _CSRC / self.source, cflags)))
-                fns = {name: getattr(lib, name) for name in self.symbols}
-            except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
-                self.status = f"unavailable: {e}"
-                return None
-            for name, (restype, argtypes) in self.symbols.items():
-                fns[name].restype, fns[name].argtypes = restype, argtypes
-            self.fns, self.status = fns, f"on (csrc/{self.source}, {label})"
-            return self.fns
+#: the builds of csrc/attention.c: its AVX-512 path (head sizes multiple of 16) and its AVX2 one
+_ATTENTION_BUILDS = {"AVX-512": (("avx2", "fma", "avx512f"), CFLAGS + ("-mavx512f",)), "AVX2": (("avx2", "fma"), CFLAGS)}
 
 
 def _attention_flags():
-    wide = {"avx512f"} <= _cpu_flags()  # the AVX-512 path of csrc/attention.c (head sizes multiple of 16)
-    return CFLAGS + (("-mavx512f",) if wide else ()), "AVX-512" if wide else "AVX2"
+    return best_build(_ATTENTION_BUILDS)
 
 
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _attention = _Library("attention.c", ENV_SWITCH, ("avx2", "fma"), _attention_flags, {
     "triforce_gqa_attention": (_I, [_P] * 5 + [_I] * 5 + [_I64] * 2 + [_I] * 2 + [_F, _I, _P]),
-    "triforce_gqa_attention_bf16": (_I, [_P] * 5 + [_I] * 5 + [_I64] * 2 + [_I] * 2 + [_F, _I, _P])})
+    "triforce_gqa_attention_bf16": (_I, [_P] * 5 + [_I] * 5 + [_I64] * 2 + [_I] * 2 + [_F, _I, _P])},
+    _ATTENTION_BUILDS)
 _LINEAR_BUILDS = {"AVX-512": (("avx512f", "avx512bw", "avx512vl"), LINEAR_CFLAGS),
                   "AVX2": (("avx2", "fma"), LINEAR_AVX2_CFLAGS)}  # the #if and #else branches of csrc/qlinear.c
 _LINEAR_SYMBOLS = {"triforce_int8_linear": (_I, [_P] * 4 + [_I] * 4),
                    "triforce_f32_linear": (_I, [_P] * 3 + [_I] * 4)}
-
-
-def best_build(builds: dict) -> tuple[tuple[str, ...], str]:
-    """(flags, name) of the first of ``builds`` (name -> (CPU features it needs, flags), best first) this CPU runs,
-    else the last one (whose load then says what the CPU lacks). Raises nothing: ``_Library.load`` reports a CPU
-    without the features."""
-    isa = next((isa for isa, (needs, _) in builds.items() if set(needs) <= _cpu_flags()), list(builds)[-1])
-    return builds[isa][1], isa
-
-
-def forced_build(builds: dict, isa: str, source: str, switch: str, symbols: dict) -> "_Library":
-    """The C file ``source`` built as ``builds[isa]`` whatever this CPU's best build, so that tests and benchmarks
-    check and time its other paths (the AVX2 one on an AVX-512 machine).
-
-    Raises:
-        ValueError: an ``isa`` not in ``builds``.
-    """
-    if isa not in builds:
-        raise ValueError(f"isa must be one of {sorted(builds)}, got {isa!r}")
-    needs, cflags = builds[isa]
-    return _Library(source, switch, needs, lambda: (cflags, isa), symbols)
 
 
 def linear_build(isa: str) -> "_Library":
@@ -242,7 +145,8 @@ def linear_build(isa: str) -> "_Library":
     return forced_build(_LINEAR_BUILDS, isa, "qlinear.c", LINEAR_ENV_SWITCH, _LINEAR_SYMBOLS)
 
 
-_linear = _Library("qlinear.c", LINEAR_ENV_SWITCH, ("avx2", "fma"), lambda: best_build(_LINEAR_BUILDS), _LINEAR_SYMBOLS)
+_linear = _Library("qlinear.c", LINEAR_ENV_SWITCH, ("avx2", "fma"), lambda: best_build(_LINEAR_BUILDS), _LINEAR_SYMBOLS,
+                   _LINEAR_BUILDS)
 _norm_rope = _Library("norm_rope.c", NORM_ROPE_ENV_SWITCH, ("avx2",), lambda: (NORM_ROPE_CFLAGS, "AVX2"), {
     "triforce_rms_norm": (None, [_P] * 3 + [_I64, _I, _F]),
     "triforce_rope": (None, [_P] + [_I64] * 3 + [_P] * 3 + [_I] * 4)})

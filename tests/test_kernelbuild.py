@@ -1,0 +1,102 @@
+"""Kernel builds that survive real installations (kernelbuild.py): libraries every user can load, one compile for
+concurrent first uses, the next directory where the cache cannot be written, the next build where the compiler
+rejects a build's flags."""
+
+import ctypes
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+
+from triforce.kernelbuild import _build, _Library, _load_built, best_build, kernel_dirs
+
+FLAGS = ("-O1", "-shared", "-fPIC")
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+
+
+@pytest.fixture
+def probe_source(tmp_path):
+    """A one-function C file, unique per test (its hash names the build)."""
+    src = tmp_path / "probe.c"
+    src.write_text(f"int triforce_probe(void) {{ return {abs(hash(str(tmp_path))) % 1000}; }}\n")
+    return src
+
+
+def _counting_cc(tmp_path, refuse_avx512: bool = False, sleep: float = 0.0):
+    """A compiler wrapper that logs each call to ``cc.log`` (and refuses ``-mavx512*`` flags if asked)."""
+    log, cc = tmp_path / "cc.log", tmp_path / "cc.sh"
+    real = shutil.which("cc") or shutil.which("gcc")
+    cc.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        echo "$@" >> {log}
+        {'case "$*" in *-mavx512*) echo "cc: error: unrecognized option -mavx512f" >&2; exit 1;; esac' if refuse_avx512 else ''}
+        sleep {sleep}
+        exec {real} "$@"
+        """))
+    cc.chmod(0o755)
+    return str(cc), log
+
+
+def test_a_built_library_is_readable_and_loadable_by_every_user(tmp_path, probe_source):
+    lib = _build(tmp_path / "kernels", probe_source, FLAGS)
+    assert stat.S_IMODE(lib.stat().st_mode) == 0o755  # mkstemp's 0600 would refuse another user's dlopen
+    assert ctypes.CDLL(str(lib)).triforce_probe() == int(probe_source.read_text().split("return ")[1].split(";")[0])
+    assert _build(tmp_path / "kernels", probe_source, FLAGS) == lib  # kept: not rebuilt
+
+
+def test_concurrent_first_uses_compile_once(tmp_path, probe_source):
+    cc, log = _counting_cc(tmp_path, sleep=1.0)
+    code = (f"from pathlib import Path; from triforce.kernelbuild import _build; "
+            f"print(_build(Path({str(tmp_path / 'kernels')!r}), Path({str(probe_source)!r}), {FLAGS!r}))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "CC": cc}) for _ in range(3)]
+    paths = {p.communicate(timeout=120)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(paths) == 1 and os.path.exists(paths.pop())
+    assert len(log.read_text().splitlines()) == 1  # one compile, the other two waited for it
+
+
+def test_an_unusable_cache_directory_falls_back_to_a_per_user_temporary_one(tmp_path, probe_source, monkeypatch):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the cache directory would be")
+    monkeypatch.setenv("TRIFORCE_CACHE", str(blocker))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    first, fallback = kernel_dirs()
+    assert first == blocker / "kernels" and fallback.parent == tmp_path / "tmp"
+    lib = _load_built(probe_source, FLAGS)
+    assert lib.triforce_probe() >= 0
+    assert [p.parent for p in fallback.glob("probe-*.so")] == [fallback]
+
+
+def test_a_compiler_rejecting_avx512_flags_gets_the_avx2_build(tmp_path, monkeypatch):
+    from triforce import kernels
+
+    if "AVX-512" not in kernels.cpu()["isa"]:
+        pytest.skip("the CPU has no AVX-512: its best build is already the AVX2 one")
+    cc, log = _counting_cc(tmp_path, refuse_avx512=True)
+    monkeypatch.setenv("CC", cc)
+    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "cache"))
+    lib = _Library("qlinear.c", "TRIFORCE_LINEAR_KERNEL", ("avx2", "fma"), lambda: best_build(kernels._LINEAR_BUILDS),
+                   kernels._LINEAR_SYMBOLS, kernels._LINEAR_BUILDS)
+    assert lib.load() is not None
+    assert lib.status.startswith("on (csrc/qlinear.c, AVX2; the AVX-512 build failed to compile"), lib.status
+    assert "unrecognized option" in lib.status
+    calls = log.read_text().splitlines()
+    assert len(calls) == 2 and "-mavx512f" in calls[0] and "-mavx512f" not in calls[1]
+
+
+def test_a_compiler_rejecting_every_build_leaves_the_kernel_off_with_each_reason(tmp_path, monkeypatch):
+    cc, _ = _counting_cc(tmp_path)
+    (tmp_path / "cc.sh").write_text("#!/bin/sh\necho 'cc: internal error' >&2\nexit 1\n")
+    monkeypatch.setenv("CC", cc)
+    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "cache"))
+    lib = _Library("norm_rope.c", "TRIFORCE_NORM_ROPE_KERNEL", (), lambda: (FLAGS, "plain"), {"x": (None, [])})
+    assert lib.load() is None
+    assert lib.status.startswith("unavailable: the plain build failed to compile") and "internal error" in lib.status
