@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 _CSRC = Path(__file__).with_name("csrc")
@@ -118,7 +119,7 @@ class _Library:
                 return None
             if not set(self.cpu_needs) <= _cpu_flags():
                 self.status = f"unavailable: the CPU has no {'/'.join(n.upper() for n in self.cpu_needs)}"
-                return None
+                return self._off()
             first = self.flags()
             candidates = [first] + [(cflags, name) for name, (needs, cflags) in (self.builds or {}).items()
                                     if set(needs) <= _cpu_flags() and cflags != first[0]]
@@ -132,16 +133,21 @@ class _Library:
                     continue
                 except (OSError, subprocess.SubprocessError, AttributeError) as e:
                     self.status = f"unavailable: {e}"
-                    return None
+                    return self._off()
                 for name, (restype, argtypes) in self.symbols.items():
                     fns[name].restype, fns[name].argtypes = restype, argtypes
                 fell_back = f"; {rejected[0]}" if rejected else ""
                 self.fns, self.status = fns, f"on (csrc/{self.source}, {label}{fell_back})"
                 return self.fns
             self.status = f"unavailable: {'; '.join(rejected)}"
-            return None
+            return self._off()
 
-
+    def _off(self) -> None:
+        """Name this kernel once on stderr (a RuntimeWarning) with :attr:`status`'s reason: PyTorch's ops run
+        instead, slower, and the user should know why. Not called for a kernel switched off by its variable."""
+        warnings.warn(f"triforce: csrc/{self.source} is off, PyTorch's ops run instead ({self.status}; "
+                      f"{self.switch}=0 turns it off quietly)", RuntimeWarning, stacklevel=3)
+        return None
 
 
 def best_build(builds: dict) -> tuple[tuple[str, ...], str]:

@@ -315,10 +315,12 @@ def parse_request(body: dict, kind: str, tf: "TriForce", defaults: ServerDefault
         else:
             ids = prompt
     if not ids:
-        raise _invalid(f"{prompt_param} is empty after tokenization", param=prompt_param)
+        raise _invalid(f"{prompt_param} {'are' if prompt_param == 'messages' else 'is'} empty after tokenization",
+                       param=prompt_param)
     if len(ids) >= context:
-        raise _invalid(f"This model's maximum context length is {context} tokens; the {prompt_param} is {len(ids)} "
-                       "tokens, which leaves no room to generate", param=prompt_param, code="context_length_exceeded")
+        raise _invalid(f"This model's maximum context length is {context} tokens; the {prompt_param} "
+                       f"{'are' if prompt_param == 'messages' else 'is'} {len(ids)} tokens, which leaves no room to "
+                       "generate", param=prompt_param, code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = min(defaults.max_tokens, context - len(ids))
     elif len(ids) + max_tokens > context:
