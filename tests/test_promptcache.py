@@ -153,3 +153,34 @@ def test_max_prompt_tokens_limit_and_binary_files_are_named(tiny_folder, tmp_pat
     binary.write_bytes(bytes(range(256)) * 4)
     code, out, err = run("generate", "--model", tiny_folder, "--prompt-file", str(binary), "--max-prompt-tokens", "50")
     assert code == 2 and "not a text file" in err and out == "" and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_restarted_server_loads_the_document_its_previous_run_wrote(tiny_folder, tmp_path):
+    """Through the HTTP server (its forks share the directory): the first server writes the prompt's file, a second
+    server (a restart: nothing in memory) loads it, and both answers equal a fresh prefill's."""
+    import httpx
+
+    from test_server import serve_in_thread
+    from triforce.serve import ServerDefaults, create_app
+
+    doc = prompt(150)
+    want = fresh(tiny_folder).generate(doc + prompt(6, seed=9), max_new_tokens=8, sampling=GREEDY, spec=AR)
+    import os
+
+    texts = []
+    for run in range(2):
+        if run:  # mark the first run's file old: a load marks it used now (least-recently-used order)
+            os.utime(files[0], (1e9, 1e9))
+        tf = TriForce.load(tiny_folder, threads=1, prompt_cache=tmp_path)  # writes after >= 64 new tokens
+        app = create_app(tf, ServerDefaults(model_id="t", temperature=0, max_batch=2, spec=AR))
+        with serve_in_thread(app) as url:
+            r = httpx.post(url + "/v1/completions", json={"model": "t", "prompt": doc + prompt(6, seed=9 + run),
+                                                          "max_tokens": 8, "temperature": 0}, timeout=60)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        files = list(tmp_path.glob("*.safetensors"))
+        assert len(files) == 1, files  # the second run loaded it and computed too few tokens to write its own
+    assert files[0].stat().st_mtime > 1e9 + 1  # the second server read it
+    assert texts[0] == want.text
+    again = fresh(tiny_folder).generate(doc + prompt(6, seed=10), max_new_tokens=8, sampling=GREEDY, spec=AR)
+    assert texts[1] == again.text

@@ -15,10 +15,13 @@ The kernel is C with AVX2/FMA intrinsics (and an AVX-512 path for head sizes tha
 the CPU has AVX-512: 16 lanes, the values' weighted sum for 6 query rows at once), reads fp32 or bf16 caches (a lower
 tier's, half the bytes; each element widened exactly) and uses OpenMP, compiled once per
 machine with the system C compiler
-(``cc``, ``$CC`` overrides) into ``<triforce cache>/kernels/``; the library links the ``libgomp`` torch already
+(``cc``, ``$CC`` overrides) into ``<triforce cache>/kernels/`` (``kernelbuild.py``: one compile under a file lock, a
+per-user temporary directory where the cache cannot be used, the AVX2 build where the compiler rejects AVX-512
+flags); the library links the ``libgomp`` torch already
 loaded, so both share one OpenMP thread pool. Feature detection with a fallback: where there is no compiler, no
 AVX2/FMA, the build fails, or ``TRIFORCE_ATTENTION_KERNEL=0`` is set, :func:`gqa_attention_kernel` returns None and
-the caller uses SDPA (``status()`` says which and why).
+the caller uses SDPA (``status()`` says which and why; a kernel that is off for any reason but its variable is named
+once on stderr).
 
 The linear kernels stream each weight row once for up to :data:`LINEAR_MAX_ROWS` activation rows (int8:
 :data:`INT8_LINEAR_MAX_ROWS`):

@@ -29,12 +29,7 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     src.add_argument("--max-prompt-tokens", type=int, help="keep the first N prompt tokens, N at most the model's "
                                                             "context less the tokens to generate (with --prompt and "
                                                             "--prompt-file: cut the document so the question stays)")
-    src.add_argument("--prompt-cache", metavar="DIR", help="keep prompts' KV caches in files in DIR: a later run whose "
-                                                            "prompt starts with a kept prompt (the same document, a "
-                                                            "new question) loads it instead of prefilling it")
-    src.add_argument("--prompt-cache-max-gib", type=float, metavar="GIB",
-                     help="with --prompt-cache: GiB the directory may hold; the least recently used files are deleted "
-                          "first (default: no cap)")
+    add_prompt_cache_args(src)
     add_generation_args(gen)
     gen.set_defaults(max_new_tokens=None)  # not given: the default, lowered to what the context leaves (_fit_new_tokens)
     gen.add_argument("--json", action="store_true", help="print one JSON object (schema in README) instead of text")
@@ -48,6 +43,30 @@ def add_download_parser(sub) -> argparse.ArgumentParser:
     dl = sub.add_parser("download", help="fetch the embedded default model (SmolLM2-135M-Instruct) into the cache")
     dl.add_argument("--force", action="store_true", help="download and convert again")
     return dl
+
+
+def add_prompt_cache_args(group) -> None:
+    """``--prompt-cache`` and ``--prompt-cache-max-gib`` (``generate`` and ``serve``; ``promptcache.py``)."""
+    group.add_argument("--prompt-cache", metavar="DIR", help="keep prompts' KV caches in files in DIR: a later run "
+                                                              "whose prompt starts with a kept prompt (the same "
+                                                              "document, a new question) loads it instead of "
+                                                              "prefilling it")
+    group.add_argument("--prompt-cache-max-gib", type=float, metavar="GIB",
+                       help="with --prompt-cache: GiB the directory may hold; the least recently used files are "
+                            "deleted first (default: no cap)")
+
+
+def check_prompt_cache(args: argparse.Namespace) -> None:
+    """``--prompt-cache`` names a directory (or nothing yet), ``--prompt-cache-max-gib`` a number >= 0.
+
+    Raises:
+        CLIError: naming the option.
+    """
+    gib = args.prompt_cache_max_gib
+    if gib is not None and not (gib >= 0 and math.isfinite(gib)):
+        raise CLIError(f"--prompt-cache-max-gib must be a number of GiB >= 0, got {gib}")
+    if args.prompt_cache is not None and os.path.exists(args.prompt_cache) and not os.path.isdir(args.prompt_cache):
+        raise CLIError(f"--prompt-cache must be a directory, got the file {args.prompt_cache!r}")
 
 
 def check_offload(args: argparse.Namespace) -> None:
@@ -180,11 +199,7 @@ def _generate(args: argparse.Namespace, out) -> int:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {args.max_new_tokens}")
         if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {args.max_prompt_tokens}")
-        gib = args.prompt_cache_max_gib
-        if gib is not None and not (gib >= 0 and math.isfinite(gib)):
-            raise CLIError(f"--prompt-cache-max-gib must be a number of GiB >= 0, got {gib}")
-        if args.prompt_cache is not None and os.path.exists(args.prompt_cache) and not os.path.isdir(args.prompt_cache):
-            raise CLIError(f"--prompt-cache must be a directory, got the file {args.prompt_cache!r}")
+        check_prompt_cache(args)
         if args.system is not None and not args.chat:
             raise ValueError("system is only used with --chat")
         if any(not s for s in args.stop):

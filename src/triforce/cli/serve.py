@@ -14,13 +14,13 @@ import sys
 from ..defaults import DEFAULTS, SERVE_DEFAULTS
 from ..serve.settings import API_KEY_ENV, ServerDefaults, check_api_key, model_id_for
 from .common import CLIError, Parser, check_seed, check_threads, option_error
-from .generate import check_offload, load_from_args
+from .generate import add_prompt_cache_args, check_offload, check_prompt_cache, load_from_args
 from .options import add_generation_args, spec_from_args
 
 
 def add_serve_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand (the generation options plus ``--host``, ``--port``, ``--queue-size``,
-    ``--max-batch``, ``--prefix-cache-gib``, ``--request-timeout``, ``--log-level``, ``--api-key``) to ``subparsers``; returns its parser. Dispatch to
+    ``--max-batch``, ``--prefix-cache-gib``, ``--prompt-cache``, ``--prompt-cache-max-gib``, ``--request-timeout``, ``--log-level``, ``--api-key``) to ``subparsers``; returns its parser. Dispatch to
     :func:`cmd_serve`."""
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, "
@@ -41,6 +41,7 @@ def add_serve_parser(subparsers: "argparse._SubParsersAction") -> argparse.Argum
                    help="GiB of KV cache that finished requests keep for prefix reuse, in all; the least recently "
                         "used are dropped first, and the last request's cache is kept even when larger (0 = only "
                         f"it) (default {d['prefix_cache_gib']:g})")
+    add_prompt_cache_args(s)
     s.add_argument("--request-timeout", type=float, default=d["request_timeout"],
                    help="seconds from a request's arrival after which its generation ends with finish_reason "
                         f"'length' (default {d['request_timeout']:g})")
@@ -65,6 +66,7 @@ def defaults_from_args(args: argparse.Namespace) -> ServerDefaults:
         raise CLIError("--tp: triforce serve runs in one process; tensor parallelism is for `torchrun ... -m triforce "
                        "generate --tp N`")
     check_offload(args)
+    check_prompt_cache(args)
     if not 0 <= args.port <= 65535:
         raise CLIError(f"--port must be in [0, 65535], got {args.port}")
     if args.queue_size < 1:
