@@ -282,3 +282,22 @@ def test_bad_options_exit_2_naming_the_option(argv, option, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and option in err, err
+
+
+def test_png_without_matplotlib_is_refused_before_the_run(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert main(["bench", "--png", "chart.png", "--reps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--png needs matplotlib" in err, err
+
+
+def test_the_table_names_the_fastest_method(bench_result):
+    result = bench_result[0]
+    medians = {m: r["mean_time_between_tokens_ms"]["median"] for m, r in result["methods"].items()
+               if r["status"] == "ok"}
+    best = min(medians, key=medians.get)
+    line = next(x for x in bench.format_table(result).splitlines() if x.startswith("fastest: "))
+    assert line.startswith(f"fastest: {best}, {medians[best]:.1f} ms/token median")

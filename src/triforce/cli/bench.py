@@ -45,7 +45,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                 packed_weights="our methods: oneDNN-prepacked weights for multi-token passes (CPU, fp32; as in "
                                "generate; default {default})")
     k = p.add_argument_group("speculation")
-    add_options(k, ("budget", "chunk_size"), "bench")
+    add_options(k, ("budget",), "bench", budget="retrieval cache slots of the retrieval methods, at least "
+                                                "--chunk-size + gamma + 2 ({default}); the auto method's retrieval "
+                                                "tier takes at most this many")
+    add_options(k, ("chunk_size",), "bench")
     add_options(k, ("gamma1",), "bench", gamma1="bottom-tier tokens per retrieval verification ({default})")
     add_options(k, ("gamma2",), "bench", gamma2="tokens proposed per target verification ({default}); also "
                                                 "hf-lookup's prompt_lookup_num_tokens")

@@ -107,6 +107,12 @@ def validate_args(args: argparse.Namespace) -> None:
     for name in ("prompt_tokens", "new_tokens", "reps", "budget", "chunk_size", "gamma1", "gamma2"):
         positive(name.replace("_", "-"), getattr(args, name))
     positive("layers", args.layers)
+    if getattr(args, "png", None):
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise BenchError("--png needs matplotlib, which is not installed: pip install 'triforce[bench]' "
+                             "(or leave out --png)")
     if not 0 <= args.seed < 2**62:
         raise BenchError(f"--seed must be an integer in [0, 2**62), got {args.seed}")
     try:

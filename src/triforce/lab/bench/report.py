@@ -37,6 +37,13 @@ def format_table(result: dict) -> str:
                      f"{fmt(r.get('speedup_vs_hf_ar'), '.2f'):>8} {fmt(r.get('speedup_vs_autoregressive'), '.2f'):>6} "
                      f"{fmt(r['time_to_first_token_s']['median'], '.2f'):>7} "
                      f"{fmt(mem / 2**20 if mem else None, '.0f'):>8}  {acc}")
+    timed = {m: r["mean_time_between_tokens_ms"]["median"] for m, r in result["methods"].items()
+             if r["status"] == "ok" and r["mean_time_between_tokens_ms"]["median"] is not None}
+    if len(timed) > 1:
+        best = min(timed, key=timed.get)
+        runner = min((m for m in timed if m != best), key=timed.get)
+        lines.append(f"fastest: {best}, {timed[best]:.1f} ms/token median, {timed[runner] / timed[best]:.2f}x the next "
+                     f"({runner}, {timed[runner]:.1f})")
     if any(r.get("predicted_speedup_vs_autoregressive") for r in result["methods"].values()):
         lines.append("measured figures are what this machine did; a cost-model prediction is an estimate from tier "
                      "latencies and acceptance, not a measurement (docs/benchmarks.md)")
