@@ -286,6 +286,9 @@ def _generate(args: argparse.Namespace, out) -> int:
         if s.prompt_cache and s.prompt_cache["loaded_tokens"]:
             print(f"triforce: {s.prompt_cache['loaded_tokens']} prompt tokens loaded from {s.prompt_cache['loaded_from']}",
                   file=sys.stderr)
+        if s.prompt_cache and s.prompt_cache["stored"]:
+            print(f"triforce: prompt cache written to {s.prompt_cache['stored']} "
+                  f"({fmt_bytes(os.path.getsize(s.prompt_cache['stored']))})", file=sys.stderr)
         print(f"[{result.finish_reason}] {s.summary()}; peak memory {fmt_bytes(s.peak_memory_bytes)}; "
               f"{threads} thread{'' if threads == 1 else 's'}; attention kernel {kernel_status()}", file=sys.stderr)
     return 130 if result.finish_reason == "interrupted" else 0
