@@ -153,6 +153,11 @@ def test_max_prompt_tokens_limit_and_binary_files_are_named(tiny_folder, tmp_pat
     binary.write_bytes(bytes(range(256)) * 4)
     code, out, err = run("generate", "--model", tiny_folder, "--prompt-file", str(binary), "--max-prompt-tokens", "50")
     assert code == 2 and "not a text file" in err and out == "" and len(err.strip().splitlines()) == 1, err
+    blank = tmp_path / "blank.txt"
+    blank.write_text("  \n\t\n")
+    for argv in (["--prompt-file", str(blank)], ["--prompt-file", str(blank), "--prompt", "Who?"]):
+        code, out, err = run("generate", "--model", tiny_folder, *argv)
+        assert code == 2 and "holds no text" in err and out == "", err
 
 
 def test_a_restarted_server_loads_the_document_its_previous_run_wrote(tiny_folder, tmp_path):
@@ -184,3 +189,42 @@ def test_a_restarted_server_loads_the_document_its_previous_run_wrote(tiny_folde
     assert texts[0] == want.text
     again = fresh(tiny_folder).generate(doc + prompt(6, seed=10), max_new_tokens=8, sampling=GREEDY, spec=AR)
     assert texts[1] == again.text
+
+
+def test_bad_cache_options_are_refused_before_the_model_loads(tmp_path, monkeypatch):
+    import triforce.api as api
+
+    monkeypatch.setattr(api, "load_model", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    for kwargs, fragment in (({"prompt_cache": 123}, "prompt_cache must be a directory path"),
+                             ({"prompt_cache": ""}, "prompt_cache must be a directory path"),
+                             ({"prompt_cache": __file__}, "prompt_cache must be a directory, got the file"),
+                             ({"prompt_cache": "/proc/triforce-no"}, "cannot be created or written"),
+                             ({"prompt_cache": tmp_path, "prompt_cache_max_bytes": -1}, "prompt_cache_max_bytes"),
+                             ({"prompt_cache": tmp_path, "prompt_cache_min_tokens": "x"}, "prompt_cache_min_tokens")):
+        with pytest.raises(ValueError, match=fragment):
+            TriForce.load(None, **kwargs)
+
+
+def test_a_failed_write_warns_and_keeps_the_answer(tiny_folder, tmp_path):
+    """A cache directory that disappears (or a full disk) after the checks: the request still returns its tokens."""
+    import shutil
+
+    tf = fresh(tiny_folder, tmp_path / "gone")
+    shutil.rmtree(tmp_path / "gone")
+    (tmp_path / "gone").write_text("now a file")  # mkdir and mkstemp fail
+    want = fresh(tiny_folder).generate(prompt(80), max_new_tokens=6, sampling=GREEDY, spec=AR)
+    with pytest.warns(UserWarning, match="prompt cache not written"):
+        got = tf.generate(prompt(80), max_new_tokens=6, sampling=GREEDY, spec=AR)
+    assert got.token_ids == want.token_ids and got.stats.prompt_cache["stored"] is None
+
+
+def test_concurrent_capped_stores_do_not_trip_over_each_others_deletions(tiny_folder, tmp_path):
+    """Processes writing the same capped directory at once: no store fails because another deleted a file."""
+    code = ("import sys, torch; from triforce.promptcache import PromptCache; from triforce.caches import FullKVCache;"
+            "from triforce.loading import load_model; cfg = load_model(sys.argv[1]).model.cfg;"
+            "c = PromptCache(sys.argv[2], 'k', max_bytes=0); cache = FullKVCache(cfg, 40); cache.length = 40\n"
+            "for i in range(60): c.store(cache, [int(sys.argv[3]) * 1000 + i] * 40)")
+    procs = [subprocess.Popen([sys.executable, "-W", "error", "-c", code, tiny_folder, str(tmp_path), str(r)],
+                              stderr=subprocess.PIPE, text=True) for r in range(3)]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errors

@@ -118,7 +118,10 @@ class TriForce:
     def load(cls, model: str | None = None, draft: str | None = None, dtype: str = "float32",
              device: str = "cpu", tp=None, offload_kv: bool = False, on_chip_layers: int | None = None,
              kv_dtype: str | None = None, quantize: str | None = None,
-             packed_weights: bool | None = None, threads: int | str | None = None, **cache_options) -> "TriForce":
+             packed_weights: bool | None = None, threads: int | str | None = None,
+             prompt_cache: str | os.PathLike | None = None,
+             prompt_cache_max_bytes: int | None = DEFAULTS["prompt_cache_max_bytes"],
+             prompt_cache_min_tokens: int = DEFAULTS["prompt_cache_min_tokens"]) -> "TriForce":
         """Load the target (default: the embedded SmolLM2-135M-Instruct) and an optional draft (a model source,
         ``"ngram"`` for the model-free drafter or ``"self"`` for the target's own int4 copy); see :func:`load_model`. With ``tp`` (a
         :class:`~triforce.parallel.TensorParallel`) the target is this rank's shard and the draft is replicated;
@@ -131,8 +134,8 @@ class TriForce:
         memory (:meth:`~triforce.model.Transformer.packing_pays`). ``threads``: CPU threads for torch, for the
         whole process (``torch.set_num_threads``): an integer, ``"auto"`` (the command line's default: one per
         physical core that other programs leave idle while the model loads, :mod:`triforce.threads`), or None to
-        leave torch's current setting. ``cache_options``: ``prompt_cache``, ``prompt_cache_max_bytes``,
-        ``prompt_cache_min_tokens`` (see :class:`TriForce`).
+        leave torch's current setting. ``prompt_cache``, ``prompt_cache_max_bytes``,
+        ``prompt_cache_min_tokens``: see :class:`TriForce` (checked, and the directory created, before any model loads).
 
         Raises:
             ValueError: an unknown ``quantize`` or ``kv_dtype``, or ``threads`` not ``"auto"``, None or an integer in
@@ -144,6 +147,10 @@ class TriForce:
         from .threads import IdleCPUProbe, check_threads, default_threads, set_threads
 
         check_threads(threads)
+        if prompt_cache is not None:
+            from .promptcache import check_options
+
+            check_options(prompt_cache, prompt_cache_max_bytes, prompt_cache_min_tokens)
         probe = IdleCPUProbe() if threads == "auto" else None  # measured over the loading below
         if isinstance(threads, int):
             set_threads(threads)
@@ -173,7 +180,8 @@ class TriForce:
         if probe is not None:
             set_threads(default_threads(probe.idle_cpus()))
         return cls(target, draft_model, offload_kv=offload_kv, on_chip_layers=on_chip_layers, kv_dtype=kv_dtype,
-                   **cache_options)
+                   prompt_cache=prompt_cache, prompt_cache_max_bytes=prompt_cache_max_bytes,
+                   prompt_cache_min_tokens=prompt_cache_min_tokens)
 
     def compile(self, mode: str = "default") -> None:
         """``torch.compile`` the target's (and the draft's) fixed-shape block code; see
@@ -327,7 +335,8 @@ class TriForce:
         tokens, full = self.engine.prefix_tokens, self.engine.full_cache
         stored = None
         if full is not None and tokens and self.prompt_cache.should_store(tokens, cached):
-            stored = str(self.prompt_cache.store(full, tokens))
+            path = self.prompt_cache.store(full, tokens)  # None where writing failed (warned)
+            stored = str(path) if path is not None else None
         return {"loaded_tokens": len(hit.tokens) if hit else 0, "loaded_from": str(hit.path) if hit else None,
                 "stored": stored}
 

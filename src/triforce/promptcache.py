@@ -72,6 +72,32 @@ def _crc(*tensors: torch.Tensor) -> str:
     return f"{crc:08x}"
 
 
+def check_options(directory, max_bytes=None, min_new_tokens: int = 1) -> Path:
+    """Check a prompt cache's options before any model loads, creating the directory (a run must not find out
+    after its prefill that it cannot write there); returns the directory.
+
+    Raises:
+        ValueError: naming the parameter (``prompt_cache``, ``prompt_cache_max_bytes``,
+            ``prompt_cache_min_tokens``) and what it takes.
+    """
+    if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+        raise ValueError(f"prompt_cache must be a directory path (str or os.PathLike), got {directory!r}")
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+        raise ValueError(f"prompt_cache_max_bytes must be None or an integer >= 0, got {max_bytes!r}")
+    if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, int) or min_new_tokens < 0:
+        raise ValueError(f"prompt_cache_min_tokens must be an integer >= 0, got {min_new_tokens!r}")
+    path = Path(directory).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"prompt_cache must be a directory, got the file {str(path)!r}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(f"prompt_cache {str(path)!r} cannot be created or written: {e.strerror or e}") from None
+    return path
+
+
 @dataclass
 class PromptCacheHit:
     """A prefix loaded from a file.
@@ -98,18 +124,13 @@ class PromptCache:
             what was loaded (a short follow-up question does not rewrite a long document's file).
 
     Raises:
-        ValueError: ``max_bytes`` or ``min_new_tokens`` negative, or ``directory`` exists and is not a directory.
+        ValueError: ``directory`` not a non-empty path, or one that cannot be created or written (a file, a
+            read-only place), or ``max_bytes`` or ``min_new_tokens`` not integers >= 0 (:func:`check_options`).
     """
 
     def __init__(self, directory: str | os.PathLike, key: str, max_bytes: int | None = None,
                  min_new_tokens: int = 1) -> None:
-        self.directory = Path(directory).expanduser()
-        if self.directory.exists() and not self.directory.is_dir():
-            raise ValueError(f"prompt_cache: {self.directory} exists and is not a directory")
-        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
-            raise ValueError(f"prompt_cache max_bytes must be None or an integer >= 0, got {max_bytes!r}")
-        if not isinstance(min_new_tokens, int) or min_new_tokens < 0:
-            raise ValueError(f"prompt_cache min_new_tokens must be an integer >= 0, got {min_new_tokens!r}")
+        self.directory = check_options(directory, max_bytes, min_new_tokens)
         self.key, self.max_bytes, self.min_new_tokens = key, max_bytes, min_new_tokens
         self._warned: set[Path] = set()
 
@@ -137,6 +158,8 @@ class PromptCache:
                     self._skip(path, "written for another model or dtype")
                     return None
                 return f.get_tensor("tokens").tolist()
+        except FileNotFoundError:  # deleted by another process since the directory was listed
+            return None
         except Exception as e:  # a truncated or garbled file: safetensors' own header and size checks
             self._skip(path, f"unreadable ({type(e).__name__}: {str(e)[:80]})")
             return None
@@ -197,6 +220,10 @@ class PromptCache:
         if k.dim() != 5 or tuple(k.shape[:3]) != (L, 1, nkv) or k.shape[4] != hs or k.shape != v.shape:
             self._skip(path, f"KV of shape {tuple(k.shape)}, this model's is ({L}, 1, {nkv}, T, {hs})")
             return None
+        held = self._tokens(path)
+        if held is None or k.shape[3] < len(held):
+            self._skip(path, f"KV of {k.shape[3]} positions for {len(held or [])} tokens")
+            return None
         if _crc(k, v) != crc:
             self._skip(path, "checksum mismatch (a corrupted file)")
             return None
@@ -207,10 +234,14 @@ class PromptCache:
         engine's kept prefix, adds enough to write (:attr:`min_new_tokens`)."""
         return len(tokens) - loaded >= max(1, self.min_new_tokens)
 
-    def store(self, cache: FullKVCache, tokens: list[int]) -> Path:
+    def store(self, cache: FullKVCache, tokens: list[int]) -> Path | None:
         """Write the KV of ``tokens`` (positions 0 .. len-1 of ``cache``) as a new entry, atomically (a temporary
         file renamed into place); entries whose tokens are a prefix of ``tokens`` are deleted (this one covers
         them), then the least recently used until this model's files fit :attr:`max_bytes`.
+
+        Returns:
+            the file written, or None where writing failed (a full disk, the directory removed): warned, and the
+            request's output is not affected.
 
         Raises:
             ValueError: ``cache`` holds fewer positions than ``tokens``, or more than one sequence.
@@ -225,17 +256,21 @@ class PromptCache:
         v = cache.v[:, :, :, :n].to("cpu").contiguous()
         ids = torch.tensor(tokens, dtype=torch.int64)
         digest = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
-        self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"{self.key}-{digest}{_SUFFIX}"
-        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-        os.close(fd)
+        tmp = None
         try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            os.close(fd)
             save_file({"k": k, "v": v, "tokens": ids}, tmp,
                       metadata={"format": FORMAT_VERSION, "model_key": self.key, "crc32": _crc(k, v)})
             os.chmod(tmp, 0o644)
             os.replace(tmp, path)
+        except OSError as e:
+            warnings.warn(f"prompt cache not written to {self.directory}: {e}", stacklevel=2)
+            return None
         finally:
-            if os.path.exists(tmp):
+            if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
         for other in self._entries():
             if other != path:
@@ -248,11 +283,17 @@ class PromptCache:
     def _evict(self, keep: Path) -> None:
         if self.max_bytes is None:
             return
-        entries = sorted(self._entries(), key=lambda p: p.stat().st_mtime)  # oldest use first
-        total = sum(p.stat().st_size for p in entries)
-        for p in entries:
+        sizes = {}
+        for p in self._entries():  # another process may delete files meanwhile: those are gone already
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            sizes[p] = (st.st_mtime, st.st_size)
+        total = sum(size for _, size in sizes.values())
+        for p in sorted(sizes, key=lambda p: sizes[p][0]):  # oldest use first
             if total <= self.max_bytes:
                 break
             if p != keep:
-                total -= p.stat().st_size
+                total -= sizes[p][1]
                 p.unlink(missing_ok=True)

@@ -62,11 +62,18 @@ def check_prompt_cache(args: argparse.Namespace) -> None:
     Raises:
         CLIError: naming the option.
     """
+    from ..promptcache import check_options
+
     gib = args.prompt_cache_max_gib
+    if gib is not None and args.prompt_cache is None:
+        raise CLIError("--prompt-cache-max-gib caps the --prompt-cache directory: give --prompt-cache DIR too")
     if gib is not None and not (gib >= 0 and math.isfinite(gib)):
         raise CLIError(f"--prompt-cache-max-gib must be a number of GiB >= 0, got {gib}")
-    if args.prompt_cache is not None and os.path.exists(args.prompt_cache) and not os.path.isdir(args.prompt_cache):
-        raise CLIError(f"--prompt-cache must be a directory, got the file {args.prompt_cache!r}")
+    if args.prompt_cache is not None:
+        try:
+            check_options(args.prompt_cache)
+        except ValueError as e:
+            raise CLIError("--" + str(e).replace("prompt_cache", "prompt-cache", 1)) from None
 
 
 def check_offload(args: argparse.Namespace) -> None:
@@ -139,10 +146,11 @@ def _read_prompt(args: argparse.Namespace) -> tuple[str, str | None]:
                 raise CLIError(f"--prompt-file {args.prompt_file!r}: {e.strerror}") from e
         document = _text_of(raw, args.prompt_file)
         document = strip_gutenberg(document)
+        if not document.strip():
+            raise CLIError(f"--prompt-file {args.prompt_file!r} holds no text (empty or only whitespace)")
     if args.prompt is None:
         return document, None
     return normalize_newlines(args.prompt), document
-
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
