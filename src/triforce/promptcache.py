@@ -158,9 +158,9 @@ class PromptCache:
                     self._skip(path, "written for another model or dtype")
                     return None
                 return f.get_tensor("tokens").tolist()
-        except FileNotFoundError:  # deleted by another process since the directory was listed
-            return None
         except Exception as e:  # a truncated or garbled file: safetensors' own header and size checks
+            if not path.exists():  # deleted by another process since the directory was listed: not damaged
+                return None
             self._skip(path, f"unreadable ({type(e).__name__}: {str(e)[:80]})")
             return None
 
@@ -200,7 +200,10 @@ class PromptCache:
                 cache.k.copy_(kv[0][:, :, :, :n])
                 cache.v.copy_(kv[1][:, :, :, :n])
                 cache.length = n
-                os.utime(path)  # most recently used
+                try:
+                    os.utime(path)  # most recently used
+                except FileNotFoundError:  # evicted by another process after it was read: the KV is in memory
+                    pass
                 return PromptCacheHit(cache, list(prompt[:n]), path)
         return None
 
@@ -214,6 +217,8 @@ class PromptCache:
                 k, v = f.get_tensor("k"), f.get_tensor("v")
                 crc = (f.metadata() or {}).get("crc32")
         except Exception as e:
+            if not path.exists():  # deleted by another process meanwhile
+                return None
             self._skip(path, f"unreadable ({type(e).__name__})")
             return None
         L, nkv, hs = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
