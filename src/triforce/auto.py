@@ -79,36 +79,13 @@ RETRIEVAL_BUDGET_SHARE = 1 / 4
 RETRIEVAL_BUDGET_SHARE_SAMPLING = 1 / 8
 RETRIEVAL_BUDGET_BOUNDS = (256, 4096)
 #: ... and only where its step reads at most this share of the bytes of the verifier's decode step (weights as the
-#: verifier reads them, block codes included, plus the full KV cache) under greedy decoding. With a GGUF model's block
-#: codes the verifier reads 106 MiB of SmolLM2's weights, not 513, and its decode steps and verification blocks run
-#: in one call: greedy, `auto` with the tier on the codes ran at 1.13x plain decoding at 8K (a share of 0.42) and at
-#: 0.82x at 4K (0.53; the bench's `retrieval` method, the same tier, 1.22x in another run)
-#: (bench/results/speed_block_codes_2026-12-03). fp32 verifiers are at 0.2-0.25 from 1K tokens on
+#: verifier reads them, block codes included, plus the full KV cache) under greedy decoding (docs/auto.md)
 RETRIEVAL_MAX_STEP_BYTES_SHARE = 0.45
-#: the same under sampling, where fewer proposals are accepted: at 8K tokens (0.33) the tier on the codes ran at 0.94x
-#: plain decoding (same runs); with its multi-token passes in one call too, `auto` under a bound of 0.4 ran at 1.25x
-#: on pg1342 and 1.09x on pg2701 but 0.92-0.93x on pg84 (bench/results/speed_retrieval_blocks_2026-12-03), below
-#: the 0.95x a default may cost, so a model on block codes still decodes plainly there. After the kernels' prefetch
-#: fixes the same tier (`--mode retrieval`) ran at 1.15x, 1.33x and 1.09x plain decoding on pg1342, pg84 and pg2701,
-#: medians, but one pg2701 repetition at 0.62x (bench/results/speed_prefetch_2026-12-03): still too thin a margin.
-#: With the tier's products as integer dot products over the codes (``codes``: a retrieval step 1.41x faster,
-#: bench/results/tier_latency_8000_codes_2026-12-03.jsonl), `auto` under a bound of 0.35 ran at 1.21x, 1.13x and 1.43x plain decoding at 8K on pg1342, pg84 and
-#: pg2701 (medians of 3; 1.35-2.2x faster than llama.cpp in the same runs), and at 0.99x / 1.00x at 1K / 4K, where it
-#: decodes plainly (bench/results/speed_codes_2026-12-03): 8K (0.33) now takes the tier, 4K (0.46) does not
+#: the same under sampling, where fewer proposals are accepted (docs/auto.md)
 RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING = 0.35
 #: under sampling, on a CPU, a retrieval tier chosen for the KV cache's share (no tier below it) proposes at most this
-#: many tokens per verification, whatever larger gamma2 the request names. The verification reads the whole KV cache
-#: for every token of its block, and past about 4 tokens its attention is bound by the CPU's arithmetic, not by the
-#: bytes: at 8K tokens on this project's AVX-512 CPU a forward of 4 tokens cost 1.44 decode steps and one of 7 2.07
-#: (bench/rows.py). Fewer tokens per verification then pay unless nearly all are accepted: gamma2 3 against 6, one
-#: process, T = 0.6, 8K tokens, medians of 6-10 repetitions: 1.33x against 1.16x plain decoding on pg1342, 1.22x
-#: against 1.03x on pg2701, 1.41x against 1.48x on pg84 (accepted most often); 4 was below 3 on all three
-#: (bench/results/gamma2_sampling_2026-12-05/); with the AVX-512 block-code kernel (7 tokens 1.78 decode steps) and a bf16
-#: tier cache, 3 was still ahead on pg1342 and pg2701 by 12-19% and 4% behind on pg84
-#: (bench/results/gamma2_kernels_2026-12-05/). With the attention kernel's spread prefetches (2026-12-05, last) 4
-#: tokens cost 1.20 decode steps and 7 1.69 (bench/results/rows_8000_prefetch16_2026-12-05.json), and on pg1342 in
-#: one process gamma2 3 ran at 1.25x plain decoding, 4 at 1.06x and 6 at 0.94x
-#: (bench/results/gamma2_prefetch_2026-12-05/pg1342_8000.json)
+#: many tokens per verification: past about 4 tokens a verification's attention is bound by the CPU's arithmetic
+#: (docs/auto.md)
 RETRIEVAL_GAMMA2_SAMPLING = 3
 #: on a CPU, the int8 retrieval tier goes under a target with at least this many weight bytes per layer whatever
 #: the KV share (module docstring: 254 MB per layer paid 3.22x, 18 MB did not pay)
