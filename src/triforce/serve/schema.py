@@ -120,8 +120,8 @@ def _check_unsupported(body: dict, kind: str) -> None:
             continue
         if key in neutral:
             if not neutral[key](value):
-                raise _invalid(f"{key}={json.dumps(value)[:80]} is not supported by this server (batch 1, no log "
-                               f"probabilities, penalties, logit bias or tools); omit {key!r} or give its default",
+                raise _invalid(f"{key}={json.dumps(value)[:80]} is not supported by this server (one choice per "
+                               f"request, no log probabilities, penalties, logit bias or tools); omit {key!r} or give its default",
                                param=key, code="unsupported_parameter")
             continue
         hint = {"prompt": " (prompt belongs to /v1/completions)",
