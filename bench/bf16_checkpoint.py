@@ -16,15 +16,13 @@ JSON on stdout (and to ``--out``). transformers' and ``auto``'s rows come from `
 from __future__ import annotations
 
 import argparse
-import resource
 import shutil
 import statistics
-import time
 from pathlib import Path
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 import torch
-from common import _interleaved, add_run_options, emit_json  # noqa: E402  (bench/common.py, beside this script)
+from common import _interleaved, add_run_options, emit_json, timed_load  # noqa: E402  (bench/common.py, beside this script)
 
 
 def write_bf16_copy(src: Path, dst: Path) -> None:
@@ -56,7 +54,6 @@ def main() -> int:
     from triforce.engine import Engine
     from triforce.kernels import f32_linear
     from triforce.lab.books import BOOKS_DIR
-    from triforce.loading import load_model
     from triforce.prompts import strip_gutenberg
     from triforce.sampling import SamplingParams
 
@@ -65,10 +62,7 @@ def main() -> int:
     if not any(dst.glob("*.safetensors")):
         write_bf16_copy(src, dst)
 
-    t = time.perf_counter()
-    lm = load_model(dst)
-    load = {"seconds": time.perf_counter() - t, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
-            "weight_mib": lm.model.weight_bytes() / 2**20}
+    lm, load = timed_load(dst)
     stored = lm.model
 
     one_row = {}

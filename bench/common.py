@@ -147,3 +147,17 @@ def random_kv_steps(context: int, budget: int, capacity: int, lower_kv: str = "b
     retrieval = RetrievalCache(model.cfg, full, budget, DEFAULTS["chunk_size"], dtype=getattr(torch, lower_kv))
     fill_random_kv(retrieval, context, 1)
     return model, codes, full, retrieval
+
+
+def timed_load(path):
+    """``triforce.loading.load_model(path)`` timed: (the LoadedModel, ``{"seconds", "peak_rss_mib", "weight_mib"}``):
+    wall seconds, this process's peak resident set so far (MiB) and the model's weight bytes (MiB)."""
+    import resource
+
+    from triforce.loading import load_model
+
+    t = time.perf_counter()
+    lm = load_model(path)
+    return lm, {"seconds": time.perf_counter() - t,
+                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+                "weight_mib": lm.model.weight_bytes() / 2**20}

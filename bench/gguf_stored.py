@@ -17,14 +17,13 @@ JSON on stdout (and to ``--out``).
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
 import time
 from pathlib import Path
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 import torch
-from common import add_run_options, emit_json  # noqa: E402  (bench/common.py, beside this script)
+from common import add_run_options, emit_json, timed_load  # noqa: E402  (bench/common.py, beside this script)
 
 
 def _median_seconds(fn, reps: int) -> float:
@@ -49,12 +48,8 @@ def main() -> int:
 
     from triforce.blockcodes import blockcode_linear
     from triforce.caches import FullKVCache
-    from triforce.loading import load_model
 
-    t = time.perf_counter()
-    lm = load_model(path)
-    load = {"seconds": time.perf_counter() - t, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
-            "weight_mib": lm.model.weight_bytes() / 2**20}
+    lm, load = timed_load(path)
     model = lm.model
 
     one_row = {}

@@ -18,6 +18,18 @@ def use_avx2_build(monkeypatch, module, attr: str, native_status: str, build):
     monkeypatch.setattr(module, attr, forced)
 
 
+@pytest.fixture(params=["native", "avx2"])
+def blockcode_build(request, monkeypatch):
+    """The block-code kernels as this CPU's build (AVX-512 or AVX2), and the AVX2 build too where the native one is
+    AVX-512, so both paths of csrc/blockcodes.c are checked on an AVX-512 machine."""
+    from triforce import blockcodes
+
+    if request.param == "avx2":
+        use_avx2_build(monkeypatch, blockcodes, "_blockcodes", blockcodes.blockcodes_status(),
+                       blockcodes.blockcodes_build)
+    return request.param
+
+
 BOOKS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "books")
 
 

@@ -8,7 +8,6 @@ whose verifier reads the codes must keep greedy equality with autoregressive dec
 import pytest
 import torch
 
-from conftest import use_avx2_build
 from test_distribution import NEW, SETTINGS, V, chi2_pvalue, empirical, exact_distribution
 from tiny import hf_model, ours, pair
 from triforce import blockcodes
@@ -21,16 +20,6 @@ from triforce.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not blockcodes.blockcodes_status().startswith("on"),
                                 reason=f"block-code kernel: {blockcodes.blockcodes_status()}")
-
-
-@pytest.fixture(params=["native", "avx2"])
-def blockcode_build(request, monkeypatch):
-    """The block-code kernels as this CPU's build (AVX-512 or AVX2), and the AVX2 build too where the native one is
-    AVX-512, so both paths of csrc/blockcodes.c are checked on an AVX-512 machine."""
-    if request.param == "avx2":
-        use_avx2_build(monkeypatch, blockcodes, "_blockcodes", blockcodes.blockcodes_status(),
-                       blockcodes.blockcodes_build)
-    return request.param
 
 
 def q4_1(w: torch.Tensor) -> torch.Tensor:

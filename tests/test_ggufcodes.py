@@ -13,7 +13,6 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
-from conftest import use_avx2_build
 from triforce import blockcodes
 from triforce.blockcodes import blockcode_linear, concat_outputs
 from triforce.ggufcodes import CODED_TYPES, GGUFRows, codes_from_gguf
@@ -48,17 +47,8 @@ def dense(raw: np.ndarray, qtype: QT, n_in: int) -> torch.Tensor:
     return torch.from_numpy(np.asarray(gguf_dequantize(raw, qtype), dtype=np.float32).reshape(raw.shape[0], n_in))
 
 
-@pytest.fixture(params=["native", "avx2"])
-def build(request, monkeypatch):
-    """This CPU's build of the kernels, and the AVX2 build where the native one is AVX-512."""
-    if request.param == "avx2":
-        use_avx2_build(monkeypatch, blockcodes, "_blockcodes", blockcodes.blockcodes_status(),
-                       blockcodes.blockcodes_build)
-    return request.param
-
-
 @pytest.mark.parametrize("qtype", CODED_TYPES, ids=lambda t: t.name)
-def test_codes_are_gguf_dequantize_and_the_product_is_fp32_bitwise(qtype, build):
+def test_codes_are_gguf_dequantize_and_the_product_is_fp32_bitwise(qtype, blockcode_build):
     n_out, n_in = 96, 512
     raw = random_blocks(qtype, n_out, n_in, seed=int(qtype))
     w = dense(raw, qtype, n_in)  # (out, in)
@@ -79,7 +69,7 @@ def test_codes_are_gguf_dequantize_and_the_product_is_fp32_bitwise(qtype, build)
 
 @pytest.mark.parametrize("types", [(QT.Q4_K, QT.Q4_K, QT.Q6_K), (QT.Q5_0, QT.Q5_0, QT.Q8_0), (QT.Q4_1, QT.Q8_0),
                                    (QT.Q4_K, QT.Q5_0), (QT.Q4_0, QT.Q5_K)], ids=lambda ts: "+".join(t.name for t in ts))
-def test_fused_matrices_of_mixed_types_keep_every_weight(types, build):
+def test_fused_matrices_of_mixed_types_keep_every_weight(types, blockcode_build):
     n_in, outs = 256, [64, 32, 32][:len(types)]
     parts = [random_blocks(t, o, n_in, seed=i) for i, (t, o) in enumerate(zip(types, outs))]
     fused = concat_outputs([codes_from_gguf(r, t, n_in) for r, t in zip(parts, types)])

@@ -6,6 +6,7 @@ read into the cache.
 """
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -64,12 +65,23 @@ def corrupt(path, how: str) -> None:
         data[len(data) // 2] ^= 0xFF  # a byte of the keys and values: the checksum sees it
     elif how == "truncate":
         data = data[:len(data) // 2]
+    elif how == "short":  # a well-formed file (checksum right) with fewer positions than tokens listed
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        from triforce.promptcache import _crc
+
+        with safe_open(str(path), framework="pt") as f:
+            meta, t = f.metadata(), {n: f.get_tensor(n) for n in f.keys()}
+        k, v = t["k"][:, :, :, :10].contiguous(), t["v"][:, :, :, :10].contiguous()
+        save_file({"k": k, "v": v, "tokens": t["tokens"]}, str(path), metadata={**meta, "crc32": _crc(k, v)})
+        return
     else:  # garbage header
         data[:16] = b"\xff" * 16
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("how", ["flip", "truncate", "header"])
+@pytest.mark.parametrize("how", ["flip", "truncate", "header", "short"])
 def test_a_damaged_file_is_skipped_with_one_warning_and_the_output_is_unchanged(tiny_folder, tmp_path, how):
     doc = prompt(150)
     want = fresh(tiny_folder, tmp_path).generate(doc, max_new_tokens=8, sampling=GREEDY, spec=AR)
@@ -168,27 +180,25 @@ def test_a_restarted_server_loads_the_document_its_previous_run_wrote(tiny_folde
     from test_server import serve_in_thread
     from triforce.serve import ServerDefaults, create_app
 
-    doc = prompt(150)
-    want = fresh(tiny_folder).generate(doc + prompt(6, seed=9), max_new_tokens=8, sampling=GREEDY, spec=AR)
-    import os
-
-    texts = []
-    for run in range(2):
-        if run:  # mark the first run's file old: a load marks it used now (least-recently-used order)
-            os.utime(files[0], (1e9, 1e9))
+    def serve_once(question: list[int]) -> str:
+        """One server process's life: load with the directory, answer one completion, stop."""
         tf = TriForce.load(tiny_folder, threads=1, prompt_cache=tmp_path)  # writes after >= 64 new tokens
         app = create_app(tf, ServerDefaults(model_id="t", temperature=0, max_batch=2, spec=AR))
         with serve_in_thread(app) as url:
-            r = httpx.post(url + "/v1/completions", json={"model": "t", "prompt": doc + prompt(6, seed=9 + run),
-                                                          "max_tokens": 8, "temperature": 0}, timeout=60)
-            assert r.status_code == 200, r.text
-            texts.append(r.json()["choices"][0]["text"])
-        files = list(tmp_path.glob("*.safetensors"))
-        assert len(files) == 1, files  # the second run loaded it and computed too few tokens to write its own
-    assert files[0].stat().st_mtime > 1e9 + 1  # the second server read it
-    assert texts[0] == want.text
-    again = fresh(tiny_folder).generate(doc + prompt(6, seed=10), max_new_tokens=8, sampling=GREEDY, spec=AR)
-    assert texts[1] == again.text
+            r = httpx.post(url + "/v1/completions", json={"model": "t", "prompt": doc + question, "max_tokens": 8,
+                                                          "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    doc, first_q, second_q = prompt(150), prompt(6, seed=9), prompt(6, seed=10)
+    assert serve_once(first_q) == fresh(tiny_folder).generate(doc + first_q, max_new_tokens=8, sampling=GREEDY,
+                                                              spec=AR).text
+    (written,) = tmp_path.glob("*.safetensors")
+    os.utime(written, (1e9, 1e9))  # marked old: a load marks it used now (least-recently-used order)
+    assert serve_once(second_q) == fresh(tiny_folder).generate(doc + second_q, max_new_tokens=8, sampling=GREEDY,
+                                                               spec=AR).text
+    assert list(tmp_path.glob("*.safetensors")) == [written]  # too few new tokens to write a file of its own
+    assert written.stat().st_mtime > 1e9 + 1  # the restarted server read it
 
 
 def test_bad_cache_options_are_refused_before_the_model_loads(tmp_path, monkeypatch):

@@ -9,7 +9,6 @@ checkpoint read in fp32, and every speculative mode must equal autoregressive gr
 import pytest
 import torch
 
-from conftest import use_avx2_build
 from triforce import blockcodes
 from triforce.blockcodes import StoredRows, blockcode_linear, codes_from_16bit, concat_outputs
 from triforce.kernels import LINEAR_MAX_ROWS, f32_linear
@@ -30,17 +29,8 @@ def random_weight(n_out: int, n_in: int, dtype: torch.dtype, seed: int = 0) -> t
     return w.to(dtype)
 
 
-@pytest.fixture(params=["native", "avx2"])
-def build(request, monkeypatch):
-    """This CPU's build of the kernels, and the AVX2 build where the native one is AVX-512."""
-    if request.param == "avx2":
-        use_avx2_build(monkeypatch, blockcodes, "_blockcodes", blockcodes.blockcodes_status(),
-                       blockcodes.blockcodes_build)
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_two_byte_weights_widen_exactly_and_the_product_is_fp32_bitwise(dtype, build):
+def test_two_byte_weights_widen_exactly_and_the_product_is_fp32_bitwise(dtype, blockcode_build):
     n_out, n_in = 96, 512
     w = random_weight(n_out, n_in, dtype)
     codes = codes_from_16bit(w)

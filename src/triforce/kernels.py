@@ -50,7 +50,7 @@ import os
 
 import torch
 
-from .kernelbuild import _CSRC, _Library, _build, _cpu_flags, best_build, forced_build, kernel_dirs  # noqa: F401
+from .kernelbuild import _Library, _build, _cpu_flags, best_build, forced_build  # noqa: F401  (_build: bench/step_source.py)
 
 #: environment variable: "0" turns the attention kernel off (SDPA everywhere)
 ENV_SWITCH = "TRIFORCE_ATTENTION_KERNEL"

@@ -45,8 +45,7 @@ _SUFFIX = ".safetensors"
 def model_key(source: str, cfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
     """A short hex key that changes whenever the KV a prompt produces could: the model's files (names, sizes,
     modification times; a folder's config.json and weights, or a GGUF file), its configuration, the weights' and KV
-    dtypes,
-    and triforce's version.
+    dtypes, and triforce's version.
 
     Args:
         source: the model's path (:attr:`~triforce.loading.LoadedModel.source`); a hub id keys by name only.
@@ -192,9 +191,9 @@ class PromptCache:
                     break
                 n += 1
             if n > longer_than:
-                candidates.append((n, path))
-        for n, path in sorted(candidates, reverse=True):  # the longest prefix whose file passes its checks
-            kv = self._read_kv(path, cfg)
+                candidates.append((n, path, len(tokens)))
+        for n, path, held in sorted(candidates, reverse=True):  # the longest prefix whose file passes its checks
+            kv = self._read_kv(path, cfg, held)
             if kv is not None:
                 cache = FullKVCache(cfg, n, kv[0].dtype, device)
                 cache.k.copy_(kv[0][:, :, :, :n])
@@ -207,9 +206,9 @@ class PromptCache:
                 return PromptCacheHit(cache, list(prompt[:n]), path)
         return None
 
-    def _read_kv(self, path: Path, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _read_kv(self, path: Path, cfg: ModelConfig, held: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A file's keys and values (memory-mapped), after the shape and checksum checks (None, warned, where one
-        fails)."""
+        fails); ``held``: the tokens its header lists, each of which needs a position."""
         from safetensors import safe_open
 
         try:
@@ -225,9 +224,8 @@ class PromptCache:
         if k.dim() != 5 or tuple(k.shape[:3]) != (L, 1, nkv) or k.shape[4] != hs or k.shape != v.shape:
             self._skip(path, f"KV of shape {tuple(k.shape)}, this model's is ({L}, 1, {nkv}, T, {hs})")
             return None
-        held = self._tokens(path)
-        if held is None or k.shape[3] < len(held):
-            self._skip(path, f"KV of {k.shape[3]} positions for {len(held or [])} tokens")
+        if k.shape[3] < held:
+            self._skip(path, f"KV of {k.shape[3]} positions for {held} tokens")
             return None
         if _crc(k, v) != crc:
             self._skip(path, "checksum mismatch (a corrupted file)")

@@ -219,8 +219,16 @@ def lower_precision_copy(model: Transformer, weights: str) -> Transformer:
 
 
 def int8_copy_bytes(model: Transformer) -> int:
-    """Bytes of ``lower_precision_copy(model, "int8")``'s projections and LM head: one byte a weight and an fp32
-    scale per output row, whatever bytes ``model`` stores them in (fp32, 2-byte or block codes)."""
+    """Bytes of ``lower_precision_copy(model, "int8")``'s projections and LM head (:class:`Int8Linear`: one int8 byte
+    a weight and an fp32 scale per output row), whatever bytes ``model`` stores them in (fp32, 2-byte or block codes):
+    what a step of an int8 tier reads, for ``auto``'s plan (``auto.plan_hierarchy``'s ``int8_weight_bytes``).
+
+    Args:
+        model: the target (any layout :func:`lower_precision_copy` takes; an int8 copy counts itself).
+
+    Returns:
+        bytes, an int. Raises nothing.
+    """
     linears = [model.lm_head] + [lin for block in model.layers for lin in (
         block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj)]
     shapes = [tuple(lin.q.shape) if isinstance(lin, Int8Linear) else tuple(lin.weight_t.shape[::-1])
