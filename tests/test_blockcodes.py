@@ -93,7 +93,8 @@ def q8_dot_reference(x: torch.Tensor, codes) -> torch.Tensor:
     q = w.reshape(n_in // 32, 32, -1)
     if deq_m is not None:
         q = q - deq_m[:, None]
-    q = torch.round(q / d[:, None].clamp(min=1e-30))  # the codes back from d q (exact: d q was exact in fp32)
+    dg = d[:, None]  # the codes back from d q (exact: d q was exact in fp32); a zero scale's codes count for nothing
+    q = torch.where(dg != 0, torch.round(q / torch.where(dg != 0, dg, torch.ones_like(dg))), torch.zeros_like(q))
     y = torch.einsum("mgi,gio->mgo", xq, q).mul(dx).mul(d[None]).sum(1)
     if deq_m is not None:
         y = y + (xg.sum(-1, keepdim=True).double() * deq_m[None]).sum(1)

@@ -67,6 +67,38 @@ def test_codes_are_gguf_dequantize_and_the_product_is_fp32_bitwise(qtype, blockc
         assert ((y.double() - x.double().mm(w_t.double())).abs() <= bound).all(), (qtype.name, rows)
 
 
+@pytest.mark.parametrize("qtype", CODED_TYPES, ids=lambda t: t.name)
+def test_int8_activation_products_of_every_type_compute_their_definition(qtype, blockcode_build):
+    """blockcode_linear_q8 (the tiers below the verifier) over a GGUF type's own codes: llama.cpp's formula computed
+    in float64 to fp32 rounding, a row alone = the row in a block, within a few percent of the exact product; the
+    types it cannot take (groups of 16: Q6_K) are left to the exact product (None)."""
+    from test_blockcodes import q8_dot_reference
+
+    from triforce.blockcodes import blockcode_linear_q8
+
+    n_out, n_in = 96, 512
+    raw = random_blocks(qtype, n_out, n_in, seed=int(qtype) + 50)
+    if qtype == QT.Q8_0:  # codes of -128, which ggml's quantization never writes, go to the exact product
+        q = raw.reshape(n_out, -1, 34)[..., 2:]
+        q[q == 0x80] = 0x81
+    raw_w = dense(raw, qtype, n_in)
+    scale = float(raw_w.abs().max())
+    codes = codes_from_gguf(raw, qtype, n_in)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(7, n_in, generator=gen)
+    if qtype == QT.Q6_K:
+        assert not codes.q8_dot_ok and blockcode_linear_q8(x, codes) is None
+        return
+    assert codes.q8_dot_ok
+    for rows in (1, 2, 4, 7):
+        y = blockcode_linear_q8(x[:rows], codes)
+        ref = q8_dot_reference(x[:rows], codes)
+        assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-6 * scale, (qtype.name, rows)
+        assert torch.equal(blockcode_linear_q8(x[rows - 1:rows], codes), y[-1:])
+        exact = blockcode_linear(x[:rows], codes)
+        assert (y - exact).norm() <= 0.05 * exact.norm(), (qtype.name, rows)
+
+
 @pytest.mark.parametrize("types", [(QT.Q4_K, QT.Q4_K, QT.Q6_K), (QT.Q5_0, QT.Q5_0, QT.Q8_0), (QT.Q4_1, QT.Q8_0),
                                    (QT.Q4_K, QT.Q5_0), (QT.Q4_0, QT.Q5_K)], ids=lambda ts: "+".join(t.name for t in ts))
 def test_fused_matrices_of_mixed_types_keep_every_weight(types, blockcode_build):

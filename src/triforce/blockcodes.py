@@ -115,10 +115,11 @@ class BlockCodes:
 
     @cached_property
     def q8_dot_ok(self) -> bool:
-        """Whether :func:`blockcode_linear_q8` takes these codes: fp16 scales over groups of 32 with 4-bit codes, or
-        8-bit codes within [-127, 127] (the kernel's ``vpsignb`` cannot negate -128; ggml's own Q8_0 quantization never
-        writes it). Checked once."""
-        if self.kernel_bits not in (4, 8):
+        """Whether :func:`blockcode_linear_q8` takes these codes: fp16 (Q4_0, Q4_1, Q5_0, Q8_0) or fp32 (Q4_K, Q5_K)
+        scales over groups of 32, with 4-bit codes or 8-bit codes within [-127, 127] (the kernel's ``vpsignb`` cannot
+        negate -128; ggml's own Q8_0 quantization never writes it). Groups of 16 (Q6_K, mixed fusions) are not taken.
+        Checked once."""
+        if self.kernel_bits not in (4, 8, 4 | BC_F32, 8 | BC_F32):
             return False
         return self.bits == 4 or int(self.codes.min()) > -128
 
@@ -312,7 +313,9 @@ def _product(symbol: str, x: torch.Tensor, codes: BlockCodes, *extra) -> torch.T
 def blockcode_linear_q8(x: torch.Tensor, codes: BlockCodes) -> torch.Tensor | None:
     """``y ~= x W`` with ``x`` quantized to int8 per block of 32 inputs, integer dot products over the codes.
 
-    What llama.cpp computes for Q4_1 and Q8_0 weights (``ggml-quants.c``: ``vec_dot_q4_1_q8_1``, ``vec_dot_q8_0_q8_0``):
+    What llama.cpp computes for Q4_1 and Q8_0 weights (``ggml-quants.c``: ``vec_dot_q4_1_q8_1``, ``vec_dot_q8_0_q8_0``;
+    for Q4_K and Q5_K, ``vec_dot_q4_K_q8_K`` sums each 32-input sub-block the same way, with activations quantized per
+    256 inputs where we quantize per 32):
     per block g of 32 inputs, ``dx_g = max |x_i| / 127``, ``xq_i = round(x_i / dx_g)``, and
     ``y_o = sum_g d_go dx_g sum_i q_io xq_i + m_go sum_i x_i`` (the minima's term over the exact fp32 inputs). Not the
     fp32 product (relative error about 1e-2 per output): for tiers below the verifier only, whose rounding changes how

@@ -331,7 +331,9 @@ int triforce_blockcode_linear(const float* x, const void* codes, int bits, const
  *
  * (the minima's term with the exact fp32 sum of the block's inputs). vpmaddubsw multiplies 32 byte pairs at once, so
  * a product costs about a quarter of the instructions of the exact kernel's dequantization (which a one-row product
- * is bound by: 8.3 ms over SmolLM2's codes, against 4.3 ms for its bytes at the large-GEMV bandwidth). Q8_0 codes must
+ * is bound by: 8.3 ms over SmolLM2's codes, against 4.3 ms for its bytes at the large-GEMV bandwidth). The same
+ * formula takes Q4_K's and Q5_K's codes (bits with BC_F32: fp32 d sc and -(dmin mc) per 32 inputs, as llama.cpp's
+ * vec_dot_q4_K_q8_K sums each 32-input sub-block; it quantizes the activations per 256, we per 32). Q8_0 codes must
  * lie in [-127, 127] (vpsignb cannot negate -128; the Python side checks). xp: the rows' activations laid out for the
  * byte shuffles below (prepare_rows), dx and sx: (M, in / 32) the blocks' scales and fp32 input sums. */
 
@@ -380,8 +382,9 @@ static inline __attribute__((always_inline)) void dot8_step(__m256i v0, __m256i 
 /* y[r, 8 c : 8 c + 8) for R (<= 4) rows of column block c */
 static inline __attribute__((always_inline)) void dot_tile(const __m256i* xp, const float* dx, const float* sx,
                                                            const int R, int in, const void* codes, const int BITS,
-                                                           const uint16_t* d, const uint16_t* m, const int HAS_M, int64_t c,
-                                                           int out, float* y, const int PF) {
+                                                           const void* d, const void* m, const int HAS_M, const int F32,
+                                                           int64_t c, int out, float* y, const int PF) {
+    const int ds = F32 ? 4 : 2;  /* bytes of a scale or minimum: fp32 (a K-quant's) or fp16 */
     const int groups = in / GROUP;
     const int64_t xstride = (int64_t)in * BITS / 32;  /* 32-byte vectors per row: 4 bytes (BITS 4) or 8 an input */
     __m256 acc[4];
@@ -391,8 +394,8 @@ static inline __attribute__((always_inline)) void dot_tile(const __m256i* xp, co
         if (PF) {
             const char* cn = cg + (int64_t)in * BITS;  /* the next column block's */
             for (int o = 0; o < GROUP * BITS; o += 64) _mm_prefetch(cn + o, _MM_HINT_T0);
-            _mm_prefetch((const char*)(d + ((c + 1) * groups + g) * 8), _MM_HINT_T0);
-            if (HAS_M) _mm_prefetch((const char*)(m + ((c + 1) * groups + g) * 8), _MM_HINT_T0);
+            _mm_prefetch((const char*)d + ((c + 1) * groups + g) * 8 * ds, _MM_HINT_T0);
+            if (HAS_M) _mm_prefetch((const char*)m + ((c + 1) * groups + g) * 8 * ds, _MM_HINT_T0);
         }
         __m256i s0[4], s1[4];
         for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
@@ -404,8 +407,8 @@ static inline __attribute__((always_inline)) void dot_tile(const __m256i* xp, co
             for (int k = 0; k < 8; k += 2)
                 dot8_step(_mm256_loadu_si256((const __m256i*)cg + k), _mm256_loadu_si256((const __m256i*)cg + k + 1),
                           xg + k, R, xstride, s0, s1);
-        const __m256 dv = scale8(d, (c * groups + g) * 8, 0);
-        const __m256 mv = HAS_M ? scale8(m, (c * groups + g) * 8, 0) : _mm256_setzero_ps();
+        const __m256 dv = scale8(d, (c * groups + g) * 8, F32);
+        const __m256 mv = HAS_M ? scale8(m, (c * groups + g) * 8, F32) : _mm256_setzero_ps();
         for (int r = 0; r < R; ++r) {
             const __m128i u = _mm_add_epi32(_mm256_castsi256_si128(s0[r]), _mm256_extracti128_si256(s0[r], 1));
             const __m128i w = _mm_add_epi32(_mm256_castsi256_si128(s1[r]), _mm256_extracti128_si256(s1[r], 1));
@@ -464,8 +467,10 @@ static void prepare_rows(const float* x, int M, int in, int bits, int8_t* xp, fl
 
 /* As triforce_blockcode_linear, with the rows' activations quantized to int8 (above); work: M * in * bits bytes,
  * 32-byte aligned, then 2 M in / 32 floats. Returns 0, or -1 for arguments outside what the kernel handles. */
-int triforce_blockcode_linear_q8(const float* x, const void* codes, int bits, const uint16_t* d, const uint16_t* m,
+int triforce_blockcode_linear_q8(const float* x, const void* codes, int bits, const void* d, const void* m,
                                  float* y, int M, int in, int out, int nthreads, void* work) {
+    const int f32 = (bits & BC_F32) != 0;  /* fp32 scales and minima per 32 inputs: Q4_K (4-bit), Q5_K (8-bit) */
+    bits &= ~BC_F32;
     if (M < 1 || M > MAX_ROWS || in < GROUP || in % GROUP || out < 32 || out % 32 || (bits != 4 && bits != 8)
         || nthreads < 1 || ((uintptr_t)work & 31))
         return -1;
@@ -484,21 +489,26 @@ int triforce_blockcode_linear_q8(const float* x, const void* codes, int bits, co
                 const __m256i* xr = (const __m256i*)xp + r0 * xrow;
                 const float *dr = dx + r0 * groups, *sr = sx + r0 * groups;
                 float* yr = y + (int64_t)r0 * out;
-#define DOT_TILE(BITS, HAS_M)                                                                                      \
+#define DOT_TILE(BITS, HAS_M, F32)                                                                                 \
     switch (R * 2 + (pf ? 1 : 0)) {                                                                                \
-        case 2: dot_tile(xr, dr, sr, 1, in, codes, BITS, d, m, HAS_M, c, out, yr, 0); break;                       \
-        case 3: dot_tile(xr, dr, sr, 1, in, codes, BITS, d, m, HAS_M, c, out, yr, 1); break;                       \
-        case 4: dot_tile(xr, dr, sr, 2, in, codes, BITS, d, m, HAS_M, c, out, yr, 0); break;                       \
-        case 5: dot_tile(xr, dr, sr, 2, in, codes, BITS, d, m, HAS_M, c, out, yr, 1); break;                       \
-        case 6: dot_tile(xr, dr, sr, 3, in, codes, BITS, d, m, HAS_M, c, out, yr, 0); break;                       \
-        case 7: dot_tile(xr, dr, sr, 3, in, codes, BITS, d, m, HAS_M, c, out, yr, 1); break;                       \
-        case 8: dot_tile(xr, dr, sr, 4, in, codes, BITS, d, m, HAS_M, c, out, yr, 0); break;                       \
-        default: dot_tile(xr, dr, sr, 4, in, codes, BITS, d, m, HAS_M, c, out, yr, 1); break;                      \
+        case 2: dot_tile(xr, dr, sr, 1, in, codes, BITS, d, m, HAS_M, F32, c, out, yr, 0); break;                  \
+        case 3: dot_tile(xr, dr, sr, 1, in, codes, BITS, d, m, HAS_M, F32, c, out, yr, 1); break;                  \
+        case 4: dot_tile(xr, dr, sr, 2, in, codes, BITS, d, m, HAS_M, F32, c, out, yr, 0); break;                  \
+        case 5: dot_tile(xr, dr, sr, 2, in, codes, BITS, d, m, HAS_M, F32, c, out, yr, 1); break;                  \
+        case 6: dot_tile(xr, dr, sr, 3, in, codes, BITS, d, m, HAS_M, F32, c, out, yr, 0); break;                  \
+        case 7: dot_tile(xr, dr, sr, 3, in, codes, BITS, d, m, HAS_M, F32, c, out, yr, 1); break;                  \
+        case 8: dot_tile(xr, dr, sr, 4, in, codes, BITS, d, m, HAS_M, F32, c, out, yr, 0); break;                  \
+        default: dot_tile(xr, dr, sr, 4, in, codes, BITS, d, m, HAS_M, F32, c, out, yr, 1); break;                 \
     }
-                if (bits == 4 && m) { DOT_TILE(4, 1) }
-                else if (bits == 4) { DOT_TILE(4, 0) }
-                else if (m) { DOT_TILE(8, 1) }
-                else { DOT_TILE(8, 0) }
+                if (f32) {  /* K-quants' scales and minima: d sc and -(dmin mc) as fp32 */
+                    if (bits == 4 && m) { DOT_TILE(4, 1, 1) }
+                    else if (bits == 4) { DOT_TILE(4, 0, 1) }
+                    else if (m) { DOT_TILE(8, 1, 1) }
+                    else { DOT_TILE(8, 0, 1) }
+                } else if (bits == 4 && m) { DOT_TILE(4, 1, 0) }
+                else if (bits == 4) { DOT_TILE(4, 0, 0) }
+                else if (m) { DOT_TILE(8, 1, 0) }
+                else { DOT_TILE(8, 0, 0) }
 #undef DOT_TILE
             }
     }
