@@ -301,3 +301,39 @@ def test_the_table_names_the_fastest_method(bench_result):
     best = min(medians, key=medians.get)
     line = next(x for x in bench.format_table(result).splitlines() if x.startswith("fastest: "))
     assert line.startswith(f"fastest: {best}, {medians[best]:.1f} ms/token median")
+
+
+def test_prompt_cache_prefills_the_prompt_once_across_methods(tiny_folder, tmp_path):
+    """--prompt-cache: the first of our methods to run writes the prompt's KV once; the other loads it (all but the
+    tokens fed again) and generates the same greedy tokens; later repetitions (prefix reuse) write nothing."""
+    out, cache_dir = tmp_path / "bench.json", tmp_path / "kv"
+    proc = subprocess.run(
+        [sys.executable, "-m", "triforce", "bench", "--model", tiny_folder, "--prompt", PROMPT, "--new-tokens",
+         str(NEW_TOKENS), "--temperature", "0", "--reps", "2", "--threads", "1", "--budget", "32", "--chunk-size", "4",
+         "--methods", "autoregressive,retrieval", "--prompt-cache", str(cache_dir), "--json", str(out),
+         "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert "--prompt-cache" in result["command"]
+    runs = {m: r["prompt_cache"] for m, r in result["methods"].items()}
+    files = list(cache_dir.glob("*.safetensors"))
+    assert len(files) == 1
+    writer = [m for m, rs in runs.items() if rs[0]["stored"]]
+    assert len(writer) == 1 and runs[writer[0]][0]["loaded_tokens"] == 0
+    reader = "retrieval" if writer == ["autoregressive"] else "autoregressive"
+    assert runs[reader][0]["loaded_tokens"] == len(PROMPT) and runs[reader][0]["stored"] is None
+    assert runs[reader][0]["loaded_from"] == str(files[0])
+    for rs in runs.values():  # the second repetition reuses the engine's kept prefix: no file read or written
+        assert rs[1] == {"loaded_tokens": 0, "loaded_from": None, "stored": None}
+    ref = result["methods"]["autoregressive"]["token_ids"][0]
+    assert all(r["token_ids"] == [ref, ref] for r in result["methods"].values())
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--prompt-cache", __file__], "--prompt-cache"),
+    (["--synthetic", "llama2-7b", "--prompt-cache", "kv"], "--prompt-cache"),
+])
+def test_bad_prompt_cache_is_refused_before_the_run(argv, option, capsys):
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and option in err, err

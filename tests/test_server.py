@@ -280,6 +280,57 @@ def test_completions_string_and_token_ids(client, ref):
     assert chunks[-1].usage is None  # no include_usage: no usage chunk
 
 
+def test_logprobs_on_chat_streamed_and_not_equal_the_models(client, ref):
+    """logprobs / top_logprobs through the official client: the values the library reports (themselves equal to
+    transformers' log-softmax, tests/test_logprobs.py), the token strings the tokenizer decodes, and the same entries
+    streamed as in one answer."""
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Spell a word."}]
+    expect = ref.generate(chat_ids(ref, messages), max_new_tokens=12, sampling=SamplingParams(temperature=0, logprobs=5))
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0, logprobs=True,
+                                       top_logprobs=5)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(expect.token_ids)
+    for got, want in zip(content, expect.logprobs):
+        assert got.token == ref.tokenizer.decode([want.token_id]) and got.bytes == list(got.token.encode())
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert [t.token for t in got.top_logprobs] == [ref.tokenizer.decode([i]) for i, _ in want.top]
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx([v for _, v in want.top], abs=1e-5)
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                                 logprobs=True, top_logprobs=5, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    # the second request reuses the first one's prompt KV (prefix reuse, a prefill chunked differently): equal to
+    # rounding, not bitwise
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_echo_scores_a_prompt_as_a_harness_does(client, ref):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs, max_tokens 0 on /v1/completions."""
+    model = client.models.list().data[0].id
+    prompt = "the cat sat on the mat"
+    ids = ref.encode(prompt)
+    want = ref.prompt_logprobs(ids, 2)
+    r = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=2, max_tokens=0, temperature=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == prompt and r.usage.completion_tokens == 0
+    assert lp.tokens == [ref.tokenizer.decode([i]) for i in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([w.logprob for w in want[1:]], abs=1e-5)
+    assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    # echo with a completion, streamed: the prompt and its scores come first, then the completion's tokens
+    expect = ref.generate(ids, max_new_tokens=6, sampling=SamplingParams(temperature=0, logprobs=0))
+    chunks = list(client.completions.create(model=model, prompt=prompt, echo=True, logprobs=0, max_tokens=6,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == prompt + expect.text
+    values = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert values[:len(ids)] == lp.token_logprobs
+    assert values[len(ids):] == pytest.approx([e.logprob for e in expect.logprobs], abs=1e-5)
+
+
 def test_stop_strings_and_seeded_sampling(client, ref):
     model = client.models.list().data[0].id
     full = ref.generate("abc", max_new_tokens=40, sampling=GREEDY).text
@@ -390,8 +441,12 @@ MALFORMED = [
     (CH, {"messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages"),
     (CH, _chat(n=2), 400, "n"),
     (CH, _chat(n="1"), 400, "n"),
-    (CH, _chat(logprobs=True), 400, "logprobs"),
-    (CH, _chat(top_logprobs=2), 400, "top_logprobs"),
+    (CH, _chat(logprobs=1), 400, "logprobs"),
+    (CH, _chat(logprobs="yes"), 400, "logprobs"),
+    (CH, _chat(top_logprobs=2), 400, "top_logprobs"),  # without logprobs true
+    (CH, _chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    (CH, _chat(logprobs=True, top_logprobs=-1), 400, "top_logprobs"),
+    (CH, _chat(echo=True), 400, "echo"),
     (CH, _chat(presence_penalty=0.5), 400, "presence_penalty"),
     (CH, _chat(frequency_penalty=-1), 400, "frequency_penalty"),
     (CH, _chat(logit_bias={"5": 10}), 400, "logit_bias"),
@@ -405,9 +460,12 @@ MALFORMED = [
     (CH, _chat(max_completion_tokens=5), 400, "max_completion_tokens"),  # together with max_tokens
     (CH, _chat(model="nope"), 404, "model"),
     (CH, _chat(stream=True, max_tokens=0), 400, "max_tokens"),
-    (C, _cmpl(echo=True), 400, "echo"),
+    (C, _cmpl(echo="yes"), 400, "echo"),
     (C, _cmpl(best_of=3), 400, "best_of"),
-    (C, _cmpl(logprobs=1), 400, "logprobs"),
+    (C, _cmpl(logprobs=21), 400, "logprobs"),
+    (C, _cmpl(logprobs=True), 400, "logprobs"),
+    (C, _cmpl(logprobs=-1), 400, "logprobs"),
+    (C, _cmpl(echo=True, max_tokens=-1), 400, "max_tokens"),
     (C, _cmpl(n=3), 400, "n"),
     (C, _cmpl(suffix="x"), 400, "suffix"),
     (C, _cmpl(messages=MSG), 400, "messages"),

@@ -24,6 +24,7 @@ from .defaults import DEFAULTS
 from .detok import IncrementalDetokenizer
 from .engine import Engine, GenerationStats, SpeculationConfig
 from .loading import LoadedModel, ModelLoadError, load_model
+from .logprobs import TokenLogprob, check_top_logprobs, prompt_logprobs
 from .prompts import encode_prompt_cut
 from .sampling import SamplingParams
 
@@ -39,6 +40,7 @@ class TokenEvent:
 
     token_id: int | None
     text: str
+    logprob: TokenLogprob | None = None  # with ``SamplingParams(logprobs=...)``: the token's log-probability
 
 
 @dataclass
@@ -50,18 +52,23 @@ class GenerationResult:
         token_ids: generated token ids (through the token that completed a stop string or the EOS).
         finish_reason: ``eos``, ``stop``, ``length`` or ``interrupted`` (Ctrl-C).
         stats: :class:`~triforce.engine.GenerationStats`.
+        logprobs: with ``SamplingParams(logprobs=...)``, one :class:`~triforce.logprobs.TokenLogprob` per token of
+            ``token_ids``; else None.
     """
 
     text: str
     token_ids: list[int]
     finish_reason: str
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None
 
     def to_dict(self) -> dict:
         """The ``--json`` object: text, token_ids, finish_reason and the stats fields (README, "JSON output")."""
         d = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason}
         d.update(self.stats.to_dict())
         d["finish_reason"] = self.finish_reason
+        if self.logprobs is not None:
+            d["logprobs"] = [x.to_dict() for x in self.logprobs]
         return d
 
 
@@ -259,10 +266,11 @@ class TriForce:
             raise ValueError(f"prompt must be one string or a list of token ids, got a list of {len(prompt)} "
                              "strings: for several prompts use generate(prompts=[...])")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        cached, file_hit = self._load_prompt_cache(ids)
+        cached, file_hit = self.prompt_cache.before_request(self.engine, ids) if self.prompt_cache else (0, None)
         gen = self.engine.stream(ids, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=seed,
                                  prefill_progress=prefill_progress)
         out: list[int] = []
+        log: list[TokenLogprob] | None = None if sampling.logprobs is None else []
         detok = IncrementalDetokenizer(self.tokenizer)  # linear in the output, not a full decode per token
         pieces: list[str] = []  # the text given out
         pending = ""  # decoded text not given out yet: it may start a stop string
@@ -275,6 +283,10 @@ class TriForce:
         try:
             for tok in gen:
                 out.append(tok)
+                lp = None
+                if log is not None:  # the verifier logged one entry per token it emitted (logprobs.py)
+                    lp = self.engine.hierarchy.logprob_log[len(out) - 1]
+                    log.append(lp)
                 delta = detok.add(tok)
                 start = max(0, len(pending) - hold)  # a new stop string ends in delta
                 pending += delta
@@ -283,12 +295,12 @@ class TriForce:
                     finish = "stop"
                     pieces.append(pending[:hit])
                     pending = ""
-                    yield TokenEvent(tok, pieces[-1])
+                    yield TokenEvent(tok, pieces[-1], lp)
                     break
                 safe = max(0, len(pending) - hold)
                 pieces.append(pending[:safe])
                 pending = pending[safe:]
-                yield TokenEvent(tok, pieces[-1])
+                yield TokenEvent(tok, pieces[-1], lp)
         except KeyboardInterrupt:
             finish = "interrupted"
         finally:
@@ -310,35 +322,23 @@ class TriForce:
             finish = "eos"
         stats.finish_reason = finish
         if self.prompt_cache is not None:
-            stats.prompt_cache = self._store_prompt_cache(cached, file_hit)
+            stats.prompt_cache = self.prompt_cache.after_request(self.engine, cached, file_hit)
         text = "".join(pieces)
-        return GenerationResult(text, out, finish, stats)
+        return GenerationResult(text, out, finish, stats, log)
 
-    def _load_prompt_cache(self, ids: list[int]):
-        """Before a request: the prompt tokens the engine already holds (its kept prefix), and the prefix loaded from
-        :attr:`prompt_cache` where a file holds more (handed to the engine), or None."""
-        if self.prompt_cache is None:
-            return 0, None
-        held = self.engine.prefix_tokens
-        cached = 0
-        while cached < min(len(held), len(ids)) and held[cached] == ids[cached]:
-            cached += 1
-        hit = self.prompt_cache.lookup(ids, self.target.model.cfg, self.target.model.device, longer_than=cached)
-        if hit is not None:
-            self.engine.adopt_prefix(hit.cache, hit.tokens)
-            cached = len(hit.tokens)
-        return cached, hit
+    def prompt_logprobs(self, prompt: str | Sequence[int], top_logprobs: int = 0) -> list[TokenLogprob | None]:
+        """Log-probability of each prompt token given those before it under the target model (the first token has
+        none: None), with ``top_logprobs`` alternatives each: one pass of the target over the prompt
+        (:func:`~triforce.logprobs.prompt_logprobs`; what ``echo`` reports on ``/v1/completions``).
 
-    def _store_prompt_cache(self, cached: int, hit) -> dict:
-        """After a request: its full KV cache written to :attr:`prompt_cache` where it computed enough new tokens;
-        the stats' ``prompt_cache`` entry (tokens loaded from a file, the file, the file written or None)."""
-        tokens, full = self.engine.prefix_tokens, self.engine.full_cache
-        stored = None
-        if full is not None and tokens and self.prompt_cache.should_store(tokens, cached):
-            path = self.prompt_cache.store(full, tokens)  # None where writing failed (warned)
-            stored = str(path) if path is not None else None
-        return {"loaded_tokens": len(hit.tokens) if hit else 0, "loaded_from": str(hit.path) if hit else None,
-                "stored": stored}
+        Raises:
+            ValueError: an empty prompt, or ``top_logprobs`` outside [0, 20], before any model work.
+        """
+        check_top_logprobs(top_logprobs, "top_logprobs")
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt must hold at least one token")
+        return prompt_logprobs(self.target.model, ids, top_logprobs)
 
     def generate(self, prompt: str | Sequence[int] | None = None, *, prompts: Sequence[str | Sequence[int]] | None = None,
                  max_batch: int = DEFAULTS["max_batch"], **kwargs) -> GenerationResult | list[GenerationResult]:

@@ -141,6 +141,7 @@ class Engine:
         self.placement: KVPlacement | None = None  # the offloading plan of the request running (or the last one)
         self.eos_ids = tuple(eos_ids)
         self.last_stats: GenerationStats | None = None
+        self.hierarchy: ModelTier | None = None  # the running (or last) request's verifier: its logprob_log
         # prefix reuse: the verifier's full cache and the tokens it holds, kept from the previous request
         self._full: FullKVCache | None = None
         self._full_tokens: list[int] = []
@@ -432,7 +433,7 @@ class Engine:
                 seed = self.target.tp.broadcast_int(seed)
         generator = torch.Generator(device=self.target.device).manual_seed(seed)
         self.placement = plan.placement  # this request's placement, reported in its stats
-        top = self.build_hierarchy(len(prompt_ids), max_new_tokens, sampling, spec, generator, plan=plan)
+        self.hierarchy = top = self.build_hierarchy(len(prompt_ids), max_new_tokens, sampling, spec, generator, plan=plan)
         governor = self.governor_factory(top) if auto is not None else None
         eos = frozenset(self.eos_ids)
         t_start = t_prefill = time.perf_counter()

@@ -232,6 +232,42 @@ class PromptCache:
             return None
         return k, v
 
+    def before_request(self, engine, ids: list[int]) -> tuple[int, PromptCacheHit | None]:
+        """Before a request on ``engine`` (an :class:`~triforce.engine.Engine`): the longest prefix of ``ids`` that a
+        file holds beyond what the engine already keeps is adopted as its prefix (prefix reuse then prefills only the
+        rest).
+
+        Returns:
+            ``(cached, hit)``: the prompt tokens whose KV the request starts with (the engine's kept prefix or the
+            file's), and the :class:`PromptCacheHit` adopted, or None.
+        """
+        held = engine.prefix_tokens
+        cached = 0
+        while cached < min(len(held), len(ids)) and held[cached] == ids[cached]:
+            cached += 1
+        target = engine.target
+        hit = self.lookup(ids, target.cfg, target.device, longer_than=cached)
+        if hit is not None:
+            engine.adopt_prefix(hit.cache, hit.tokens)
+            cached = len(hit.tokens)
+        return cached, hit
+
+    def after_request(self, engine, cached: int, hit: PromptCacheHit | None) -> dict:
+        """After a request on ``engine``: its full KV cache written where it computed enough new tokens
+        (:meth:`should_store`); ``cached`` and ``hit`` are :meth:`before_request`'s.
+
+        Returns:
+            the stats' ``prompt_cache`` entry: ``loaded_tokens`` (from a file), ``loaded_from`` (the file or None),
+            ``stored`` (the file written, or None).
+        """
+        tokens, full = engine.prefix_tokens, engine.full_cache
+        stored = None
+        if full is not None and tokens and self.should_store(tokens, cached):
+            path = self.store(full, tokens)  # None where writing failed (warned)
+            stored = str(path) if path is not None else None
+        return {"loaded_tokens": len(hit.tokens) if hit else 0, "loaded_from": str(hit.path) if hit else None,
+                "stored": stored}
+
     def should_store(self, tokens: list[int], loaded: int) -> bool:
         """Whether a request that ends holding the KV of ``tokens``, of which ``loaded`` came from a file or the
         engine's kept prefix, adds enough to write (:attr:`min_new_tokens`)."""

@@ -49,6 +49,9 @@ class SamplingParams:
         temperature: >= 0; 0 means greedy (argmax).
         top_p: nucleus mass in (0, 1]; 1 disables it (Holtzman et al., arXiv 1904.09751).
         top_k: keep the k most likely tokens; 0 disables it.
+        logprobs: None, or report each emitted token's log-probability under the target model with this many most
+            likely alternatives (0 to :data:`~triforce.logprobs.MAX_TOP_LOGPROBS`; ``logprobs.py``). An output
+            option, as vLLM's ``SamplingParams.logprobs``: it never changes which tokens are drawn.
 
     Raises:
         ValueError: (on construction) a value outside the ranges above, naming the parameter.
@@ -57,6 +60,7 @@ class SamplingParams:
     temperature: float = DEFAULTS["temperature"]
     top_p: float = DEFAULTS["top_p"]
     top_k: int = DEFAULTS["top_k"]
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -66,6 +70,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
+        from .logprobs import check_top_logprobs
+
+        check_top_logprobs(self.logprobs)
 
     @property
     def greedy(self) -> bool:

@@ -38,6 +38,7 @@ from typing import Callable, Protocol
 import torch
 
 from .caches import CacheError, FullKVCache, KVCache
+from .logprobs import TokenLogprob, token_logprobs
 from .streaming import StreamingCache
 from .retrieval import RetrievalCache
 from .model import Transformer
@@ -127,6 +128,7 @@ class ModelTier:
         self.confidence: torch.Tensor | None = None  # (len(emitted),) of the last step, when stop_below is set
         self.cached: list[int] = []  # tokens whose KV is in the cache: always a prefix of the sequence
         self.tail_logits: torch.Tensor | None = None  # (V,) logits at position len(cached) - 1, if known
+        self.logprob_log: list[TokenLogprob] = []  # the verifier with sampling.logprobs set: one per emitted token
         self.stats = TierStats(name)
         if drafter is not None:  # proposals asked per verification (capped per request at max_new_tokens - 1)
             self.stats.extra["gamma"] = gamma
@@ -237,6 +239,8 @@ class ModelTier:
                 elif 2 * n_acc < k:
                     self.gamma = max(1, self.gamma - 1)
         emitted = emitted[:max_tokens]
+        if self.is_top and self.sampling.logprobs is not None:  # the target's own distribution (logprobs.py)
+            self.logprob_log += token_logprobs(logits, emitted, self.sampling.logprobs)
         if self.stop_below is not None:
             self.confidence = torch.softmax(logits[:len(emitted)].float(), -1).amax(-1)
         return emitted, p[:len(emitted)]

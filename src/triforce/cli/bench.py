@@ -52,6 +52,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_options(k, ("gamma1",), "bench", gamma1="bottom-tier tokens per retrieval verification ({default})")
     add_options(k, ("gamma2",), "bench", gamma2="tokens proposed per target verification ({default}); also "
                                                 "hf-lookup's prompt_lookup_num_tokens")
+    s.add_argument("--prompt-cache", metavar="DIR",
+                   help="our methods load the prompt's KV from a file in DIR where one holds it, and write it after "
+                        "their first run (as generate's --prompt-cache): a long prompt is prefilled once across "
+                        "methods and runs; their time to first token then counts the file's load")
     r = p.add_argument_group("run")
     r.add_argument("--methods", help="comma-separated, among " + ", ".join(METHOD_NAMES) + " (default: every one "
                                      "that can run)")

@@ -23,7 +23,8 @@ class Parser(argparse.ArgumentParser):
 #: library parameter names that :func:`option_error` maps back to their options
 _PARAMETERS = ("max_prompt_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "gamma1", "gamma2", "budget",
                "chunk_size", "rebuild_every", "draft_sink", "draft_window", "mode", "dtype", "system", "ngram_n",
-               "ngram_min", "tiers", "chunk_score", "rebuild_below", "stop_below", "on_chip_layers", "tp")
+               "ngram_min", "tiers", "chunk_score", "rebuild_below", "stop_below", "on_chip_layers", "tp",
+               "logprobs")
 #: library parameters whose option is not ``--`` + the name with ``-`` for ``_``
 _FLAGS = {"drafter": "--draft", "prompt": "--prompt/--prompt-file"}
 

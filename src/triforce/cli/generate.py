@@ -33,6 +33,9 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     add_generation_args(gen)
     gen.set_defaults(max_new_tokens=None)  # not given: the default, lowered to what the context leaves (_fit_new_tokens)
     gen.add_argument("--json", action="store_true", help="print one JSON object (schema in README) instead of text")
+    gen.add_argument("--logprobs", type=int, metavar="N", help="with --json: each generated token's log-probability "
+                                                               "under the target model and its N (0-20) most likely "
+                                                               "alternatives, field logprobs")
     gen.add_argument("--no-progress", action="store_true", help="no prefill progress (a bar on a terminal, a line "
                                                                  "every 10 s otherwise)")
     return gen
@@ -201,7 +204,10 @@ def _generate(args: argparse.Namespace, out) -> int:
     except ValueError as e:
         raise CLIError("--" + str(e)) from e
     try:
-        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                  logprobs=args.logprobs)
+        if args.logprobs is not None and not args.json:
+            raise CLIError("--logprobs is reported in the --json object: add --json")
         spec = spec_from_args(args, has_draft=args.draft is not None)
         if args.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {args.max_new_tokens}")

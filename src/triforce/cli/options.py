@@ -109,7 +109,7 @@ _ALL = [  # by the kind of value; the groups of each subcommand are the tuples b
                             "bound), attn (per-head attention mass over recent verifier queries + a recent window; "
                             "GQA models) (default {default})", choices=CHUNK_SCORES),
     Option("--lower-weights", "cheaper weights for the tiers below the verifier (retrieval tier, draft model): "
-                              "lossless, the verifier decides every token; codes: a GGUF model's own Q4_1/Q8_0 codes "
+                              "lossless, the verifier decides every token; codes: a GGUF model's own block codes "
                               "times int8 activations, as llama.cpp (else int8) (default: as loaded; --mode auto: "
                               "codes where the model has them)", choices=LOWER_WEIGHTS),
     Option("--lower-kv-dtype", "dtype of the retrieval and draft caches (lossless; default: as --kv-dtype; "

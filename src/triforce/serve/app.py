@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .logprob_fields import chat_logprobs, completion_logprobs
 from .metrics import ServerMetrics
 from .schema import GenerationRequest, parse_json_body, parse_request
 from .settings import (API_KEY_ENV, DISCONNECT_POLL_SECONDS, ENDPOINTS, MAX_BODY_BYTES, OPEN_PATHS, APIError,
@@ -185,25 +186,38 @@ class _Server:
         from fastapi.responses import JSONResponse, Response
 
         first_token = True
+        entries: list[dict] = []  # log-probabilities: the echoed prompt's, then the completion's
         while True:
             ev = await self.next_event(job, request)
             if ev is None:
                 return Response(status_code=499)
-            if ev[0] == "token" and first_token:
-                self.metrics.ttft.observe(time.monotonic() - job.received)
-                first_token = False
+            if ev[0] == "token":
+                if first_token:
+                    self.metrics.ttft.observe(time.monotonic() - job.received)
+                    first_token = False
+                if ev[2] is not None:
+                    entries.append(ev[2])
+            elif ev[0] == "prompt_logprobs":
+                entries[:0] = ev[1]
             elif ev[0] == "error":
                 raise ev[1]
             elif ev[0] == "done":
                 info = ev[1]
                 break
         usage = _usage(len(req.prompt_ids), info["completion_tokens"])
+        logprobs = None
         if req.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": info["text"]}, "logprobs": None,
+            if req.logprobs is not None:
+                logprobs = chat_logprobs(entries)
+            choice = {"index": 0, "message": {"role": "assistant", "content": info["text"]}, "logprobs": logprobs,
                       "finish_reason": info["finish_reason"]}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": info["text"], "logprobs": None, "finish_reason": info["finish_reason"]}
+            echoed = self.echo_text(req)
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(entries)[0]
+            choice = {"index": 0, "text": echoed + info["text"], "logprobs": logprobs,
+                      "finish_reason": info["finish_reason"]}
             obj = "text_completion"
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice],
                              "usage": usage, "triforce": info["stats"]})
@@ -215,18 +229,32 @@ class _Server:
         obj = "chat.completion.chunk" if chat else "text_completion"
         extra = {"usage": None} if req.include_usage else {}
 
+        offset = 0  # completions: characters of text sent so far (text_offset)
+        pending: list[dict] = []  # log-probabilities of tokens whose text has not been sent yet
+
         def chunk(delta: str | None, finish: str | None = None, role: bool = False) -> dict:
+            nonlocal offset, pending
+            lp = None
+            if req.logprobs is not None and not role:
+                if chat:
+                    lp = chat_logprobs(pending)
+                else:
+                    lp, offset = completion_logprobs(pending, offset)
+                pending = []
             if chat:
                 d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
-                c = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+                c = {"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish}
             else:
-                c = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+                c = {"index": 0, "text": delta or "", "logprobs": lp, "finish_reason": finish}
             return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [c], **extra}
 
         try:
             if chat:
                 yield _sse(chunk(None, role=True))
             first_token = True
+            echoed = "" if chat else self.echo_text(req)
+            if echoed and req.logprobs is None:
+                yield _sse(chunk(echoed))
             while True:
                 ev = await self.next_event(job, request)
                 if ev is None:
@@ -236,8 +264,13 @@ class _Server:
                     if first_token:
                         self.metrics.ttft.observe(time.monotonic() - job.received)
                         first_token = False
+                    if ev[2] is not None:
+                        pending.append(ev[2])
                     if ev[1].text:
                         yield _sse(chunk(ev[1].text))
+                elif ev[0] == "prompt_logprobs":  # echo: the prompt and its tokens' log-probabilities first
+                    pending = ev[1]
+                    yield _sse(chunk(echoed))
                 elif ev[0] == "error":
                     yield _sse(ev[1].body())
                     yield b"data: [DONE]\n\n"
@@ -254,6 +287,12 @@ class _Server:
                     return
         finally:
             job.cancel.set()
+
+    def echo_text(self, req: GenerationRequest) -> str:
+        """What ``echo`` puts before a completion: the prompt as sent, or the decoded token ids ("" without echo)."""
+        if not req.echo:
+            return ""
+        return req.prompt_text if req.prompt_text is not None else self.tf.tokenizer.decode(req.prompt_ids)
 
     def model_card(self) -> dict:
         """The one model served, as ``/v1/models`` lists it."""

@@ -29,6 +29,11 @@ class GenerationRequest:
         stream: answer as server-sent events.
         include_usage: (streaming) send a final chunk with ``usage``.
         model: the model id echoed in the response.
+        logprobs: None, or report each token's log-probability with this many alternatives (chat: ``logprobs`` true
+            and ``top_logprobs``; completions: ``logprobs`` N); ``logprobs.py``.
+        echo: (completions) the prompt comes back before the completion, with its tokens' log-probabilities when
+            ``logprobs`` is given; ``max_tokens`` 0 is then allowed (score a text, generate nothing).
+        prompt_text: the prompt as the client sent it (a string), or None (token ids): what ``echo`` returns.
     """
 
     kind: str
@@ -42,12 +47,16 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     model: str
+    logprobs: int | None = None
+    echo: bool = False
+    prompt_text: str | None = None
 
 
 # accepted and used
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options"}
-_CHAT_ONLY = {"messages", "max_completion_tokens"}
-_COMPLETION_ONLY = {"prompt"}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
+           "logprobs"}
+_CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs"}
+_COMPLETION_ONLY = {"prompt", "echo"}
 # accepted and ignored (no effect on the output)
 _IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "parallel_tool_calls"}
 # accepted only at their neutral value; anything else is refused by name
@@ -56,8 +65,6 @@ _NEUTRAL_COMMON = {
     "presence_penalty": lambda v: v is None or (_is_number(v) and v == 0),
     "frequency_penalty": lambda v: v is None or (_is_number(v) and v == 0),
     "logit_bias": lambda v: v is None or v == {},
-    "logprobs": lambda v: v is None or v is False,
-    "top_logprobs": lambda v: v is None,
     "response_format": lambda v: v is None or v == {"type": "text"},
 }
 _NEUTRAL_CHAT = {
@@ -67,7 +74,6 @@ _NEUTRAL_CHAT = {
     "function_call": lambda v: v is None or v == "none",
 }
 _NEUTRAL_COMPLETION = {
-    "echo": lambda v: v is None or v is False,
     "best_of": lambda v: v is None or (_is_int(v) and v == 1),
     "suffix": lambda v: v is None or v == "",
 }
@@ -121,7 +127,7 @@ def _check_unsupported(body: dict, kind: str) -> None:
         if key in neutral:
             if not neutral[key](value):
                 raise _invalid(f"{key}={json.dumps(value)[:80]} is not supported by this server (one choice per "
-                               f"request, no log probabilities, penalties, logit bias or tools); omit {key!r} or give its default",
+                               f"request, no penalties, logit bias or tools); omit {key!r} or give its default",
                                param=key, code="unsupported_parameter")
             continue
         hint = {"prompt": " (prompt belongs to /v1/completions)",
@@ -289,8 +295,11 @@ def parse_request(body: dict, kind: str, tf: "TriForce", defaults: ServerDefault
         if max_tokens is not None:
             raise _invalid("give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
         max_name, max_tokens = "max_completion_tokens", body["max_completion_tokens"]
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
-        raise _invalid(f"{max_name} must be an integer >= 1, got {json.dumps(max_tokens)[:40]}", param=max_name)
+    logprobs, echo = _logprobs_options(body, kind)
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < (0 if echo else 1)):
+        raise _invalid(f"{max_name} must be an integer >= {0 if echo else 1}"
+                       f"{'' if echo else ' (0 only with echo on /v1/completions)'}, got {json.dumps(max_tokens)[:40]}",
+                       param=max_name)
 
     # the prompt, tokenized
     cfg = tf.target.model.cfg
@@ -310,6 +319,7 @@ def parse_request(body: dict, kind: str, tf: "TriForce", defaults: ServerDefault
     else:
         prompt_param = "prompt"
         prompt = _completion_prompt(body.get("prompt"), cfg.vocab_size)
+        prompt_text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, str):
             ids = [int(t) for t in tf.tokenizer(prompt, add_special_tokens=True)["input_ids"]]
         else:
@@ -317,7 +327,7 @@ def parse_request(body: dict, kind: str, tf: "TriForce", defaults: ServerDefault
     if not ids:
         raise _invalid(f"{prompt_param} {'are' if prompt_param == 'messages' else 'is'} empty after tokenization",
                        param=prompt_param)
-    if len(ids) >= context:
+    if len(ids) >= context + (echo and max_tokens == 0):  # scoring a text (echo, max_tokens 0) needs no room
         raise _invalid(f"This model's maximum context length is {context} tokens; the {prompt_param} "
                        f"{'are' if prompt_param == 'messages' else 'is'} {len(ids)} tokens, which leaves no room to "
                        "generate", param=prompt_param, code="context_length_exceeded")
@@ -330,4 +340,35 @@ def parse_request(body: dict, kind: str, tf: "TriForce", defaults: ServerDefault
                        code="context_length_exceeded")
     return GenerationRequest(kind=kind, prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                              top_k=top_k, seed=seed, stop=stop, stream=stream, include_usage=include_usage,
-                             model=defaults.model_id)
+                             model=defaults.model_id, logprobs=logprobs, echo=echo,
+                             prompt_text=prompt_text if kind == "completion" else None)
+
+
+def _logprobs_options(body: dict, kind: str) -> tuple[int | None, bool]:
+    """``(alternatives per token or None, echo)`` from OpenAI's fields: chat ``logprobs`` (boolean) and
+    ``top_logprobs`` (0-20, needs ``logprobs`` true); completions ``logprobs`` (0-20) and ``echo`` (boolean).
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    from ..logprobs import MAX_TOP_LOGPROBS
+
+    v = body.get("logprobs")
+    if kind == "chat":
+        if v is not None and not isinstance(v, bool):
+            raise _invalid(f"logprobs must be a boolean, got {_type_name(v)}", param="logprobs")
+        top = body.get("top_logprobs")
+        if top is not None:
+            if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise _invalid(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got "
+                               f"{json.dumps(top)[:40]}", param="top_logprobs")
+            if not v:
+                raise _invalid("top_logprobs needs logprobs set to true", param="top_logprobs")
+        return ((top or 0) if v else None), False
+    if v is not None and (not _is_int(v) or not 0 <= v <= MAX_TOP_LOGPROBS):
+        raise _invalid(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token) or null, "
+                       f"got {json.dumps(v)[:40]}", param="logprobs")
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise _invalid(f"echo must be a boolean, got {_type_name(echo)}", param="echo")
+    return v, bool(echo)

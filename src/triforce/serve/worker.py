@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .logprob_fields import describe
 from .metrics import ServerMetrics
 from .schema import GenerationRequest
 from .settings import APIError, _invalid
@@ -289,12 +290,21 @@ class GenerationWorker:
                                        "the server's --request-timeout", type="server_error", code="timeout"))
             return
         try:
-            sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
-            self._check_fits(tf, req)  # free memory may have changed while the request waited
+            sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                      logprobs=req.logprobs)
+            if req.max_tokens:
+                self._check_fits(tf, req)  # free memory may have changed while the request waited
         except APIError as e:
             job.post("error", e)
             return
         job.post("started", started - job.received)
+        if req.echo and req.logprobs is not None:  # one pass of the target over the prompt (logprobs.py)
+            entries = tf.prompt_logprobs(req.prompt_ids, req.logprobs)
+            job.post("prompt_logprobs", [describe(tf.tokenizer, e, t) for e, t in zip(entries, req.prompt_ids)])
+        if not req.max_tokens:  # echo with max_tokens 0: the prompt scored, nothing generated
+            stats = _empty_stats(tf, req, spec, time.monotonic() - started).to_dict()
+            job.post("done", {"finish_reason": "length", "text": "", "completion_tokens": 0, "stats": stats})
+            return
 
         def check(_n: int = 0) -> None:
             if job.cancel.is_set():
@@ -319,7 +329,7 @@ class GenerationWorker:
                         self.metrics.tbt.observe(now - last)
                     last = now
                 texts.append(event.text)
-                job.post("token", event)
+                job.post("token", event, None if event.logprob is None else describe(tf.tokenizer, event.logprob))
                 try:
                     check()
                 except _Abort as a:
@@ -368,6 +378,8 @@ def check_with_engine(tf: "TriForce", req: GenerationRequest, spec: "Speculation
     """
     from ..memory import InsufficientMemoryError
 
+    if not req.max_tokens:  # echo with max_tokens 0: the prompt is scored, the engine generates nothing
+        return
     try:
         tf.engine.validate(req.prompt_ids, req.max_tokens, spec)
     except InsufficientMemoryError as e:

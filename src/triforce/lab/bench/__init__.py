@@ -38,7 +38,13 @@ How it measures (the definitions are also written into the JSON, field ``definit
   excluded. Our engine keeps the prompt's KV cache between requests (prefix reuse), so its repetitions after the
   first skip most of the prefill. ``hf-ar`` gets the same treatment: its worker computes the prompt's KV cache
   (all but the last token) once, passes it to ``generate`` as ``past_key_values`` and crops it back after each run
-  (``hf-assisted`` and ``hf-lookup`` produce other greedy tokens with a given cache, so they prefill every run). TTFT is reported separately for that reason and TBT never includes it.
+  (``hf-assisted`` and ``hf-lookup`` produce other greedy tokens with a given cache, so they prefill every run);
+  llama.cpp keeps its KV of the prompt from its previous run. TTFT is reported separately for that reason and TBT
+  never includes it.
+* ``--prompt-cache DIR``: our methods and llama.cpp load the prompt's KV from a file in DIR where one holds it and
+  write it after a run that prefilled it (ours: ``promptcache.py``'s safetensors files; llama.cpp: its own
+  ``llama_state_save_file``), so a long prompt is prefilled once per model across methods and runs; each run's
+  ``prompt_cache`` entry in the JSON says what it loaded and wrote.
 * End-of-sequence tokens are ignored by every method, so each generates exactly ``--new-tokens`` tokens.
 * Under greedy decoding (``--temperature 0``) every repetition of every method is compared token for token
   with the reference (``hf-ar``, else ``autoregressive``, else the first method that ran); a method that differs

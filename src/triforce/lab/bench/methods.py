@@ -44,8 +44,13 @@ DEFINITIONS = {
     "time_to_first_token_s": "from the call to the first token: prefill plus the first decode step; our engine "
                              "reuses the prompt's KV cache from its previous request (prefix reuse), and the "
                              "hf-ar worker computes the prompt's KV cache once and passes it to generate as "
-                             "past_key_values, so only their first timed run pays the prefill; hf-assisted and "
+                             "past_key_values, and llama.cpp keeps its KV from the previous run (all but the last "
+                             "prompt token), so only their first timed run pays the prefill; hf-assisted and "
                              "hf-lookup prefill on every run",
+    "prompt_cache": "with --prompt-cache, per timed run of our methods and llama.cpp: prompt tokens whose KV was "
+                    "loaded from a file (loaded_tokens, loaded_from; the load counts in time_to_first_token_s) and "
+                    "the file written after the run (stored); ours as generate's --prompt-cache (safetensors), "
+                    "llama.cpp's with its own llama_state_save_file / llama_state_load_file",
     "median/min/max": "over the timed repetitions, which ran round-robin over the methods (interleaved)",
     "speedup_vs_hf_ar": "median TBT of hf-ar / median TBT of the method",
     "speedup_vs_autoregressive": "median TBT of our autoregressive / median TBT of the method",
@@ -113,6 +118,15 @@ def validate_args(args: argparse.Namespace) -> None:
         if importlib.util.find_spec("matplotlib") is None:
             raise BenchError("--png needs matplotlib, which is not installed: pip install 'triforce[bench]' "
                              "(or leave out --png)")
+    if getattr(args, "prompt_cache", None) is not None:
+        from ...promptcache import check_options
+
+        if args.synthetic:
+            raise BenchError("--prompt-cache keeps a real prompt's KV: leave it out with --synthetic (its KV is random)")
+        try:
+            check_options(args.prompt_cache)
+        except ValueError as e:
+            raise BenchError(f"--prompt-cache: {e}") from e
     if not 0 <= args.seed < 2**62:
         raise BenchError(f"--seed must be an integer in [0, 2**62), got {args.seed}")
     try:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ...defaults import DEFAULTS
 from .methods import PREDICT_TEXT_TOKENS, SYNTHETIC_DRAFT, _costmodel_module, _gguf_for, _synthetic_module
 from .stats import acceptance_inputs
 
@@ -101,6 +102,13 @@ class _OursRunner:
                     model.pack_weights()
         self.target, self.draft = target, draft
         self.engine = Engine(target, draft, eos_ids=())
+        self.prompt_cache = None
+        if cfg.get("prompt_cache") and not self.synthetic:
+            from ...promptcache import PromptCache, model_key
+
+            key = model_key(lm.source, target.cfg, target.dtype, self.engine.kv_dtype)
+            self.prompt_cache = PromptCache(cfg["prompt_cache"], key,
+                                            min_new_tokens=DEFAULTS["prompt_cache_min_tokens"])
         self.sampling = SamplingParams(temperature=cfg["temperature"], top_p=cfg["top_p"], top_k=cfg["top_k"])
         mode = method.removesuffix("-int8").removesuffix("-codes")
         lower = (dict(lower_weights="int8", lower_kv_dtype="bfloat16") if method.endswith("-int8")
@@ -143,13 +151,19 @@ class _OursRunner:
             self._fill_prefix(ids, new_tokens)
         self._prompt_tail = list(ids[-PREDICT_TEXT_TOKENS:])
         t0 = time.perf_counter()
+        if self.prompt_cache is not None:  # the file's load counts in the time to first token, as a prefill would
+            cached, hit = self.prompt_cache.before_request(self.engine, ids)
         gen = self.engine.stream(ids, max_new_tokens=new_tokens, sampling=self.sampling, spec=self.spec, seed=seed)
         tokens, times = [], []
         for tok in gen:
             times.append(time.perf_counter() - t0)
             tokens.append(int(tok))
         stats = self.engine.last_stats
-        return {"tokens": tokens, "times": times, "stats": stats.to_dict() if stats else None}
+        out = {"tokens": tokens, "times": times, "stats": stats.to_dict() if stats else None}
+        if self.prompt_cache is not None:
+            # written where this run prefilled enough of the prompt, not again for each repetition's new tokens
+            out["prompt_cache"] = self.prompt_cache.after_request(self.engine, cached + len(tokens), hit)
+        return out
 
     def predict(self, context: int, acceptance: dict, reps: int) -> dict:
         """The cost model's prediction for this method at ``context`` tokens (issue 4, item 2)."""
@@ -314,11 +328,49 @@ class _LlamaRunner:
         self.llm = Llama(model_path=self.path, n_ctx=self.n_ctx, n_threads=threads, n_threads_batch=threads,
                          n_batch=512, seed=self.cfg["seed"], verbose=False)
 
+    def _state_file(self, ids: list[int]) -> Path:
+        """Where ``--prompt-cache`` keeps llama.cpp's state (its KV cache) after ``ids``: keyed by the GGUF file
+        (path, size, modification time), the context size and the tokens."""
+        import hashlib
+
+        st = os.stat(self.path)
+        key = f"{os.path.realpath(self.path)}:{st.st_size}:{st.st_mtime_ns}:{self.n_ctx}:{ids}"
+        return Path(self.cfg["prompt_cache"]) / f"llamacpp-{hashlib.sha256(key.encode()).hexdigest()[:24]}.state"
+
+    def _resume(self, ids: list[int]) -> dict | None:
+        """Keep the prompt's KV where llama.cpp still holds it (the previous run), else load it from
+        ``--prompt-cache`` (``llama_state_load_file``); ``llama.eval`` then drops every position past ``n_tokens``.
+        Returns the run's ``prompt_cache`` entry, or None without ``--prompt-cache``."""
+        import ctypes
+
+        import llama_cpp
+
+        llm, n = self.llm, len(ids) - 1
+        if llm.n_tokens >= n and list(llm.input_ids[:n]) == ids[:n]:
+            llm.n_tokens = n
+            return None if not self.cfg.get("prompt_cache") else {"loaded_tokens": 0, "loaded_from": None,
+                                                                    "stored": None}
+        llm.reset()
+        if not self.cfg.get("prompt_cache") or n < 1:
+            return None
+        path = self._state_file(ids[:n])
+        if path.is_file():
+            out = (llama_cpp.llama_token * n)()
+            count = ctypes.c_size_t(0)
+            if (llama_cpp.llama_state_load_file(llm._ctx.ctx, str(path).encode(), out, n, ctypes.byref(count))
+                    and count.value == n and list(out) == ids[:n]):
+                llm.input_ids[:n] = ids[:n]
+                llm.n_tokens = n
+                return {"loaded_tokens": n, "loaded_from": str(path), "stored": None}
+            llm.reset()
+        return {"loaded_tokens": 0, "loaded_from": None, "stored": None, "_store": str(path)}
+
     def run(self, ids: list[int], new_tokens: int, seed: int) -> dict:
         cfg = self.cfg
         self._ensure(len(ids) + new_tokens + 8)
         llm = self.llm
-        llm.reset()
+        t0 = time.perf_counter()  # a state file's load counts in the time to first token, as our methods' does
+        cache = self._resume(ids)
         llm.set_seed(seed)
         greedy = cfg["temperature"] == 0
         tokens, times = [], []
@@ -329,8 +381,7 @@ class _LlamaRunner:
                                          top_p=cfg["top_p"], min_p=0.0, typical_p=1.0, repeat_penalty=1.0,
                                          frequency_penalty=0.0, presence_penalty=0.0)
         try:
-            t0 = time.perf_counter()
-            llm.eval(ids)
+            llm.eval(ids[llm.n_tokens:])
             for i in range(new_tokens):
                 tok = llm.sample()
                 times.append(time.perf_counter() - t0)
@@ -339,4 +390,18 @@ class _LlamaRunner:
                     llm.eval([tok])
         finally:
             llm._sampler = None
-        return {"tokens": tokens, "times": times, "stats": None}
+        out = {"tokens": tokens, "times": times, "stats": None}
+        if cache is not None:
+            path = cache.pop("_store", None)
+            if path is not None and len(ids) - 1 >= DEFAULTS["prompt_cache_min_tokens"]:  # the prompt's KV (and
+                # the generated tokens', dropped on load)
+                import llama_cpp
+
+                n = len(ids) - 1
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                tmp = path + ".tmp"
+                if llama_cpp.llama_state_save_file(llm._ctx.ctx, tmp.encode(), (llama_cpp.llama_token * n)(*ids[:n]), n):
+                    os.replace(tmp, path)
+                    cache["stored"] = path
+            out["prompt_cache"] = cache
+        return out

@@ -173,6 +173,8 @@ def _summarize(res: dict, runs: list[dict]) -> None:
         res[key] = spread([p[key] for p in per])
     res["generated_tokens"] = [len(r["tokens"]) for r in runs]
     res["token_ids"] = [r["tokens"] for r in runs]
+    if any("prompt_cache" in r for r in runs):  # --prompt-cache: tokens loaded from a file, file written, per run
+        res["prompt_cache"] = [r.get("prompt_cache") for r in runs]
     stats = [r["stats"] for r in runs if r.get("stats")]
     if stats:
         res["acceptance"] = aggregate_tiers([s["tiers"] for s in stats]) or None

@@ -10,7 +10,6 @@ import resource
 import subprocess
 import sys
 import time
-from typing import Any
 
 from .methods import METHODS
 
