@@ -36,11 +36,13 @@ def add_run_options(p: argparse.ArgumentParser, out: str | None, reps: int = 1, 
 
 
 def machine() -> dict:
-    """The CPU a result was measured on: ``triforce.kernels.cpu()``, ``{"cpu", "cores", "isa"}`` (the kernels' builds
-    differ by ISA, and figures differ between this project's machines)."""
+    """The CPU a result was measured on and the code that measured it: ``triforce.kernels.cpu()``, ``{"cpu", "cores",
+    "isa"}`` (the kernels' builds differ by ISA, and figures differ between this project's machines), and
+    ``git_commit`` / ``git_dirty`` (``triforce.lab.provenance``)."""
     from triforce.kernels import cpu
+    from triforce.lab.provenance import git_commit
 
-    return cpu()
+    return {**cpu(), **git_commit()}
 
 
 def emit_json(obj, path: str | None) -> str:

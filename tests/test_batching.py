@@ -102,6 +102,36 @@ def test_prefill_chunks_share_forwards_first_come_first_served(engine, monkeypat
     assert any(len(call) > 1 and any(t > 8 for t in call) for call in calls)  # prefills did share forwards
 
 
+def test_prefill_beside_a_running_stream_comes_in_chunks_sized_by_time(engine, monkeypatch):
+    """While another generation runs, a long prompt is prefilled in chunks sized from the last prefill forward's
+    seconds per token (scheduling.prefill_chunk): with a target of 0 s, the smallest chunk; alone, or before any
+    prefill forward was timed, the tier's own chunk. Both generations still give their tokens alone."""
+    import triforce.scheduling as scheduling
+    from triforce.scheduling import prefill_chunk
+
+    assert prefill_chunk(512) == 512  # outside a scheduler
+    monkeypatch.setattr(scheduling, "PREFILL_CHUNK_SECONDS", 0.0)
+    short, long = (_prompt(5, 1), 40, _spec("autoregressive")), (_prompt(200, 2), 5, _spec("autoregressive"))
+    reference = [_alone(engine, p, n, s) for p, n, s in (short, long)]
+    calls, target = [], engine.target
+    original = type(target).forward_ragged
+
+    def recording(model, blocks):
+        if model is target:
+            calls.append([ids.shape[-1] for ids, *_ in blocks])
+        return original(model, blocks)
+
+    monkeypatch.setattr(type(target), "forward_ragged", recording)
+    scheduler = BatchScheduler(2)
+    scheduler.prefill_token_seconds = 1e-3  # as if a prefill forward had been timed
+    seqs = scheduler.run([lambda r=r: _alone(engine, *r) for r in (short, long)])
+    assert [s.result for s in seqs] == reference
+    chunks = [t for call in calls for t in call if t > 5]
+    m = scheduling.MIN_PREFILL_CHUNK
+    assert chunks == [m] * (200 // m) + [200 % m], chunks  # the long prompt, beside the short one's decode steps
+    assert all(len(call) == 2 for call in calls[1:len(chunks)])  # each chunk shared a forward with a decode step
+
+
 def test_sequence_submitted_mid_run_and_eos_in_one_sequence():
     """A sequence that joins after others have decoded for a while, and an EOS (the 6th token of one sequence)
     that ends that sequence while the others continue: all equal their outputs alone."""

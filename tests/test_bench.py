@@ -82,6 +82,11 @@ def test_json_records_the_cpu_and_the_kernels_that_ran(bench_result):
     assert machine["linear_kernels"] == kernels.linear_status()
     assert machine["block_code_kernel"] == blockcodes_status()
     assert machine["sampling_kernel"] == sampling_status()
+    # the code behind the figures: this checkout's commit (tests run from a git checkout, CI's clean clone included)
+    import subprocess
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert machine["git_commit"] == head and isinstance(machine["git_dirty"], bool)
 
 
 def test_cost_model_prediction_is_reported(bench_result):

@@ -285,7 +285,7 @@ class TriForce:
                 out.append(tok)
                 lp = None
                 if log is not None:  # the verifier logged one entry per token it emitted (logprobs.py)
-                    lp = self.engine.hierarchy.logprob_log[len(out) - 1]
+                    lp = self.engine.logprob_log[len(out) - 1]
                     log.append(lp)
                 delta = detok.add(tok)
                 start = max(0, len(pending) - hold)  # a new stop string ends in delta
@@ -326,19 +326,43 @@ class TriForce:
         text = "".join(pieces)
         return GenerationResult(text, out, finish, stats, log)
 
-    def prompt_logprobs(self, prompt: str | Sequence[int], top_logprobs: int = 0) -> list[TokenLogprob | None]:
+    def prompt_logprobs(self, prompt: str | Sequence[int], top_logprobs: int = 0,
+                        progress: Callable[[int], None] | None = None) -> list[TokenLogprob | None]:
         """Log-probability of each prompt token given those before it under the target model (the first token has
         none: None), with ``top_logprobs`` alternatives each: one pass of the target over the prompt
-        (:func:`~triforce.logprobs.prompt_logprobs`; what ``echo`` reports on ``/v1/completions``).
+        (:func:`~triforce.logprobs.prompt_logprobs`; what ``echo`` reports on ``/v1/completions``); ``progress``:
+        called with each chunk's tokens (it may raise to stop).
 
         Raises:
-            ValueError: an empty prompt, or ``top_logprobs`` outside [0, 20], before any model work.
+            ValueError, InsufficientMemoryError: before any model work (:meth:`check_prompt_logprobs`).
+        """
+        ids = self.check_prompt_logprobs(prompt, top_logprobs)
+        return prompt_logprobs(self.target.model, ids, top_logprobs, progress=progress)
+
+    def check_prompt_logprobs(self, prompt: str | Sequence[int], top_logprobs: int = 0) -> list[int]:
+        """The prompt's token ids after :meth:`prompt_logprobs`' checks: ``top_logprobs`` in [0, 20], token ids
+        (integers in the vocabulary), at least one, and what a plain decoding of the prompt's positions would need
+        (the model's context or sliding window, free memory for its KV cache: :meth:`Engine.validate`).
+
+        Raises:
+            ValueError: naming ``prompt`` or ``top_logprobs``; a model with dynamic NTK RoPE.
+            InsufficientMemoryError: the prompt's KV cache does not fit.
         """
         check_top_logprobs(top_logprobs, "top_logprobs")
-        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not isinstance(prompt, str) and any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+            raise ValueError("prompt must be a string or a list of integer token ids")
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt must hold at least one token")
-        return prompt_logprobs(self.target.model, ids, top_logprobs)
+        if self.target.model.cfg.rope_type == "dynamic":
+            raise ValueError("prompt log-probabilities are not available for a model with dynamic NTK RoPE scaling")
+        vocab = self.target.model.cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        if len(ids) > 1:  # the prompt's positions: its first n - 1 tokens and one more, as a request would take
+            self.engine.validate(ids[:-1], 1, SpeculationConfig(mode="autoregressive"))
+        return ids
 
     def generate(self, prompt: str | Sequence[int] | None = None, *, prompts: Sequence[str | Sequence[int]] | None = None,
                  max_batch: int = DEFAULTS["max_batch"], **kwargs) -> GenerationResult | list[GenerationResult]:

@@ -139,9 +139,8 @@ class Engine:
             raise ValueError(f"on_chip_layers must be an integer in [0, {L}] and needs offload_kv, got {on_chip_layers!r}")
         self.offload_kv, self.on_chip_layers = offload_kv, on_chip_layers
         self.placement: KVPlacement | None = None  # the offloading plan of the request running (or the last one)
-        self.eos_ids = tuple(eos_ids)
-        self.last_stats: GenerationStats | None = None
-        self.hierarchy: ModelTier | None = None  # the running (or last) request's verifier: its logprob_log
+        self.eos_ids, self.last_stats = tuple(eos_ids), None  # last_stats: the last request's GenerationStats
+        self.logprob_log: list = []  # the running (or last) request's log-probabilities, one per token (logprobs.py)
         # prefix reuse: the verifier's full cache and the tokens it holds, kept from the previous request
         self._full: FullKVCache | None = None
         self._full_tokens: list[int] = []
@@ -433,7 +432,8 @@ class Engine:
                 seed = self.target.tp.broadcast_int(seed)
         generator = torch.Generator(device=self.target.device).manual_seed(seed)
         self.placement = plan.placement  # this request's placement, reported in its stats
-        self.hierarchy = top = self.build_hierarchy(len(prompt_ids), max_new_tokens, sampling, spec, generator, plan=plan)
+        top = self.build_hierarchy(len(prompt_ids), max_new_tokens, sampling, spec, generator, plan=plan)
+        self.logprob_log = top.logprob_log  # the verifier's (only with sampling.logprobs); the tiers are not kept
         governor = self.governor_factory(top) if auto is not None else None
         eos = frozenset(self.eos_ids)
         t_start = t_prefill = time.perf_counter()

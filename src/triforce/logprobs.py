@@ -16,6 +16,7 @@ last row of logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -75,39 +76,51 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
     alts: list[tuple] = [()] * n
     if top:
-        # a stable sort keeps ties in id order, so equal values are listed the same way on every path
-        vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)
-        vals, ids = vals[:, :top].tolist(), ids[:, :top].tolist()
-        alts = [tuple(zip(i, v)) for i, v in zip(ids, vals)]
+        vals, ids = torch.topk(lp, top, dim=-1)  # (n, top), most likely first
+        alts = [tuple(sorted(zip(i, v), key=lambda a: (-a[1], a[0])))  # ties: the lower id first
+                for i, v in zip(ids.tolist(), vals.tolist())]
     return [TokenLogprob(t, c, a) for t, c, a in zip(tokens, chosen, alts)]
 
 
 @torch.inference_mode()
-def prompt_logprobs(model, prompt_ids: list[int], top: int, chunk: int = 512) -> list[TokenLogprob | None]:
+def prompt_logprobs(model, prompt_ids: list[int], top: int, chunk: int = 512,
+                    progress: Callable[[int], None] | None = None) -> list[TokenLogprob | None]:
     """Log-probabilities of every prompt token given the ones before it (the first has none), from a pass of
-    ``model`` over the prompt into a KV cache of its own (the model's weights, fp32 logits).
+    ``model`` over the prompt into a KV cache of its own (the model's weights, fp32 logits). The caller checks the
+    prompt first (vocabulary, context, memory: :meth:`~triforce.api.TriForce.prompt_logprobs`).
 
     Args:
-        model: a :class:`~triforce.model.Transformer` (the target).
+        model: a :class:`~triforce.model.Transformer` (the target), not with dynamic NTK RoPE (its frequencies
+            depend on a request's length, and the model's are the running request's).
         prompt_ids: the prompt, >= 1 token.
         top: alternatives per token, >= 0.
-        chunk: tokens per forward; only the logits of one chunk are held at a time ((chunk, V) fp32).
+        chunk: tokens per forward (fewer beside running generations, ``scheduling.prefill_chunk``); only one
+            chunk's logits are held at a time ((chunk, V) fp32).
+        progress: called with the tokens of each chunk once it is done (it may raise to stop the pass).
 
     Returns:
         ``[None, TokenLogprob(prompt_ids[1]), ...]``, one entry per prompt token.
+
+    Raises:
+        ValueError: a model with dynamic NTK RoPE.
     """
     from .caches import FullKVCache
-    from .scheduling import run_forward
+    from .scheduling import prefill_chunk, run_forward
 
+    if model.cfg.rope_type == "dynamic":
+        raise ValueError("prompt log-probabilities are not available for a model with dynamic NTK RoPE scaling (its "
+                         "keys depend on the request's length)")
     n = len(prompt_ids)
-    if model.cfg.rope_type == "dynamic":  # dynamic NTK scales with the request's length: the prompt's here
-        model.set_request_length(n)
     cache = FullKVCache(model.cfg, n, model.dtype, model.device)
     out: list[TokenLogprob | None] = [None]
-    for start in range(0, n - 1, chunk):  # the last token predicts nothing in the prompt
-        ids = prompt_ids[start:min(n - 1, start + chunk)]
+    start = 0
+    while start < n - 1:  # the last token predicts nothing in the prompt
+        ids = prompt_ids[start:min(n - 1, start + prefill_chunk(chunk))]  # smaller beside running generations
         x = torch.tensor([ids], dtype=torch.long, device=model.device)
         pos = torch.arange(start, start + len(ids), device=model.device)
         logits = run_forward(model, x, pos, cache)[0][0]  # (len(ids), V); batched under the server's scheduler
         out += token_logprobs(logits, prompt_ids[start + 1:start + 1 + len(ids)], top)
+        start += len(ids)
+        if progress is not None:
+            progress(len(ids))
     return out

@@ -21,6 +21,12 @@ rounds, whose model then runs (no sequence starves behind a busier model). Which
 (prefill chunks) the earliest admitted, in order, up to :data:`PREFILL_ROWS_PER_FORWARD` rows (at least one), as
 Sarathi's token budget: prompts are prefilled first come, first served, so the first to arrive starts streaming
 while later prompts are still prefilled, instead of every prompt's first token waiting for all of them.
+
+How long a prefill chunk is (:func:`prefill_chunk`): while other generations run, the chunk that shares their
+forward is sized so that the forward takes about :data:`PREFILL_CHUNK_SECONDS`, from the seconds per prompt token of
+the last forward that held a prefill chunk (the cost per token grows with the context the chunk attends to, and the
+next chunk follows it), so the running streams' time between tokens stays bounded (Sarathi's stall-free batching);
+alone, a generation prefills in its tier's chunks (512 tokens).
 """
 
 from __future__ import annotations
@@ -42,6 +48,11 @@ SHORT_FORWARD_ROWS = 64
 #: rows of longer forwards (prefill chunks) one batched forward takes, earliest admitted first (one at least):
 #: one prefill chunk of the target (``ModelTier``'s ``prefill_chunk``, 512)
 PREFILL_ROWS_PER_FORWARD = 512
+#: while other generations run, a prefill chunk's forward should take about this long (a running stream's gap between
+#: tokens is about one such forward: issue 49's target is under 0.5 s)
+PREFILL_CHUNK_SECONDS = 0.25
+#: ... but a chunk holds at least this many tokens
+MIN_PREFILL_CHUNK = 32
 
 
 @dataclass
@@ -86,7 +97,28 @@ def run_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, cache: 
 
 
 class _SequenceGreenlet(greenlet.greenlet):
-    """A greenlet that runs one generation (marks the forwards :func:`run_forward` should batch)."""
+    """A greenlet that runs one generation (marks the forwards :func:`run_forward` should batch); ``scheduler``: the
+    :class:`BatchScheduler` running it."""
+
+    scheduler: "BatchScheduler"
+
+
+def prefill_chunk(default: int) -> int:
+    """Prompt tokens the calling generation's next prefill forward should hold (module docstring).
+
+    Args:
+        default: the tier's chunk (``ModelTier.prefill_chunk``), what a generation running alone uses.
+
+    Returns:
+        ``default`` outside a :class:`BatchScheduler`, with no other generation running, or before the scheduler
+        timed any prefill forward; else the tokens that take :data:`PREFILL_CHUNK_SECONDS` at the last timed prefill
+        forward's seconds per token, between :data:`MIN_PREFILL_CHUNK` and ``default``.
+    """
+    current = greenlet.getcurrent()
+    rate = current.scheduler.prefill_token_seconds if isinstance(current, _SequenceGreenlet) else None
+    if rate is None or current.scheduler.running <= 1:
+        return default
+    return max(MIN_PREFILL_CHUNK, min(default, int(PREFILL_CHUNK_SECONDS / max(rate, 1e-9))))
 
 
 class Cancelled(Exception):
@@ -140,6 +172,7 @@ class BatchScheduler:
         self._running: list[BatchedSequence] = []
         self.forwards = 0  # batched forwards run
         self.sequence_forwards = 0  # sequences' forwards they held (sequence_forwards / forwards = mean batch)
+        self.prefill_token_seconds: float | None = None  # the last forward with a prefill chunk: seconds / its tokens
 
     # ---------------------------------------------------------------- queue
     def submit(self, fn: Callable[[], Any]) -> BatchedSequence:
@@ -197,6 +230,7 @@ class BatchScheduler:
                 seq.error, seq.done = Cancelled("cancelled before it started"), True
                 continue
             seq._glet = _SequenceGreenlet(seq.fn)  # parent: the greenlet calling step()
+            seq._glet.scheduler = self
             self._running.append(seq)
             self._resume(seq)
 
@@ -227,6 +261,9 @@ class BatchScheduler:
         except Exception:  # noqa: BLE001 - find whose forward fails: each runs alone, its error goes to it
             outputs = None
         seconds = time.perf_counter() - t0  # run_forward's second value: the batched forward's own time
+        long_rows = sum(r.input_ids.shape[-1] for r in requests if r.input_ids.shape[-1] > SHORT_FORWARD_ROWS)
+        if long_rows and outputs is not None:  # the next chunk's size follows (prefill_chunk)
+            self.prefill_token_seconds = seconds / long_rows
         self.forwards += 1
         self.sequence_forwards += len(group)
         for i, (seq, req) in enumerate(zip(group, requests)):

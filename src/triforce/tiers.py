@@ -43,7 +43,7 @@ from .streaming import StreamingCache
 from .retrieval import RetrievalCache
 from .model import Transformer
 from .sampling import SamplingParams, logits_to_probs
-from .scheduling import run_forward
+from .scheduling import prefill_chunk, run_forward
 from .speculative import rejection_sample
 from .tierstats import TierStats
 
@@ -149,8 +149,10 @@ class ModelTier:
     def _prefill_tokens(self, tokens: list[int], progress: Callable[[int], None] | None) -> torch.Tensor | None:
         logits = None
         t0, p0 = self.stats.forward_seconds, self.stats.forward_passes
-        for i in range(0, len(tokens), self.prefill_chunk):
-            chunk = tokens[i:i + self.prefill_chunk]
+        i = 0
+        while i < len(tokens):  # beside running generations, chunks sized to keep their streams going
+            chunk = tokens[i:i + prefill_chunk(self.prefill_chunk)]
+            i += len(chunk)
             logits = self._forward(chunk, 1)
             if progress is not None:
                 progress(len(chunk))

@@ -168,9 +168,8 @@ static void add_bias(float* y, const float* b, int n) {
 #define Q8_ACTIVATIONS 256
 
 /* y = x W^T for M rows: bits 0 the int8 kernel (w: (out, in) int8, s: per-channel scales), else csrc/blockcodes.c's
- * bits (w: codes or 2-byte weights, s: the blocks' scales, mn: their minima, or NULL), 4 or 8 plus Q8_ACTIVATIONS its
- * integer dot
- * products (qwork: their buffer, 32-byte aligned) */
+ * bits (w: codes or 2-byte weights, s: the blocks' scales, mn: their minima, or NULL), plus Q8_ACTIVATIONS its
+ * integer dot products (4- or 8-bit codes, fp16 or fp32 scales; qwork: their buffer, 32-byte aligned) */
 static int project(void* const* fns, int bits, const void* w, const void* s, const void* mn, const float* x,
                    float* y, int M, int in, int out, int nthreads, void* qwork) {
     if (bits == 0) return ((int8_linear_fn)fns[0])(x, (const int8_t*)w, (const float*)s, y, M, in, out, nthreads);
@@ -185,7 +184,7 @@ static int project(void* const* fns, int bits, const void* w, const void* s, con
  * attention over bf16 keys and values}. x: (T, d) the
  * hidden states of a block of T tokens (1 <= T <= MAX_T: a decode step, or a verification block over the full cache),
  * updated in place. norm_w: 2 per layer (input, post-attention). q, scale, mins, bits, bias: 4 per layer (qkv, o,
- * gate_up, down): with bits 0, (out, in) int8, (out,) fp32, unused; with bits 4 or 8 (plus Q8_ACTIVATIONS: the
+ * gate_up, down): with bits 0, (out, in) int8, (out,) fp32, unused; with block-code bits (plus Q8_ACTIVATIONS: the
  * integer dot products), the block codes, scales and minima (or NULL) of csrc/blockcodes.c's layout; bias (out,) fp32 or NULL. k_cache, v_cache: (L, 1, nkv, capacity, hs) contiguous,
  * fp32, or bf16 with kv_bf16 (a lower tier's cache: keys and values rounded to nearest even as torch does, and a
  * block attends to its own keys and values as rounded too, as to every other row of its cache), layer_stride =

@@ -10,5 +10,6 @@ Nothing in the library imports this package; the command line imports it lazily 
 ``batchcost``   the batched roofline model (MagicDec): the speedup of speculation at batch > 1
 ``synthetic``   random-weight models of the paper's shapes, random KV (timing only)
 ``books``       the books folder, a book by name, its first N tokens
+``provenance``  the git commit of the code behind a result (every result JSON names it)
 ==============  ===============================================================================================
 """

@@ -186,7 +186,8 @@ class _Server:
         from fastapi.responses import JSONResponse, Response
 
         first_token = True
-        entries: list[dict] = []  # log-probabilities: the echoed prompt's, then the completion's
+        entries: list[tuple[dict, str]] = []  # (entry, text piece) of the completion's tokens
+        prompt_entries: list[tuple[dict, str]] = []  # ... and of the echoed prompt's
         while True:
             ev = await self.next_event(job, request)
             if ev is None:
@@ -198,7 +199,7 @@ class _Server:
                 if ev[2] is not None:
                     entries.append(ev[2])
             elif ev[0] == "prompt_logprobs":
-                entries[:0] = ev[1]
+                prompt_entries = ev[1]
             elif ev[0] == "error":
                 raise ev[1]
             elif ev[0] == "done":
@@ -214,8 +215,9 @@ class _Server:
             obj = "chat.completion"
         else:
             echoed = self.echo_text(req)
-            if req.logprobs is not None:
-                logprobs = completion_logprobs(entries)[0]
+            if req.logprobs is not None:  # the completion's offsets start after the echoed prompt
+                prompt, _ = completion_logprobs(prompt_entries, 0)
+                logprobs = {k: v + completion_logprobs(entries, len(echoed))[0][k] for k, v in prompt.items()}
             choice = {"index": 0, "text": echoed + info["text"], "logprobs": logprobs,
                       "finish_reason": info["finish_reason"]}
             obj = "text_completion"
@@ -230,12 +232,12 @@ class _Server:
         extra = {"usage": None} if req.include_usage else {}
 
         offset = 0  # completions: characters of text sent so far (text_offset)
-        pending: list[dict] = []  # log-probabilities of tokens whose text has not been sent yet
+        pending: list[tuple[dict, str]] = []  # (entry, text piece) of tokens not sent yet
 
         def chunk(delta: str | None, finish: str | None = None, role: bool = False) -> dict:
             nonlocal offset, pending
             lp = None
-            if req.logprobs is not None and not role:
+            if pending:  # OpenAI's null where a chunk carries no token's log-probability
                 if chat:
                     lp = chat_logprobs(pending)
                 else:
@@ -271,6 +273,7 @@ class _Server:
                 elif ev[0] == "prompt_logprobs":  # echo: the prompt and its tokens' log-probabilities first
                     pending = ev[1]
                     yield _sse(chunk(echoed))
+                    offset = len(echoed)  # the completion's text follows the prompt as sent
                 elif ev[0] == "error":
                     yield _sse(ev[1].body())
                     yield b"data: [DONE]\n\n"

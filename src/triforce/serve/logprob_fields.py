@@ -8,24 +8,49 @@ Two formats (OpenAI API reference, and what llama-server and vLLM return):
   null], "top_logprobs": [{token: logprob} or null], "text_offset": [int]}``; with ``echo`` the prompt's tokens come
   first, the very first with null (nothing predicts it).
 
-A token's string is the tokenizer's decoding of that token alone; ``bytes`` are its UTF-8 bytes (a token holding
-part of a character decodes to U+FFFD, as with llama-server's and vLLM's token strings).
+A token's string is the tokenizer's decoding of that token alone (a token holding part of a UTF-8 character decodes
+to U+FFFD, as llama-server's and vLLM's token strings do); ``bytes`` are the token's own bytes where the tokenizer
+says them (byte-level BPE: GPT-2's byte-to-character table, as Llama 3, Qwen2 and SmolLM2 use; SentencePiece's
+``<0xNN>`` byte tokens), else the string's UTF-8 bytes. ``text_offset`` counts characters of the returned text
+before each token: from the text each token added to the output (the completion's pieces as streamed; the prompt's
+from decoding it incrementally), so a token that completes no character yet adds none.
 """
 
 from __future__ import annotations
 
+import re
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..logprobs import TokenLogprob
 
 
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer, token_id: int) -> list[int]:
+    """The bytes of one token (module docstring)."""
+    piece = tokenizer.convert_ids_to_tokens(int(token_id))
+    if isinstance(piece, str):
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        table = _byte_decoder()
+        if type(decoder).__name__ == "ByteLevel" and all(c in table for c in piece):
+            return [table[c] for c in piece]
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            return [int(piece[3:5], 16)]
+    return list(tokenizer.decode([token_id]).encode("utf-8"))
+
+
 def describe(tokenizer, entry: "TokenLogprob | None", token_id: int | None = None) -> dict:
     """One token's entry in the chat format (``{"token", "logprob", "bytes", "top_logprobs"}``); ``entry`` None
     (the prompt's first token, ``token_id``): its string with logprob None."""
     def one(tid: int, logprob: float | None) -> dict:
-        text = tokenizer.decode([tid])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": tokenizer.decode([tid]), "logprob": logprob, "bytes": token_bytes(tokenizer, tid)}
 
     if entry is None:
         return dict(one(token_id, None), top_logprobs=[])
@@ -34,19 +59,20 @@ def describe(tokenizer, entry: "TokenLogprob | None", token_id: int | None = Non
     return d
 
 
-def chat_logprobs(entries: list[dict]) -> dict:
-    """``{"content": entries}`` (entries from :func:`describe`)."""
-    return {"content": list(entries)}
+def chat_logprobs(entries: list[tuple[dict, str]]) -> dict:
+    """``{"content": [entry, ...]}`` of ``(entry, piece)`` pairs (:func:`completion_logprobs`)."""
+    return {"content": [e for e, _ in entries]}
 
 
-def completion_logprobs(entries: list[dict], offset: int = 0) -> tuple[dict, int]:
-    """The completions format of ``entries`` (:func:`describe`'s), its text offsets starting at ``offset``
-    characters; returns ``(logprobs object, offset after the last token)``."""
+def completion_logprobs(entries: list[tuple[dict, str]], offset: int = 0) -> tuple[dict, int]:
+    """The completions format of ``entries``: ``(entry, piece)`` pairs, :func:`describe`'s entry and the text the
+    token added to the returned text; offsets start at ``offset`` characters. Returns ``(logprobs object, offset
+    after the last token)``."""
     tokens, values, tops, offsets = [], [], [], []
-    for e in entries:
+    for e, piece in entries:
         offsets.append(offset)
         tokens.append(e["token"])
         values.append(e["logprob"])  # None for the prompt's first token: nothing predicts it
         tops.append(None if e["logprob"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]})
-        offset += len(e["token"])
+        offset += len(piece)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset

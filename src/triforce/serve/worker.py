@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..detok import IncrementalDetokenizer
 from .logprob_fields import describe
 from .metrics import ServerMetrics
 from .schema import GenerationRequest
@@ -292,25 +293,36 @@ class GenerationWorker:
         try:
             sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                       logprobs=req.logprobs)
-            if req.max_tokens:
-                self._check_fits(tf, req)  # free memory may have changed while the request waited
+            self._check_fits(tf, req)  # free memory may have changed while the request waited
         except APIError as e:
             job.post("error", e)
             return
         job.post("started", started - job.received)
-        if req.echo and req.logprobs is not None:  # one pass of the target over the prompt (logprobs.py)
-            entries = tf.prompt_logprobs(req.prompt_ids, req.logprobs)
-            job.post("prompt_logprobs", [describe(tf.tokenizer, e, t) for e, t in zip(entries, req.prompt_ids)])
-        if not req.max_tokens:  # echo with max_tokens 0: the prompt scored, nothing generated
-            stats = _empty_stats(tf, req, spec, time.monotonic() - started).to_dict()
-            job.post("done", {"finish_reason": "length", "text": "", "completion_tokens": 0, "stats": stats})
-            return
 
         def check(_n: int = 0) -> None:
             if job.cancel.is_set():
                 raise _Abort("disconnect")
             if time.monotonic() > job.deadline:
                 raise _Abort("timeout")
+
+        if req.echo and req.logprobs is not None:  # one pass of the target over the prompt (logprobs.py)
+            try:
+                entries = tf.prompt_logprobs(req.prompt_ids, req.logprobs, progress=check)
+            except _Abort as a:
+                self.metrics.ended_early.labels(a.reason).inc()
+                if a.reason == "timeout":
+                    job.post("error", APIError(504, "the request's --request-timeout passed while its prompt was "
+                                               "scored (echo)", type="server_error", code="timeout"))
+                return
+            detok = IncrementalDetokenizer(tf.tokenizer)  # the text each prompt token adds (text_offset)
+            pieces = [detok.add(t) for t in req.prompt_ids]
+            pieces[-1] += detok.flush()
+            job.post("prompt_logprobs", [(describe(tf.tokenizer, e, t), p)
+                                         for e, t, p in zip(entries, req.prompt_ids, pieces)])
+        if not req.max_tokens:  # echo with max_tokens 0: the prompt scored, nothing generated
+            stats = _empty_stats(tf, req, spec, time.monotonic() - started).to_dict()
+            job.post("done", {"finish_reason": "length", "text": "", "completion_tokens": 0, "stats": stats})
+            return
 
         gen = tf.stream(req.prompt_ids, max_new_tokens=req.max_tokens, sampling=sampling, spec=spec, seed=req.seed,
                         stop=req.stop, prefill_progress=check)
@@ -329,7 +341,8 @@ class GenerationWorker:
                         self.metrics.tbt.observe(now - last)
                     last = now
                 texts.append(event.text)
-                job.post("token", event, None if event.logprob is None else describe(tf.tokenizer, event.logprob))
+                job.post("token", event,
+                         None if event.logprob is None else (describe(tf.tokenizer, event.logprob), event.text))
                 try:
                     check()
                 except _Abort as a:
@@ -378,9 +391,11 @@ def check_with_engine(tf: "TriForce", req: GenerationRequest, spec: "Speculation
     """
     from ..memory import InsufficientMemoryError
 
-    if not req.max_tokens:  # echo with max_tokens 0: the prompt is scored, the engine generates nothing
-        return
     try:
+        if req.echo and req.logprobs is not None:  # the prompt's own pass (its KV cache, the model's context)
+            tf.check_prompt_logprobs(req.prompt_ids, req.logprobs)
+        if not req.max_tokens:  # echo with max_tokens 0: the prompt is scored, the engine generates nothing
+            return
         tf.engine.validate(req.prompt_ids, req.max_tokens, spec)
     except InsufficientMemoryError as e:
         raise APIError(400, str(e), param="max_tokens", code="insufficient_memory") from e

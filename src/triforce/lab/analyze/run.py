@@ -138,19 +138,13 @@ def check_analyze_args(args: argparse.Namespace) -> tuple[list[Path], list[dict]
 
 
 def _provenance(model: Transformer, source: str) -> dict:
-    import subprocess
+    from ..provenance import git_commit
 
-    try:
-        root = Path(__file__).resolve().parents[4]
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-    except Exception:
-        commit = None
     cfg = model.cfg
     return {"model": source, "layers": cfg.num_hidden_layers, "query_heads": cfg.num_attention_heads,
             "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "dtype": str(model.dtype).split(".")[-1],
             "device": str(model.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "git_commit": commit}
+            "python": platform.python_version(), **git_commit()}
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -70,13 +70,14 @@ def _machine() -> dict:
     from ... import kernels
     from ...blockcodes import blockcodes_status
     from ...sampling import sampling_status
+    from ..provenance import git_commit
 
     info = {**kernels.cpu(), "attention_kernel": kernels.status(), "linear_kernels": kernels.linear_status(),
             "block_code_kernel": blockcodes_status(), "sampling_kernel": sampling_status(),
             "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__,
-            "load_average_1_5_15min_at_end": [round(x, 2) for x in os.getloadavg()]}
+            "load_average_1_5_15min_at_end": [round(x, 2) for x in os.getloadavg()], **git_commit()}
     try:
         from importlib.metadata import version
 

@@ -330,7 +330,8 @@ class _LlamaRunner:
 
     def _state_file(self, ids: list[int]) -> Path:
         """Where ``--prompt-cache`` keeps llama.cpp's state (its KV cache) after ``ids``: keyed by the GGUF file
-        (path, size, modification time), the context size and the tokens."""
+        (path, size, modification time), the context size (the prompt's and ``--new-tokens``' positions, rounded up
+        to 256: another ``--new-tokens`` may prefill again) and the tokens."""
         import hashlib
 
         st = os.stat(self.path)
@@ -403,5 +404,7 @@ class _LlamaRunner:
                 if llama_cpp.llama_state_save_file(llm._ctx.ctx, tmp.encode(), (llama_cpp.llama_token * n)(*ids[:n]), n):
                     os.replace(tmp, path)
                     cache["stored"] = path
+                elif os.path.exists(tmp):  # a failed write leaves nothing behind
+                    os.unlink(tmp)
             out["prompt_cache"] = cache
         return out
