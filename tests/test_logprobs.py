@@ -101,7 +101,7 @@ def test_prompt_logprobs_equal_transformers(tf, hf):
 
 @pytest.mark.parametrize("value", [-1, MAX_TOP_LOGPROBS + 1, True, 2.0, "5"])
 def test_bad_logprobs_are_refused_naming_the_parameter(tf, value):
-    with pytest.raises(ValueError, match="logprobs must be None or an integer in \\[0, 20\\]"):
+    with pytest.raises(ValueError, match="logprobs must be an integer in \\[0, 20\\]"):
         SamplingParams(logprobs=value)
     with pytest.raises(ValueError, match="top_logprobs must be"):
         tf.prompt_logprobs(PROMPT, top_logprobs=value)

@@ -329,6 +329,12 @@ def test_echo_scores_a_prompt_as_a_harness_does(client, ref):
     values = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
     assert values[:len(ids)] == lp.token_logprobs
     assert values[len(ids):] == pytest.approx([e.logprob for e in expect.logprobs], abs=1e-5)
+    # a stop string holds text back while it may be starting: the offsets still say where each token's text starts
+    stop = expect.text[3:5]
+    r = client.completions.create(model=model, prompt=prompt, logprobs=0, max_tokens=6, temperature=0, stop=[stop])
+    got = r.choices[0].logprobs
+    assert r.choices[0].text == expect.text[:expect.text.index(stop)]
+    assert got.text_offset == [sum(len(t) for t in got.tokens[:i]) for i in range(len(got.tokens))]
 
 
 def test_stop_strings_and_seeded_sampling(client, ref):

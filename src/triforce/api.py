@@ -349,17 +349,20 @@ class TriForce:
             InsufficientMemoryError: the prompt's KV cache does not fit.
         """
         check_top_logprobs(top_logprobs, "top_logprobs")
-        if not isinstance(prompt, str) and any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-            raise ValueError("prompt must be a string or a list of integer token ids")
+        if not isinstance(prompt, (str, list, tuple)) or (
+                not isinstance(prompt, str) and any(isinstance(t, bool) or not isinstance(t, int) for t in prompt)):
+            raise ValueError(f"prompt must be a string or a list of integer token ids, got {type(prompt).__name__}")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt must hold at least one token")
-        if self.target.model.cfg.rope_type == "dynamic":
+        cfg = self.target.model.cfg
+        if cfg.rope_type == "dynamic":
             raise ValueError("prompt log-probabilities are not available for a model with dynamic NTK RoPE scaling")
-        vocab = self.target.model.cfg.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
+        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+            raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size}), got {bad[:5]}")
+        if len(ids) > cfg.max_position_embeddings:
+            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {cfg.max_position_embeddings}")
         if len(ids) > 1:  # the prompt's positions: its first n - 1 tokens and one more, as a request would take
             self.engine.validate(ids[:-1], 1, SpeculationConfig(mode="autoregressive"))
         return ids

@@ -53,7 +53,7 @@ def check_top_logprobs(value, name: str = "logprobs") -> None:
     """
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                               or not 0 <= value <= MAX_TOP_LOGPROBS):
-        raise ValueError(f"{name} must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token), "
+        raise ValueError(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token), "
                          f"got {value!r}")
 
 

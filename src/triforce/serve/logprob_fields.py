@@ -12,8 +12,9 @@ A token's string is the tokenizer's decoding of that token alone (a token holdin
 to U+FFFD, as llama-server's and vLLM's token strings do); ``bytes`` are the token's own bytes where the tokenizer
 says them (byte-level BPE: GPT-2's byte-to-character table, as Llama 3, Qwen2 and SmolLM2 use; SentencePiece's
 ``<0xNN>`` byte tokens), else the string's UTF-8 bytes. ``text_offset`` counts characters of the returned text
-before each token: from the text each token added to the output (the completion's pieces as streamed; the prompt's
-from decoding it incrementally), so a token that completes no character yet adds none.
+before each token, from decoding the tokens one by one (``detok.py``: a token that completes no character yet adds
+none; the echoed prompt keeps its special tokens, the completion skips them as its text does). Tokens past a stop
+string keep counting beyond the text, which is cut before it.
 """
 
 from __future__ import annotations

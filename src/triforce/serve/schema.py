@@ -68,6 +68,7 @@ _NEUTRAL_COMMON = {
     "response_format": lambda v: v is None or v == {"type": "text"},
 }
 _NEUTRAL_CHAT = {
+    "echo": lambda v: v is None or v is False,  # a completions field some clients send to chat too
     "tools": lambda v: v is None or v == [],
     "tool_choice": lambda v: v is None or v == "none",
     "functions": lambda v: v is None or v == [],
@@ -327,10 +328,12 @@ def parse_request(body: dict, kind: str, tf: "TriForce", defaults: ServerDefault
     if not ids:
         raise _invalid(f"{prompt_param} {'are' if prompt_param == 'messages' else 'is'} empty after tokenization",
                        param=prompt_param)
-    if len(ids) >= context + (echo and max_tokens == 0):  # scoring a text (echo, max_tokens 0) needs no room
+    scoring = echo and max_tokens == 0  # scoring a text needs no room to generate
+    if len(ids) >= context + scoring:
         raise _invalid(f"This model's maximum context length is {context} tokens; the {prompt_param} "
-                       f"{'are' if prompt_param == 'messages' else 'is'} {len(ids)} tokens, which leaves no room to "
-                       "generate", param=prompt_param, code="context_length_exceeded")
+                       f"{'are' if prompt_param == 'messages' else 'is'} {len(ids)} tokens"
+                       f"{'' if scoring else ', which leaves no room to generate'}", param=prompt_param,
+                       code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = min(defaults.max_tokens, context - len(ids))
     elif len(ids) + max_tokens > context:

@@ -314,8 +314,8 @@ class GenerationWorker:
                     job.post("error", APIError(504, "the request's --request-timeout passed while its prompt was "
                                                "scored (echo)", type="server_error", code="timeout"))
                 return
-            detok = IncrementalDetokenizer(tf.tokenizer)  # the text each prompt token adds (text_offset)
-            pieces = [detok.add(t) for t in req.prompt_ids]
+            detok = IncrementalDetokenizer(tf.tokenizer, skip_special_tokens=False)  # each token's text (text_offset;
+            pieces = [detok.add(t) for t in req.prompt_ids]  # the echo keeps special tokens, as decode does)
             pieces[-1] += detok.flush()
             job.post("prompt_logprobs", [(describe(tf.tokenizer, e, t), p)
                                          for e, t, p in zip(entries, req.prompt_ids, pieces)])
@@ -326,6 +326,7 @@ class GenerationWorker:
 
         gen = tf.stream(req.prompt_ids, max_new_tokens=req.max_tokens, sampling=sampling, spec=spec, seed=req.seed,
                         stop=req.stop, prefill_progress=check)
+        token_text = IncrementalDetokenizer(tf.tokenizer)  # the text each token adds, held back or not (text_offset)
         result, ended, tokens, texts, last = None, None, [], [], 0.0
         try:
             while True:
@@ -341,8 +342,8 @@ class GenerationWorker:
                         self.metrics.tbt.observe(now - last)
                     last = now
                 texts.append(event.text)
-                job.post("token", event,
-                         None if event.logprob is None else (describe(tf.tokenizer, event.logprob), event.text))
+                job.post("token", event, None if event.logprob is None else
+                         (describe(tf.tokenizer, event.logprob), token_text.add(event.token_id)))
                 try:
                     check()
                 except _Abort as a:
