@@ -319,7 +319,9 @@ def test_echo_scores_a_prompt_as_a_harness_does(client, ref):
     assert lp.tokens == [ref.tokenizer.decode([i]) for i in ids]
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.token_logprobs[1:] == pytest.approx([w.logprob for w in want[1:]], abs=1e-5)
-    assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    # the 2 most likely, and the token's own entry where it is not among them (OpenAI's legacy format: up to K + 1)
+    assert all(len(t) <= 3 and t[tok] == v for t, tok, v in zip(lp.top_logprobs[1:], lp.tokens[1:],
+                                                                 lp.token_logprobs[1:]))
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
     # echo with a completion, streamed: the prompt and its scores come first, then the completion's tokens
     expect = ref.generate(ids, max_new_tokens=6, sampling=SamplingParams(temperature=0, logprobs=0))

@@ -74,6 +74,9 @@ def completion_logprobs(entries: list[tuple[dict, str]], offset: int = 0) -> tup
         offsets.append(offset)
         tokens.append(e["token"])
         values.append(e["logprob"])  # None for the prompt's first token: nothing predicts it
-        tops.append(None if e["logprob"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]})
+        top = None if e["logprob"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+        if top is not None:  # OpenAI's legacy format: the token's own entry is always there (up to K + 1)
+            top.setdefault(e["token"], e["logprob"])
+        tops.append(top)
         offset += len(piece)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
