@@ -63,6 +63,20 @@ def _batched(engine, requests, max_batch, sampling=GREEDY):
     return [seq.result for seq in seqs], scheduler
 
 
+def record_forwards(target, monkeypatch) -> list[list[int]]:
+    """The tokens of each sequence in every batched forward of ``target`` from now on (a list filled as they run)."""
+    calls = []
+    original = type(target).forward_ragged
+
+    def recording(model, blocks):
+        if model is target:
+            calls.append([ids.shape[-1] for ids, *_ in blocks])
+        return original(model, blocks)
+
+    monkeypatch.setattr(type(target), "forward_ragged", recording)
+    return calls
+
+
 @pytest.mark.parametrize("max_batch", [3, 8])
 def test_batched_greedy_equals_alone(engine, max_batch):
     """Every sequence of a mixed batch gives its autoregressive tokens; with max_batch 3, sequences join as others
@@ -84,15 +98,7 @@ def test_prefill_chunks_share_forwards_first_come_first_served(engine, monkeypat
     monkeypatch.setattr(scheduling, "PREFILL_ROWS_PER_FORWARD", 60)
     requests = [(_prompt(n, i), new, spec) for i, (n, new, spec) in enumerate(REQUESTS)]
     reference = [_alone(engine, p, new, _spec("autoregressive")) for p, new, _ in requests]
-    calls, target = [], engine.target
-    original = type(target).forward_ragged
-
-    def recording(model, blocks):
-        if model is target:
-            calls.append([ids.shape[-1] for ids, *_ in blocks])
-        return original(model, blocks)
-
-    monkeypatch.setattr(type(target), "forward_ragged", recording)
+    calls = record_forwards(engine.target, monkeypatch)
     outs, _ = _batched(engine, requests, 8)
     assert outs == reference
     long_rows = [[t for t in call if t > 8] for call in calls]
@@ -113,15 +119,7 @@ def test_prefill_beside_a_running_stream_comes_in_chunks_sized_by_time(engine, m
     monkeypatch.setattr(scheduling, "PREFILL_CHUNK_SECONDS", 0.0)
     short, long = (_prompt(5, 1), 40, _spec("autoregressive")), (_prompt(200, 2), 5, _spec("autoregressive"))
     reference = [_alone(engine, p, n, s) for p, n, s in (short, long)]
-    calls, target = [], engine.target
-    original = type(target).forward_ragged
-
-    def recording(model, blocks):
-        if model is target:
-            calls.append([ids.shape[-1] for ids, *_ in blocks])
-        return original(model, blocks)
-
-    monkeypatch.setattr(type(target), "forward_ragged", recording)
+    calls = record_forwards(engine.target, monkeypatch)
     scheduler = BatchScheduler(2)
     scheduler.prefill_token_seconds = 1e-3  # as if a prefill forward had been timed
     seqs = scheduler.run([lambda r=r: _alone(engine, *r) for r in (short, long)])
