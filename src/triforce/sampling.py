@@ -21,6 +21,7 @@ import torch
 
 from .defaults import DEFAULTS
 from .kernels import _F, _I, _P, SAMPLING_CFLAGS, SAMPLING_ENV_SWITCH, _Library
+from .logprobs import check_top_logprobs
 
 _sampling = _Library("sampling.c", SAMPLING_ENV_SWITCH, ("avx2",), lambda: (SAMPLING_CFLAGS, "AVX2"), {
     "triforce_top_p": (_I, [_P, _I, _I, _F, _I, _P, _P]),
@@ -70,8 +71,6 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
-        from .logprobs import check_top_logprobs
-
         check_top_logprobs(self.logprobs)
 
     @property
