@@ -113,6 +113,7 @@ def test_auto_weight_bound_plan_equals_autoregressive_greedy_and_runs_sampled(mo
     monkeypatch.setattr("triforce.auto.WEIGHT_BOUND_LAYER_BYTES", 1)
     target, _ = pair(seed=7, max_pos=1024)
     engine = Engine(target)
+    engine.measured_steps = None  # the bytes rule (a tiny model's measured times would decide otherwise)
     prompt = torch.randint(3, 40, (60,), generator=torch.Generator().manual_seed(5)).tolist()
     sampling = SamplingParams(temperature=temperature)
     spec = SpeculationConfig(mode="auto", gamma1=2, gamma2=4, budget=128, chunk_size=4)
@@ -462,6 +463,7 @@ def test_auto_plans_with_the_tier_cache_dtype_the_user_pinned():
 
     target = ours(hf_model(seed=13))
     engine = Engine(target)
+    engine.measured_steps = None  # the bytes rule (a tiny model's measured times would decide otherwise)
     t06 = SamplingParams(0.6, 0.9)
     pinned = engine.plan_auto(2000, t06, SpeculationConfig(mode="auto", lower_kv_dtype="float32"))
     assert "retrieval" in pinned.tiers and pinned.lower_kv_dtype is None and "bf16" not in pinned.reason
@@ -481,6 +483,7 @@ def test_auto_honours_a_pinned_budget_or_refuses_it_naming_the_smallest():
             SpeculationConfig(mode="auto", budget=5, **kw)
     target = ours(hf_model(seed=14))
     engine = Engine(target)
+    engine.measured_steps = None  # the bytes rule (a tiny model's measured times would decide otherwise)
     prompt = torch.randint(3, 96, (300,), generator=torch.Generator().manual_seed(15)).tolist()
     spec = SpeculationConfig(mode="auto", budget=22, adaptive_gamma=True)
     plan = engine.plan_auto(len(prompt), GREEDY, spec)
@@ -502,3 +505,87 @@ def test_auto_reports_no_budget_without_a_retrieval_tier():
         stats = engine.generate(short, max_new_tokens=4, sampling=sampling, spec=SpeculationConfig(mode="auto"))[1]
         assert "retrieval" not in stats.auto["hierarchy"] and stats.auto["budget"] is None
         assert engine.plan_auto(len(short), sampling, SpeculationConfig(mode="auto")).budget is None
+
+
+def test_plan_weighs_a_retrieval_tier_on_measured_step_times_instead_of_bytes():
+    """Qwen2.5-1.5B's shape at 16K and 32K tokens on its Q4_K_M codes, sampled: the bytes rule leaves the tier out
+    (a retrieval step reads 0.65x / 0.49x the verifier's bytes, above 0.35), although the tier ran at 1.13x / 1.31x
+    plain decoding (docs/long_documents.md). Given the step times measured in those runs, the plan takes it: the
+    prediction is tokens(alpha, 3) * decode / (3 * lower + verify), stated in the reason with the times. Times
+    like the bf16 SmolLM2 copy's (a step at 0.65x the verifier's, which ran at 0.91x) leave it out. The measurement
+    is asked for only where the KV-share rule admits a tier, with the budget, gamma2 and dtype the tier would run."""
+    from triforce.auto import ACCEPTANCE_PRIOR_SAMPLING, RETRIEVAL_MIN_PREDICTED_SPEEDUP
+    from triforce.config import ModelConfig
+    from triforce.steptimes import StepTimes, expected_tokens
+
+    cfg = ModelConfig(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                      num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+                      rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=True)
+    w = codes = 1_535_000_000  # the Q4_K_M file's codes, which the verifier reads (an int8 copy: 1.56 GB)
+    t06 = SamplingParams(0.6, 0.9)
+    asked = []
+
+    def measured(decode, verify, lower):
+        def measure(budget, gamma, weights, kv):
+            asked.append((budget, gamma, weights, kv))
+            return StepTimes(16000, budget, gamma + 1, ((decode, verify, lower),))
+        return measure
+
+    bytes_only = plan_hierarchy(cfg, w, torch.float32, 16000, None, t06, step_weight_bytes=codes, lower_kv_bf16=True,
+                                int8_weight_bytes=1_560_000_000)
+    assert bytes_only.tiers == "" and "0.65 x its bytes" in bytes_only.reason
+    for n, (decode, verify, lower) in ((16000, (0.149, 0.200, 0.084)), (32000, (0.188, 0.249, 0.084))):
+        plan = plan_hierarchy(cfg, w, torch.float32, n, None, t06, step_weight_bytes=codes, lower_kv_bf16=True,
+                              int8_weight_bytes=1_560_000_000, measure=measured(decode, verify, lower))
+        predicted = expected_tokens(ACCEPTANCE_PRIOR_SAMPLING, 3) * decode / (3 * lower + verify)
+        assert predicted >= RETRIEVAL_MIN_PREDICTED_SPEEDUP
+        assert plan.tiers == "retrieval:3" and plan.lower_weights == "codes" and plan.lower_kv_dtype == "bfloat16"
+        assert f"{predicted:.2f}x plain decoding predicted" in plan.reason
+        assert f"decode step {1000 * decode:.1f} ms" in plan.reason
+        assert asked[-1] == (plan.budget, 3, "codes", torch.bfloat16) and plan.budget == n // 8
+    slow = plan_hierarchy(cfg, w, torch.float32, 16000, None, t06, step_weight_bytes=codes,
+                          int8_weight_bytes=1_560_000_000, measure=measured(0.100, 0.130, 0.065))
+    assert slow.tiers == "" and slow.budget is None and f"< {RETRIEVAL_MIN_PREDICTED_SPEEDUP}" in slow.reason
+    asked.clear()
+    for n, bottom in ((300, None), (16000, "self")):  # below the KV share; a named self tier: nothing to time
+        plan_hierarchy(cfg, w, torch.float32, n, bottom, t06, step_weight_bytes=codes,
+                       int8_weight_bytes=1_560_000_000, measure=measured(1, 1, 1))
+    assert asked == []
+    unmeasured = plan_hierarchy(cfg, w, torch.float32, 16000, None, t06, step_weight_bytes=codes,
+                                int8_weight_bytes=1_560_000_000, measure=lambda *a: None)  # no memory to measure in: the bytes rule
+    assert unmeasured.tiers == bytes_only.tiers and "x its bytes" in unmeasured.reason
+    with pytest.raises(ValueError, match="gamma must be 3"):
+        StepTimes(1, 1, 4, ((1.0, 1.0, 1.0),)).predicted_speedup(0.5, 6)
+    # a repetition timed in a slow phase (every forward 2x) predicts what the others do: paired, not pooled
+    phases = StepTimes(1, 1, 4, ((0.149, 0.200, 0.084), (0.298, 0.400, 0.168), (0.149, 0.200, 0.084)))
+    assert phases.predicted_speedup(0.88, 3) == pytest.approx(expected_tokens(0.88, 3) * 0.149 / (3 * 0.084 + 0.2))
+    with pytest.raises(ValueError, match="samples must be"):
+        StepTimes(1, 1, 4, ())
+
+
+def test_engine_measures_step_times_once_per_shape_and_keeps_no_copy_it_timed_for_nothing():
+    """``Engine.step_times`` times real forwards of a tiny model (positive times), keeps them for contexts within 25% (forks share them), leaves the target's
+    RoPE as it was; a plan that leaves the timed tier out drops the int8 copy made to time it, and greedy ``auto``
+    with measured times equals plain decoding token for token."""
+    target = ours(hf_model(seed=16))
+    engine = Engine(target)
+    rope = target.rope
+    first = engine.step_times(400, 64, 3, "int8", torch.float32, chunk_size=4)
+    assert first.context == 400 and first.budget == 64 and first.block == 4
+    assert min(first.decode, first.verify, first.lower) > 0 and target.rope is rope
+    assert engine.fork().step_times(450, 64, 3, "int8", torch.float32, chunk_size=4) is first  # kept, shared
+    assert engine.step_times(600, 64, 3, "int8", torch.float32, chunk_size=4) is not first  # another shape
+    assert engine.lower_copies == ["int8"]
+    engine = Engine(target)
+
+    def slow(*args, **kwargs):  # makes the copy as the measurement does; predicted far below 1
+        engine.lower_model(target, "int8")
+        return first.__class__(400, 64, 4, ((1.0, 10.0, 1.0),))
+    engine.step_times = slow
+    plan = engine.plan_auto(2000, SamplingParams(0.6), SpeculationConfig(mode="auto"))
+    assert plan.tiers == "" and "predicted" in plan.reason and engine.lower_copies == []
+    engine = Engine(target)
+    prompt = torch.randint(3, 96, (300,), generator=torch.Generator().manual_seed(17)).tolist()
+    ref, _ = engine.generate(prompt, max_new_tokens=16, sampling=GREEDY)
+    out, stats = engine.generate(prompt, max_new_tokens=16, sampling=GREEDY, spec=SpeculationConfig(mode="auto"))
+    assert out == ref and engine.measured_steps and "measured at 300 tokens" in stats.auto["reason"]

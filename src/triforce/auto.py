@@ -59,6 +59,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -68,6 +69,7 @@ from .defaults import DEFAULTS
 from .decode_step import decode_step_status
 from .kernels import status as attention_kernel_status
 from .sampling import SamplingParams
+from .steptimes import StepTimes
 
 #: a retrieval tier goes into the hierarchy when the full KV cache is at least this share of the weights' bytes
 RETRIEVAL_MIN_KV_SHARE = 0.25
@@ -90,6 +92,13 @@ RETRIEVAL_GAMMA2_SAMPLING = 3
 #: on a CPU, the int8 retrieval tier goes under a target with at least this many weight bytes per layer whatever
 #: the KV share (module docstring: 254 MB per layer paid 3.22x, 18 MB did not pay)
 WEIGHT_BOUND_LAYER_BYTES = 64 * 2**20
+#: with measured step times (``plan_hierarchy``'s ``measure``), a retrieval tier goes in where it is predicted at
+#: least this much faster than plain decoding (the governor bypasses it if it then does not pay)
+RETRIEVAL_MIN_PREDICTED_SPEEDUP = 1.05
+#: the acceptance rate (each proposal, independently) the prediction assumes under greedy decoding, and under
+#: sampling: priors from the measured runs (16K-32K Qwen2.5-1.5B at 1/8 of the context, 8K SmolLM2; docs/auto.md)
+ACCEPTANCE_PRIOR = 0.92
+ACCEPTANCE_PRIOR_SAMPLING = 0.88
 #: SpeedGovernor: a step's cost is this quantile of its times (the lower quartile: the machine's quiet phases)
 COST_QUANTILE = 0.25
 
@@ -145,7 +154,8 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
                    device_type: str = "cpu", draft_weight_bytes: int | None = None,
                    step_weight_bytes: int | None = None, lower_kv_bf16: bool = False,
                    lower_kv_dtype: torch.dtype | None = None, adaptive_gamma: bool = False,
-                   int8_weight_bytes: int | None = None) -> AutoPlan:
+                   int8_weight_bytes: int | None = None,
+                   measure: Callable[[int, int, str, torch.dtype], StepTimes | None] | None = None) -> AutoPlan:
     """Choose the hierarchy for a request of ``prompt_tokens`` (rules in the module docstring).
 
     Args:
@@ -184,6 +194,13 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
             element size (weights stored in the cache's dtype).
         lower_kv_dtype: the lower caches' dtype the user named (``SpeculationConfig.lower_kv_dtype``), or None: the
             bytes a retrieval step is weighed on are then that dtype's, and the plan chooses none.
+        measure: called as ``measure(budget, gamma2, lower_weights, lower_kv_dtype)`` where a retrieval tier passes
+            the rules of the KV share or of the weight-bound target, it returns the measured
+            :class:`~triforce.steptimes.StepTimes` of that tier (``Engine.step_times``), and the tier then goes in
+            when :meth:`~triforce.steptimes.StepTimes.predicted_speedup` at the prior acceptance
+            (:data:`ACCEPTANCE_PRIOR`, :data:`ACCEPTANCE_PRIOR_SAMPLING`) is at least
+            :data:`RETRIEVAL_MIN_PREDICTED_SPEEDUP`, in place of the bytes bounds; None (or a ``measure`` that
+            returns None: no memory to measure in): the bytes bounds.
 
     Returns:
         :class:`AutoPlan` (its ``budget`` None without a retrieval tier).
@@ -227,6 +244,18 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
     steps = (f"the verifier's step reads {verifier_bytes / 2**20:.0f} MiB of weights, a retrieval step "
              f"{step_share:.2f} x its bytes{' (bf16 cache)' if lower_kv == torch.bfloat16 else ''}")
     too_heavy = (weight_bound or retrieval) and step_share > max_step_share
+    bound = f"> {max_step_share}"
+    shorter = retrieval and not sampling.greedy and bottom is None and device_type == "cpu"
+    tier_gamma = min(gamma2, RETRIEVAL_GAMMA2_SAMPLING) if shorter else gamma2
+    if (weight_bound or retrieval) and measure is not None:  # measured times decide, not bytes (steptimes.py)
+        alpha = ACCEPTANCE_PRIOR if sampling.greedy else ACCEPTANCE_PRIOR_SAMPLING
+        times = measure(budget, tier_gamma, lower_weights, lower_kv)
+        if times is not None:
+            speedup = times.predicted_speedup(alpha, tier_gamma)
+            too_heavy = speedup < RETRIEVAL_MIN_PREDICTED_SPEEDUP
+            steps = (f"{times.describe()}{' (bf16 cache)' if lower_kv == torch.bfloat16 else ''}: "
+                     f"{speedup:.2f}x plain decoding predicted at acceptance {alpha}")
+            bound = f"< {RETRIEVAL_MIN_PREDICTED_SPEEDUP}"
     if too_heavy:
         weight_bound = retrieval = False
     if weight_bound:
@@ -242,8 +271,7 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
     elif retrieval:
         why = (f"{sizes} >= {threshold}: a {budget}-slot{' bf16' if lower_kv == torch.bfloat16 else ''} retrieval "
                f"tier with {lower} ({steps}); {who}")
-    shorter = retrieval and not sampling.greedy and bottom is None and device_type == "cpu"
-    if shorter and gamma2 > RETRIEVAL_GAMMA2_SAMPLING:
+    if retrieval and shorter and gamma2 > RETRIEVAL_GAMMA2_SAMPLING:
         gamma2 = RETRIEVAL_GAMMA2_SAMPLING
         why += (f"; gamma2 {gamma2}: on a CPU a verification of more tokens is bound by its attention's arithmetic, "
                 "so shorter ones pay under sampling")
@@ -251,7 +279,7 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
         tiers = f"{bottom}:{gamma1},retrieval:{gamma2}" if bottom else f"retrieval:{gamma2}"
     else:
         tiers = f"{bottom}:{gamma1 if bottom == 'self' else gamma2}" if bottom else ""
-        why = (f"{sizes}; {steps} > {max_step_share}: no retrieval tier" if too_heavy
+        why = (f"{sizes}; {steps} {bound}: no retrieval tier" if too_heavy
                else f"{sizes}: no retrieval tier" + ("" if bottom == "self" else
                     f" (budget {max_budget} < chunk_size + gamma2 + 2 = {room})" if not fits else
                     f" (below {threshold}{'' if sampling.greedy else ' under sampling'} or the prompt fits the budget)"))

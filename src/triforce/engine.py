@@ -26,21 +26,22 @@ arXiv 2502.10424), so every model gets all three tiers without a second model.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Callable, Generator
 
 import torch
 
 from .auto import SpeedGovernor, bf16_cache_reads_fast, plan_hierarchy
-from .caches import KV_DTYPES, FullKVCache  # noqa: F401  (KV_DTYPES re-exported)
+from .caches import KV_DTYPES, FullKVCache, kv_bytes  # noqa: F401  (KV_DTYPES re-exported)
 from .cudagraph import model_graphs_apply
 from .streaming import StreamingCache
 from .defaults import DEFAULTS, SELF_WEIGHTS  # noqa: F401  (SELF_WEIGHTS re-exported)
 from .errors import ParameterError
 from .hierarchy import DRAFTER_KINDS, MAX_SEED, MODES, TIER_KINDS, SpeculationConfig, _positive_int  # noqa: F401
-from .memory import KVPlacement, peak_memory_bytes
+from .memory import KVPlacement, available_bytes, peak_memory_bytes
 from .model import Transformer
 from .ngram import NGramDrafter
 from .parallel import agree_on_fit
@@ -49,53 +50,9 @@ from .quant import int8_copy_bytes, lower_precision_copy
 from .retrieval import RetrievalCache
 from .sampling import SamplingParams
 from .speculative import rejection_sample
+from .steptimes import StepTimes, measure_step_times
 from .tiers import ModelTier, RetrievalTier, StreamingTier, VerifyFn
-
-
-@dataclass
-class GenerationStats:
-    """Figures of one generation (schema documented in README.md, "JSON output").
-
-    Times are seconds, rates tokens per second, memory bytes.
-    """
-
-    mode: str
-    prompt_tokens: int
-    generated_tokens: int
-    finish_reason: str
-    prefill_seconds: float
-    decode_seconds: float
-    decode_tokens_per_second: float
-    mean_time_between_tokens_ms: float
-    peak_memory_bytes: int
-    seed: int
-    tiers: dict = field(default_factory=dict)
-    retrieval_holds_full_cache: bool | None = None
-    kv_placement: dict | None = None
-    auto: dict | None = None
-    prompt_cache: dict | None = None  # with a prompt cache directory: tokens loaded, file read, file written
-
-    def to_dict(self) -> dict:
-        """All fields as a JSON-ready dict."""
-        return asdict(self)
-
-    def summary(self) -> str:
-        """One line: speed, then acceptance per verifying tier."""
-        def tokens(n: int) -> str:
-            return f"{n} token{'' if n == 1 else 's'}"
-
-        mode = self.mode if not self.auto else f"auto ({self.auto['hierarchy']}, " \
-            f"{self.auto['speculative_tokens']} speculative / {self.auto['autoregressive_tokens']} plain tokens)"
-        parts = [f"{mode}: {tokens(self.generated_tokens)}, {self.decode_tokens_per_second:.2f} tok/s, "
-                 f"TBT {self.mean_time_between_tokens_ms:.1f} ms, prefill {self.prefill_seconds:.2f} s "
-                 f"({tokens(self.prompt_tokens)})"]
-        for name, t in self.tiers.items():
-            if t.get("verifications"):
-                parts.append(f"{name}: acceptance {t['acceptance_rate']:.3f}, "
-                             f"{t['mean_tokens_per_verification']:.2f} tokens/verification")
-        if self.retrieval_holds_full_cache:
-            parts.append("retrieval cache = whole cache (everything fit in the budget)")
-        return "; ".join(parts)
+from .tierstats import GenerationStats  # noqa: F401  (re-exported)
 
 
 class Engine:
@@ -147,6 +104,7 @@ class Engine:
         self._retrieval: RetrievalCache | None = None  # the last request's retrieval cache (RetrievalCache.reset_or_new)
         self.tier_verify: dict[str, VerifyFn] = {}  # per-tier override of the verification rule (tests)
         self.governor_factory: Callable = SpeedGovernor  # mode auto: decides when to bypass the drafters (tests swap it)
+        self.measured_steps: dict | None = {}  # mode auto: StepTimes by shape (step_times); None: plan on bytes
 
     # ------------------------------------------------------------------ public hooks (benchmarks, tests, server)
     @property
@@ -158,6 +116,11 @@ class Engine:
     def retrieval_cache(self) -> RetrievalCache | None:
         """The retrieval cache of the last request, which the next reuses where its settings match. Read-only use."""
         return self._retrieval
+
+    @property
+    def lower_copies(self) -> list[str]:
+        """The schemes (``int8``, ``int4``, ...) of the lower-precision copies of the target the engine holds."""
+        return [scheme for (model, scheme) in self._lower if model == id(self.target)]
 
     @property
     def prefix_tokens(self) -> list[int]:
@@ -212,16 +175,41 @@ class Engine:
                             existing_copies=self._lower.keys(), offload_kv=self.offload_kv and place,
                             on_chip_layers=fixed)
 
+    def step_times(self, context: int, budget: int, gamma: int, lower_weights: str, lower_kv: torch.dtype,
+                   chunk_size: int = DEFAULTS["chunk_size"]) -> StepTimes | None:
+        """A retrieval tier's :class:`~triforce.steptimes.StepTimes` at ``context`` tokens, for ``auto``'s plan: measured
+        once per shape (contexts within 25% of each other share one) and kept in :attr:`measured_steps` (forks share it);
+        None where the measurement's caches would take more than half the free memory."""
+        key = (round(math.log(context, 1.25)), budget, gamma, lower_weights, lower_kv)
+        if key not in self.measured_steps:
+            scratch = kv_bytes(self.target.cfg, context + gamma + 1, self.kv_dtype) + kv_bytes(self.target.cfg, budget, lower_kv)
+            if 2 * scratch > available_bytes(self.target.device):
+                return None
+            lower = self.lower_model(self.target, lower_weights)
+            self.measured_steps[key] = measure_step_times(self.target, lower, context, budget, gamma, chunk_size,
+                                                          self.kv_dtype, lower_kv)
+        return self.measured_steps[key]
+
     def plan_auto(self, prompt_tokens: int, sampling: SamplingParams, spec: SpeculationConfig):
-        """The hierarchy ``mode='auto'`` runs for a prompt of ``prompt_tokens`` (:func:`~triforce.auto.plan_hierarchy`)."""
+        """The hierarchy ``mode='auto'`` runs for a prompt of ``prompt_tokens`` (:func:`~triforce.auto.plan_hierarchy`),
+        a retrieval tier weighed on measured step times (:meth:`step_times`) unless :attr:`measured_steps` is None,
+        under tensor parallelism (ranks must agree) or with an offloaded cache."""
         bottom = DRAFTER_KINDS[spec.drafter] if spec.drafter != "model" or self.draft is not None else None
-        return plan_hierarchy(self.target.cfg, self.target.weight_bytes(), self.kv_dtype, prompt_tokens, bottom,
+        copies = set(self._lower)
+        measure = None if self.measured_steps is None or self.target.tp is not None or self.offload_kv else \
+            (lambda b, g, w, kv: self.step_times(prompt_tokens, b, g, w, kv, spec.chunk_size))
+        plan = plan_hierarchy(self.target.cfg, self.target.weight_bytes(), self.kv_dtype, prompt_tokens, bottom,
                               sampling, gamma1=spec.gamma1, gamma2=spec.gamma2, chunk_size=spec.chunk_size,
                               max_budget=spec.budget, device_type=self.target.device.type,
                               draft_weight_bytes=self.draft.weight_bytes() if self.draft is not None else None,
                               step_weight_bytes=self.target.step_weight_bytes(), int8_weight_bytes=int8_copy_bytes(self.target),
                               lower_kv_bf16=bf16_cache_reads_fast(self.target.device.type),
-                              lower_kv_dtype=KV_DTYPES.get(spec.lower_kv_dtype), adaptive_gamma=spec.adaptive_gamma)
+                              lower_kv_dtype=KV_DTYPES.get(spec.lower_kv_dtype), adaptive_gamma=spec.adaptive_gamma,
+                              measure=measure)
+        if plan.budget is None:  # a copy made only to time a tier the plan leaves out is not kept
+            for key in set(self._lower) - copies:
+                del self._lower[key]
+        return plan
 
     def plan(self, prompt_ids: list[int], max_new_tokens: int, spec: SpeculationConfig) -> RequestPlan:
         """Check a request before any heavy work and size and place it once (:class:`~triforce.plan.RequestPlan`).

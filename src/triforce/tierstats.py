@@ -1,9 +1,10 @@
-"""The counters of one tier for one generation: forwards, acceptance, the run lengths of accepted drafts (what
-``GenerationStats.tiers`` reports per tier; README.md, "JSON output"; the cost model reads the run lengths)."""
+"""The figures of one generation (:class:`GenerationStats`: speed, memory, the plan) and the counters of each tier in
+it (:class:`TierStats`: forwards, acceptance, the run lengths of accepted drafts, what ``GenerationStats.tiers``
+reports per tier; README.md, "JSON output"; the cost model reads the run lengths)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -86,3 +87,49 @@ class TierStats:
             d["rebuilds"] = self.rebuilds
         d.update(self.extra)
         return d
+
+
+@dataclass
+class GenerationStats:
+    """Figures of one generation (schema documented in README.md, "JSON output").
+
+    Times are seconds, rates tokens per second, memory bytes.
+    """
+
+    mode: str
+    prompt_tokens: int
+    generated_tokens: int
+    finish_reason: str
+    prefill_seconds: float
+    decode_seconds: float
+    decode_tokens_per_second: float
+    mean_time_between_tokens_ms: float
+    peak_memory_bytes: int
+    seed: int
+    tiers: dict = field(default_factory=dict)
+    retrieval_holds_full_cache: bool | None = None
+    kv_placement: dict | None = None
+    auto: dict | None = None
+    prompt_cache: dict | None = None  # with a prompt cache directory: tokens loaded, file read, file written
+
+    def to_dict(self) -> dict:
+        """All fields as a JSON-ready dict."""
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line: speed, then acceptance per verifying tier."""
+        def tokens(n: int) -> str:
+            return f"{n} token{'' if n == 1 else 's'}"
+
+        mode = self.mode if not self.auto else f"auto ({self.auto['hierarchy']}, " \
+            f"{self.auto['speculative_tokens']} speculative / {self.auto['autoregressive_tokens']} plain tokens)"
+        parts = [f"{mode}: {tokens(self.generated_tokens)}, {self.decode_tokens_per_second:.2f} tok/s, "
+                 f"TBT {self.mean_time_between_tokens_ms:.1f} ms, prefill {self.prefill_seconds:.2f} s "
+                 f"({tokens(self.prompt_tokens)})"]
+        for name, t in self.tiers.items():
+            if t.get("verifications"):
+                parts.append(f"{name}: acceptance {t['acceptance_rate']:.3f}, "
+                             f"{t['mean_tokens_per_verification']:.2f} tokens/verification")
+        if self.retrieval_holds_full_cache:
+            parts.append("retrieval cache = whole cache (everything fit in the budget)")
+        return "; ".join(parts)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import gc
 import random
 import statistics
-import time
 from typing import Callable
 
 import torch
@@ -31,6 +30,7 @@ from ..model import Transformer
 from ..ngram import NGramDrafter
 from ..sampling import SamplingParams, logits_to_probs
 from ..speculative import rejection_sample
+from ..steptimes import expected_tokens, time_interleaved
 from .synthetic import fill_random_kv
 
 #: what :func:`measure_tier_latencies` times, in seconds (medians); see its docstring.
@@ -40,38 +40,7 @@ LATENCY_KEYS = ("draft_step", "draft_pass", "ngram_propose", "retrieval_decode",
 VERIFIER_NAMES = ("draft", "retrieval", "target")
 
 
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """Expected tokens one verification emits: ``(1 - alpha^(gamma+1)) / (1 - alpha)``, ``gamma + 1`` at alpha = 1.
-
-    Leviathan et al. 2023 (arXiv 2211.17192), Sec. 3.3, Eq. 1: with each of ``gamma`` drafted tokens accepted
-    independently with probability ``alpha`` (the acceptance rate), a verification emits the accepted prefix plus
-    one recovered or bonus token.
-
-    Args:
-        alpha: acceptance rate, a float in [0, 1].
-        gamma: drafted tokens per verification, an integer >= 0.
-
-    Returns:
-        Tokens per verification, in [1, gamma + 1].
-
-    Raises:
-        ValueError: alpha outside [0, 1] or gamma not an integer >= 0.
-    """
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha (acceptance rate) must be a number in [0, 1], got {alpha!r}")
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0:
-        raise ValueError(f"gamma must be an integer >= 0, got {gamma!r}")
-    if alpha == 1.0:
-        return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
 # ----------------------------------------------------------------------------------------------- measurement
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -238,20 +207,7 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
             kinds["draft_pass"] = forward(draft, stream, gamma1 + 1)
         kinds["ngram_propose"] = _ngram_call(cfg.vocab_size, min(n, 8192), gamma2, rng, dev)
 
-        times: dict[str, list[float]] = {k: [] for k in kinds}
-        names = list(kinds)
-        for k in names:  # warm-up
-            kinds[k]()
-        for rep in range(reps):
-            shift = rep % len(names)
-            for k in names[shift:] + names[:shift]:
-                _sync(dev)
-                t0 = time.perf_counter()
-                kinds[k]()
-                _sync(dev)
-                times[k].append(time.perf_counter() - t0)
-                if progress is not None:
-                    progress(1)
+        times = time_interleaved(kinds, reps, dev, progress)
         row: dict = {"context": n}
         for k in LATENCY_KEYS:
             row[k] = statistics.median(times[k]) if k in times else None
