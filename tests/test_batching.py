@@ -301,3 +301,50 @@ def test_batched_sequence_matches_exact_distribution(models, mode):  # noqa: F81
         counts[out[0] * V * V + out[1] * V + out[2]] += 1
     assert scheduler.sequence_forwards > 1.5 * scheduler.forwards
     assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
+
+
+def test_ragged_forward_of_a_coded_model_runs_in_one_call_bitwise_as_each_block_alone(monkeypatch):
+    """A model on GGUF block codes (its decode steps and blocks in one C call, ``decode_step.py``): a ragged forward
+    over decode tokens and verification blocks of several sequences runs every layer in one call too
+    (``decode_layers_ragged``), and each block's logits, cached keys and values and recorded queries are bitwise
+    what the one-call forward of that block alone gives (row-invariant products; each sequence's attention its own
+    call). Past 64 rows, or with a block the one-call path does not take (a prefill chunk), the layers run in Python."""
+    from test_blockcodes import gguf_like
+    from tiny import hf_model, ours
+    from triforce import decode_step
+    from triforce.caches import FullKVCache
+
+    if not decode_step.decode_step_status().startswith("on"):
+        pytest.skip(f"decode step kernel {decode_step.decode_step_status()}")
+    target = ours(gguf_like(hf_model(5, vocab=96, layers=3)))
+    assert target.attach_block_codes() == 3 * 4 + 1
+    ran = []
+    real = decode_step.decode_layers_ragged
+    monkeypatch.setattr("triforce.decode_step.decode_layers_ragged",
+                        lambda *a: (r := real(*a), ran.append(r is not None))[0])
+
+    def sequences(spec):  # (cached tokens, block tokens, records queries) per sequence
+        blocks, alone = [], []
+        for i, (n_cached, t, record) in enumerate(spec):
+            ids = torch.tensor([_prompt(n_cached + t, i)])
+            caches = [FullKVCache(target.cfg, 96, record_queries=record) for _ in range(2)]
+            for c in caches:
+                target(ids[:, :n_cached], torch.arange(n_cached), c)
+            pos = torch.arange(n_cached, n_cached + t)
+            alone.append((target(ids[:, n_cached:], pos, caches[0], num_logits=t), caches[0]))
+            blocks.append((ids[:, n_cached:], pos, caches[1], t))
+        return blocks, alone
+
+    blocks, alone = sequences([(17, 1, False), (30, 7, True), (5, 1, True), (44, 4, False)])
+    out = target.forward_ragged(blocks)
+    assert ran == [True]
+    for (a, ca), b, (_, _, cb, _) in zip(alone, out, blocks):
+        assert torch.equal(a, b)
+        assert ca.length == cb.length and torch.equal(ca.k[:, :, :, :ca.length], cb.k[:, :, :, :cb.length])
+        assert torch.equal(ca.v[:, :, :, :ca.length], cb.v[:, :, :, :cb.length])
+        if ca.record_queries:
+            assert all(torch.equal(qa, qb) for qa, qb in zip(ca.queries, cb.queries))
+    ran.clear()
+    many, _ = sequences([(10, 16, False)] * 4 + [(10, 1, False)])  # 65 rows: the layers in Python
+    target.forward_ragged(many)
+    assert ran == []

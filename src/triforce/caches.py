@@ -160,6 +160,15 @@ class RaggedCache(KVCache):
         for cache in self.caches:
             cache.end_forward()
 
+    def segment_rows(self) -> list[tuple] | None:
+        """Per sequence, ``(k, v, slot, n_keys, queries)`` of its cache's :meth:`~KVCache.one_query_rows` and
+        :meth:`~KVCache.query_buffer`, for every layer of the forward in one call
+        (``decode_step.decode_layers_ragged``); None unless every cache offers its full-cache layout."""
+        rows = [cache.one_query_rows() for cache in self.caches]
+        if any(r is None or r[4] is not None for r in rows):
+            return None
+        return [(k, v, slot, n_keys, cache.query_buffer()) for (k, v, slot, n_keys, _), cache in zip(rows, self.caches)]
+
     def rollback(self, length: int) -> None:
         raise CacheError("a ragged cache is rolled back through each sequence's own cache")
 

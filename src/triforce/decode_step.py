@@ -22,10 +22,14 @@ from .kernels import (_F, _I, _I64, _P, CHUNK, DECODE_STEP_CFLAGS, DECODE_STEP_E
 _decode_step = _Library("decode_step.c", DECODE_STEP_ENV_SWITCH, (), lambda: (DECODE_STEP_CFLAGS, "C"), {
     "triforce_decode_layers": (_I, [_P, _P] + [_I] * 7 + [_F] + [_P] * 8 + [_I, _P] + [_I64] * 2 + [_I] * 3
                                + [_P] * 2 + [_I, _F, _I, _P, _P]),
+    "triforce_decode_layers_ragged": (_I, [_P, _P, _I, _P] + [_I] * 6 + [_F] + [_P] * 8 + [_I] + [_P] * 7
+                                      + [_I, _F, _I, _P, _P]),
     "triforce_silu_mul": (None, [_P, _P, _P, _I]), "triforce_silu_mul_isa": (_I, [_P, _P, _P, _I, _I])})
 _fn_table = None  # the kernels' addresses in the order csrc/decode_step.c takes them, built on first use
 #: most tokens of one call (csrc/decode_step.c's MAX_T): decode steps and verification blocks (gamma + 1)
 MAX_BLOCK = 16
+#: most rows of one ragged call (csrc/decode_step.c's MAX_RAGGED_T: the products' row limit)
+MAX_RAGGED_ROWS = 64
 #: added to a weight's bits: its block codes multiply int8-quantized activations (csrc/decode_step.c's Q8_ACTIVATIONS)
 Q8_ACTIVATIONS = 256
 
@@ -158,6 +162,25 @@ def decode_layers(table: LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.
             or (queries is not None and (queries.shape != (L, 1, nh, T, hs) or queries.dtype != torch.float32
                                          or not queries.is_contiguous()))):
         return None
+    lib = _kernels(table)
+    if lib is None:
+        return None
+    threads = torch.get_num_threads()
+    scratch = _attention_scratch(nh // nkv * T, n_keys, nkv, hs, threads)
+    out = x.contiguous().clone()
+    cap = k.shape[3]
+    rc = lib["triforce_decode_layers"](
+        _fn_table, out.data_ptr(), T, L, d, nh, nkv, hs, inter, table.eps, table.norms, table.qs, table.scales,
+        table.mins, table.bits, table.biases, k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
+        None if queries is None else queries.data_ptr(), nkv * cap * hs, cap * hs, slot, n_keys,
+        -1 if shared is None else shared, cos.data_ptr(), sin.data_ptr(), CHUNK, 1.0 / math.sqrt(hs), threads,
+        table.work.data_ptr(), scratch.data_ptr())
+    return out if rc == 0 else None
+
+
+def _kernels(table: LayerTable) -> dict | None:
+    """``csrc/decode_step.c``'s functions with the kernels it calls in :data:`_fn_table` (built on first use), or
+    None where one of them is unavailable."""
     libs = [lib.load() for lib in (_linear, _norm_rope, _attention, _decode_step)]
     if any(fns is None for fns in libs):
         return None
@@ -172,17 +195,75 @@ def decode_layers(table: LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.
         fns.append(libs[2]["triforce_gqa_attention_bf16"])
         _fn_table = (ctypes.c_void_p * 7)(*[None if f is None else ctypes.cast(f, ctypes.c_void_p).value
                                             for f in fns])
+    return libs[3]
+
+
+def _attention_scratch(rows: int, n_keys: int, nkv: int, hs: int, threads: int) -> torch.Tensor:
+    """What ``triforce_gqa_attention`` needs for ``rows`` query rows per KV head over ``n_keys`` keys (fp32)."""
+    return torch.empty(nkv * -(-n_keys // CHUNK) * rows * (hs + 2) + threads * rows * CHUNK, dtype=torch.float32)
+
+
+def decode_layers_ragged(table: LayerTable, x: torch.Tensor, segments: list[tuple], cos: torch.Tensor,
+                         sin: torch.Tensor) -> torch.Tensor | None:
+    """:func:`decode_layers` for the blocks of several sequences in one call (continuous batching,
+    :meth:`~triforce.model.Transformer.forward_ragged`): the products once over every row, RoPE, the cache writes
+    and the attention of each sequence over its own full cache. Each row equals what :func:`decode_layers` gives its
+    sequence alone, bitwise (the products are row-invariant up to :data:`MAX_RAGGED_ROWS` rows).
+
+    Args:
+        table: the model's weights (:class:`LayerTable`).
+        x: (1, T, d) fp32, the sequences' embedded tokens one block after another, T <= :data:`MAX_RAGGED_ROWS`.
+        segments: per sequence, in the order of its block in ``x``: ``(k, v, slot, n_keys, queries)`` as
+            :func:`decode_layers` takes them for a full cache (``shared`` None; block of ``n_keys - slot`` tokens,
+            1 <= that <= :data:`MAX_BLOCK`), every cache fp32, or every cache bf16.
+        cos, sin: (T, hs) fp32 contiguous, the rows' rotations, in the order of ``x``.
+
+    Returns:
+        (1, T, d) fp32 after the last layer; or None where the kernels or the shapes do not apply (the caller then
+        runs the layers in Python).
+    """
+    d, nh, nkv, hs, inter = table.dims
+    L = table.n_layers
+    T = x.shape[1] if x.dim() == 3 else 0
+    lengths = [n_keys - slot for _, _, slot, n_keys, _ in segments]
+    if (not segments or x.shape != (1, T, d) or T != sum(lengths) or T > MAX_RAGGED_ROWS or x.dtype != torch.float32
+            or x.device.type != "cpu" or hs % 8 or hs > MAX_HEAD_DIM or nh % nkv or cos.shape != (T, hs)
+            or sin.shape != (T, hs) or cos.dtype != torch.float32 or sin.dtype != torch.float32
+            or not cos.is_contiguous() or not sin.is_contiguous()):
+        return None
+    dtype = segments[0][0].dtype
+    for (k, v, slot, n_keys, queries), t in zip(segments, lengths):
+        if (not 1 <= t <= MAX_BLOCK or slot < 0 or k.shape != v.shape or k.dim() != 5
+                or tuple(k.shape[:3]) != (L, 1, nkv) or k.shape[4] != hs or k.dtype != dtype or v.dtype != dtype
+                or dtype not in (torch.float32, torch.bfloat16) or k.device.type != "cpu" or v.device.type != "cpu"
+                or not k.is_contiguous() or not v.is_contiguous() or n_keys > k.shape[3]
+                or (queries is not None and (queries.shape != (L, 1, nh, t, hs) or queries.dtype != torch.float32
+                                             or not queries.is_contiguous()))):
+            return None
+    lib = _kernels(table)
+    if lib is None:
+        return None
     threads = torch.get_num_threads()
-    rows = nh // nkv * T
-    scratch = torch.empty(nkv * -(-n_keys // CHUNK) * rows * (hs + 2) + threads * rows * CHUNK, dtype=torch.float32)
+    work = torch.empty(T * (6 * nh * hs + 4 * nkv * hs + 2 * d + 3 * inter + 3 * nh + 2 * max(d, nh * hs, inter)
+                            + max(d, nh * hs, inter) // 16) + 8, dtype=torch.float32)
+    scratch = max((_attention_scratch(nh // nkv * t, n_keys, nkv, hs, threads)
+                   for (_, _, _, n_keys, _), t in zip(segments, lengths)), key=torch.Tensor.numel)
+    S = len(segments)
+
+    def array(kind, values):
+        return (kind * S)(*values)
+
     out = x.contiguous().clone()
-    cap = k.shape[3]
-    rc = libs[3]["triforce_decode_layers"](
-        _fn_table, out.data_ptr(), T, L, d, nh, nkv, hs, inter, table.eps, table.norms, table.qs, table.scales,
-        table.mins, table.bits, table.biases, k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
-        None if queries is None else queries.data_ptr(), nkv * cap * hs, cap * hs, slot, n_keys,
-        -1 if shared is None else shared, cos.data_ptr(), sin.data_ptr(), CHUNK, 1.0 / math.sqrt(hs), threads,
-        table.work.data_ptr(), scratch.data_ptr())
+    rc = lib["triforce_decode_layers_ragged"](
+        _fn_table, out.data_ptr(), S, array(ctypes.c_int, lengths), L, d, nh, nkv, hs, inter, table.eps,
+        table.norms, table.qs, table.scales, table.mins, table.bits, table.biases,
+        array(ctypes.c_void_p, [s[0].data_ptr() for s in segments]),
+        array(ctypes.c_void_p, [s[1].data_ptr() for s in segments]), int(dtype == torch.bfloat16),
+        array(ctypes.c_void_p, [None if s[4] is None else s[4].data_ptr() for s in segments]),
+        array(ctypes.c_int64, [nkv * s[0].shape[3] * hs for s in segments]),
+        array(ctypes.c_int64, [s[0].shape[3] * hs for s in segments]),
+        array(ctypes.c_int, [s[2] for s in segments]), array(ctypes.c_int, [s[3] for s in segments]),
+        cos.data_ptr(), sin.data_ptr(), CHUNK, 1.0 / math.sqrt(hs), threads, work.data_ptr(), scratch.data_ptr())
     return out if rc == 0 else None
 
 
@@ -225,6 +306,10 @@ class DecodeStep:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor | None:
         """(1, T, d) fp32 embedded tokens, their (T, hs) rotations and the cache -> (1, T, d) after the last layer,
         or None (a block the cache offers no rows for, or the kernels do not apply)."""
+        segments = getattr(cache, "segment_rows", None)  # a RaggedCache: several sequences' blocks
+        if segments is not None:
+            segments = segments() if x.shape[0] == 1 and x.shape[1] <= MAX_RAGGED_ROWS else None
+            return None if segments is None else decode_layers_ragged(self.table, x, segments, cos, sin)
         rows = cache.one_query_rows() if x.shape[0] == 1 and x.shape[1] <= MAX_BLOCK else None
         if rows is None:
             return None

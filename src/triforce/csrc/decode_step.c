@@ -205,6 +205,8 @@ static int project(void* const* fns, int bits, const void* w, const void* s, con
  * block, or catching up with the tokens a verification accepted).
  * Returns 0, -1 for a block it does not take, or the first kernel's nonzero return code. */
 #define MAX_T 16
+/* most rows of one ragged call (csrc/blockcodes.c's and csrc/qlinear.c's MAX_ROWS) */
+#define MAX_RAGGED_T 64
 
 /* out[r] = sum_c w_c o_c[r] / sum_c w_c, w_c = exp(lse_c[r] - max_c lse_c[r]) over the nc (<= 3) partial attentions
  * of every row (lse -INFINITY: a range with no keys, skipped) */
@@ -227,15 +229,26 @@ static void merge_partials(float* out, float* const* o, float* const* lse, int n
     }
 }
 
-int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int nh, int nkv, int hs, int inter,
-                           float eps, const float* const* norm_w, const void* const* q, const void* const* scale,
-                           const void* const* mins, const int* bits, const float* const* bias, void* k_cache,
-                           void* v_cache, int kv_bf16, float* q_out, int64_t layer_stride, int64_t head_stride,
-                           int slot, int n_keys, int n_shared, const float* cos, const float* sin, int chunk,
-                           float attn_scale, int nthreads, float* work, float* attn_scratch) {
+/* The layers over S segments of T rows in all (x: (T, d), segment s its rows t0_s .. t0_s + seg_T[s] - 1), each
+ * segment over its own cache: k_caches[s], v_caches[s] with layer_strides[s], head_strides[s], its keys and values
+ * written from row slots[s], attending over rows [0, n_keys[s]), its queries to q_outs[s] (or NULL). The products,
+ * norms and MLP run once over all T rows; RoPE, the cache writes and the attention per segment. S = 1 is
+ * triforce_decode_layers; n_shared >= 0 (the retrieval layout) only with S = 1. */
+static int layers(void* const* fns, float* x, int S, const int* seg_T, int L, int d, int nh, int nkv, int hs,
+                  int inter, float eps, const float* const* norm_w, const void* const* q, const void* const* scale,
+                  const void* const* mins, const int* bits, const float* const* bias, void* const* k_caches,
+                  void* const* v_caches, int kv_bf16, float* const* q_outs, const int64_t* layer_strides,
+                  const int64_t* head_strides, const int* slots, const int* n_keys_s, int n_shared, const float* cos,
+                  const float* sin, int chunk, float attn_scale, int nthreads, float* work, float* attn_scratch) {
     const int retrieval = n_shared >= 0;
-    if (T < 1 || T > MAX_T) return -1;
-    if (!retrieval && T > 1 && n_keys != slot + T) return -1;
+    int T = 0;
+    for (int s = 0; s < S; ++s) {
+        const int Ts = seg_T[s];
+        if (Ts < 1 || (!retrieval && Ts > 1 && n_keys_s[s] != slots[s] + Ts)) return -1;
+        T += Ts;
+    }
+    if (S < 1 || T > (S == 1 ? MAX_T : MAX_RAGGED_T) || (retrieval && S != 1)) return -1;
+    const int slot = slots[0], n_keys = n_keys_s[0];
     if (retrieval && (slot - T + 1 < n_shared || slot >= n_keys)) return -1;
     const rms_norm_fn norm = (rms_norm_fn)fns[1];
     const rope_fn rope = (rope_fn)fns[2];
@@ -245,9 +258,9 @@ int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int 
     if (!cache_attention) return -1;
     const int nq = nh * hs, nk = nkv * hs, nqkv = nq + 2 * nk;
     float* const qkv = work;                   /* (T, nqkv) */
-    float* const q_rot = qkv + T * nqkv;       /* (nh, T, hs): rows (g, T) per KV head, as the attention takes them */
-    float* const k_rot = q_rot + T * nq;       /* (nkv, T, hs) */
-    float* const attn = k_rot + T * nk;        /* (nh, T, hs) */
+    float* const q_rot = qkv + T * nqkv;       /* per segment (nh, T_s, hs): rows (g, T_s) per KV head, as the attention takes them */
+    float* const k_rot = q_rot + T * nq;       /* per segment (nkv, T_s, hs) */
+    float* const attn = k_rot + T * nk;        /* per segment (nh, T_s, hs) */
     float* const attn_t = attn + T * nq;       /* (T, nh hs) */
     float* const h = attn_t + T * nq;          /* (T, d) */
     float* const y = h + T * d;                /* (T, d) */
@@ -260,7 +273,6 @@ int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int 
     float* const lse1 = lse0 + T * nh;
     float* const lse2 = lse1 + T * nh;
     void* const qwork = (void*)(((uintptr_t)(lse2 + T * nh) + 31) & ~(uintptr_t)31);
-    const int rows = nh / nkv * T;
     int rc;
     for (int l = 0; l < L; ++l) {
         const void* const* wq = q + 4 * l;
@@ -268,55 +280,64 @@ int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int 
         const void* const* wm = mins + 4 * l;
         const int* wbits = bits + 4 * l;
         const float* const* wb = bias + 4 * l;
-        char* const kl = (char*)k_cache + l * layer_stride * es;
-        char* const vl = (char*)v_cache + l * layer_stride * es;
         /* attention */
         norm(x, norm_w[2 * l], h, T, d, eps);
         if ((rc = project(fns, wbits[0], wq[0], ws[0], wm[0], h, qkv, T, d, nqkv, nthreads, qwork))) return rc;
         for (int t = 0; t < T; ++t) add_bias(qkv + t * nqkv, wb[0], nqkv);
-        rope(qkv, 0, hs, nqkv, q_rot, cos, sin, 1, nh, T, hs);
-        rope(qkv + nq, 0, hs, nqkv, k_rot, cos, sin, 1, nkv, T, hs);
-        if (q_out) memcpy(q_out + (int64_t)l * T * nq, q_rot, sizeof(float) * T * nq);
-        for (int j = 0; j < nkv; ++j)
-            for (int t = 0; t < T; ++t) {
-                const int64_t row = retrieval ? slot - t : slot + t;
-                store_row(kl + (j * head_stride + row * hs) * es, k_rot + (j * T + t) * hs, hs, kv_bf16);
-                store_row(vl + (j * head_stride + row * hs) * es, qkv + t * nqkv + nq + nk + j * hs, hs, kv_bf16);
-                if (retrieval) memcpy(v_blk + (j * T + t) * hs, qkv + t * nqkv + nq + nk + j * hs, sizeof(float) * hs);
+        for (int s = 0, t0 = 0; s < S; t0 += seg_T[s++]) {
+            const int Ts = seg_T[s], rows = nh / nkv * Ts;
+            const int64_t layer_stride = layer_strides[s], head_stride = head_strides[s];
+            char* const kl = (char*)k_caches[s] + l * layer_stride * es;
+            char* const vl = (char*)v_caches[s] + l * layer_stride * es;
+            float* const qs = q_rot + t0 * nq;
+            float* const ks = k_rot + t0 * nk;
+            float* const as = attn + t0 * nq;
+            const float* const qkv_s = qkv + t0 * nqkv;
+            rope(qkv_s, 0, hs, nqkv, qs, cos + t0 * hs, sin + t0 * hs, 1, nh, Ts, hs);
+            rope(qkv_s + nq, 0, hs, nqkv, ks, cos + t0 * hs, sin + t0 * hs, 1, nkv, Ts, hs);
+            if (q_outs[s]) memcpy(q_outs[s] + (int64_t)l * Ts * nq, qs, sizeof(float) * Ts * nq);
+            for (int j = 0; j < nkv; ++j)
+                for (int t = 0; t < Ts; ++t) {
+                    const int64_t row = retrieval ? slot - t : slots[s] + t;
+                    store_row(kl + (j * head_stride + row * hs) * es, ks + (j * Ts + t) * hs, hs, kv_bf16);
+                    store_row(vl + (j * head_stride + row * hs) * es, qkv_s + t * nqkv + nq + nk + j * hs, hs, kv_bf16);
+                    if (retrieval) memcpy(v_blk + (j * T + t) * hs, qkv_s + t * nqkv + nq + nk + j * hs, sizeof(float) * hs);
+                }
+            if (!retrieval) {
+                if ((rc = cache_attention(qs, (const float*)kl, (const float*)vl, as, attn_scratch, 1, nkv, rows, Ts,
+                                          hs, layer_stride, head_stride, n_keys_s[s], chunk, attn_scale, nthreads, 0)))
+                    return rc;
+            } else {
+                if (kv_bf16) {  /* the block's own keys and values as its cache holds them */
+                    round_bf16(k_rot, T * nk);
+                    round_bf16(v_blk, T * nk);
+                }
+                /* the block's own keys, causal (token order: k_rot, v_blk), then the rows every token sees (T = 1 in
+                 * the kernel's terms: no mask over them) */
+                if ((rc = attention(q_rot, k_rot, v_blk, attn, attn_scratch, 1, nkv, rows, T, hs, (int64_t)nk,
+                                    (int64_t)T * hs, T, chunk, attn_scale, nthreads, lse0))) return rc;
+                float* parts[3] = {attn, part1, part2};
+                float* lses[3] = {lse0, lse1, lse2};
+                int nc = 1;
+                if (n_shared > 0) {
+                    if ((rc = cache_attention(q_rot, (const float*)kl, (const float*)vl, parts[nc], attn_scratch, 1,
+                                              nkv, rows, 1, hs, layer_stride, head_stride, n_shared, chunk,
+                                              attn_scale, nthreads, lses[nc]))) return rc;
+                    ++nc;
+                }
+                if (slot + 1 < n_keys) {
+                    if ((rc = cache_attention(q_rot, (const float*)(kl + (int64_t)(slot + 1) * hs * es),
+                                              (const float*)(vl + (int64_t)(slot + 1) * hs * es), parts[nc],
+                                              attn_scratch, 1, nkv, rows, 1, hs, layer_stride, head_stride,
+                                              n_keys - slot - 1, chunk, attn_scale, nthreads, lses[nc]))) return rc;
+                    ++nc;
+                }
+                if (nc > 1) merge_partials(attn, parts, lses, nc, nh * T, hs);  /* in place: each element read first */
             }
-        if (!retrieval) {
-            if ((rc = cache_attention(q_rot, (const float*)kl, (const float*)vl, attn, attn_scratch, 1, nkv, rows, T,
-                                      hs, layer_stride, head_stride, n_keys, chunk, attn_scale, nthreads, 0)))
-                return rc;
-        } else {
-            if (kv_bf16) {  /* the block's own keys and values as its cache holds them */
-                round_bf16(k_rot, T * nk);
-                round_bf16(v_blk, T * nk);
-            }
-            /* the block's own keys, causal (token order: k_rot, v_blk), then the rows every token sees (T = 1 in
-             * the kernel's terms: no mask over them) */
-            if ((rc = attention(q_rot, k_rot, v_blk, attn, attn_scratch, 1, nkv, rows, T, hs, (int64_t)nk,
-                                (int64_t)T * hs, T, chunk, attn_scale, nthreads, lse0))) return rc;
-            float* parts[3] = {attn, part1, part2};
-            float* lses[3] = {lse0, lse1, lse2};
-            int nc = 1;
-            if (n_shared > 0) {
-                if ((rc = cache_attention(q_rot, (const float*)kl, (const float*)vl, parts[nc], attn_scratch, 1, nkv,
-                                          rows, 1, hs, layer_stride, head_stride, n_shared, chunk, attn_scale,
-                                          nthreads, lses[nc]))) return rc;
-                ++nc;
-            }
-            if (slot + 1 < n_keys) {
-                if ((rc = cache_attention(q_rot, (const float*)(kl + (int64_t)(slot + 1) * hs * es),
-                                          (const float*)(vl + (int64_t)(slot + 1) * hs * es), parts[nc],
-                                          attn_scratch, 1, nkv, rows, 1, hs, layer_stride, head_stride,
-                                          n_keys - slot - 1, chunk, attn_scale, nthreads, lses[nc]))) return rc;
-                ++nc;
-            }
-            if (nc > 1) merge_partials(attn, parts, lses, nc, nh * T, hs);  /* in place: each element read first */
+            for (int j = 0; j < nh; ++j)  /* (nh, T_s, hs) -> rows t0 .. t0 + T_s - 1 of (T, nh hs) */
+                for (int t = 0; t < Ts; ++t)
+                    memcpy(attn_t + (t0 + t) * nq + j * hs, as + (j * Ts + t) * hs, sizeof(float) * hs);
         }
-        for (int j = 0; j < nh; ++j)  /* (nh, T, hs) -> (T, nh hs) */
-            for (int t = 0; t < T; ++t) memcpy(attn_t + t * nq + j * hs, attn + (j * T + t) * hs, sizeof(float) * hs);
         if ((rc = project(fns, wbits[1], wq[1], ws[1], wm[1], attn_t, y, T, nq, d, nthreads, qwork))) return rc;
         for (int t = 0; t < T; ++t) add_bias(y + t * d, wb[1], d);
         for (int i = 0; i < T * d; ++i) x[i] = x[i] + y[i];
@@ -333,4 +354,35 @@ int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int 
         for (int i = 0; i < T * d; ++i) x[i] = x[i] + y[i];
     }
     return 0;
+}
+
+int triforce_decode_layers(void* const* fns, float* x, int T, int L, int d, int nh, int nkv, int hs, int inter,
+                           float eps, const float* const* norm_w, const void* const* q, const void* const* scale,
+                           const void* const* mins, const int* bits, const float* const* bias, void* k_cache,
+                           void* v_cache, int kv_bf16, float* q_out, int64_t layer_stride, int64_t head_stride,
+                           int slot, int n_keys, int n_shared, const float* cos, const float* sin, int chunk,
+                           float attn_scale, int nthreads, float* work, float* attn_scratch) {
+    if (T < 1 || T > MAX_T) return -1;
+    if (n_shared < 0 && (T > 1 && n_keys != slot + T)) return -1;
+    return layers(fns, x, 1, &T, L, d, nh, nkv, hs, inter, eps, norm_w, q, scale, mins, bits, bias, &k_cache,
+                  &v_cache, kv_bf16, &q_out, &layer_stride, &head_stride, &slot, &n_keys, n_shared, cos, sin, chunk,
+                  attn_scale, nthreads, work, attn_scratch);
+}
+
+/* S sequences' blocks in one call (continuous batching: triforce/model.py forward_ragged), each over its own full
+ * cache (the layout of n_shared < 0 above); seg_T[s] tokens of sequence s, T = sum seg_T <= MAX_RAGGED_T rows in
+ * the products (x: (T, d), cos, sin: (T, hs) in the same row order). Every row is computed as
+ * triforce_decode_layers computes it alone: the products are row-invariant (each row's sums in the same order
+ * whatever the other rows) and each segment's attention is its own call. work: as above for T rows; attn_scratch:
+ * what the largest segment's attention needs. */
+int triforce_decode_layers_ragged(void* const* fns, float* x, int S, const int* seg_T, int L, int d, int nh, int nkv,
+                                  int hs, int inter, float eps, const float* const* norm_w, const void* const* q,
+                                  const void* const* scale, const void* const* mins, const int* bits,
+                                  const float* const* bias, void* const* k_caches, void* const* v_caches, int kv_bf16,
+                                  float* const* q_outs, const int64_t* layer_strides, const int64_t* head_strides,
+                                  const int* slots, const int* n_keys, const float* cos, const float* sin, int chunk,
+                                  float attn_scale, int nthreads, float* work, float* attn_scratch) {
+    return layers(fns, x, S, seg_T, L, d, nh, nkv, hs, inter, eps, norm_w, q, scale, mins, bits, bias, k_caches,
+                  v_caches, kv_bf16, q_outs, layer_strides, head_strides, slots, n_keys, -1, cos, sin, chunk,
+                  attn_scale, nthreads, work, attn_scratch);
 }
