@@ -22,6 +22,11 @@ Scenarios, run for each ``--max-batch`` setting:
   while it is prefilled (from its arrival to its first token): with batching its 512-token prefill chunks share
   forwards with their decode steps (chunked prefill), one at a time it waits for them.
 
+``--scenarios concurrent`` runs the first only. ``--llama-server GGUF`` adds llama.cpp's OpenAI-compatible server
+(``python -m llama_cpp.server``, llama-cpp-python's, which runs one request at a time) on that file as a setting of
+its own, sent the same prompts as text (it is not sent token ids); ``vs_llama_cpp`` is then the first
+``--max-batch`` setting's throughput over its, within each repetition.
+
 Prints JSON (and writes ``--out``).
 """
 
@@ -52,30 +57,43 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 
 class Server:
-    """A ``triforce serve`` subprocess on a free port; ``url`` once healthy."""
+    """A ``triforce serve`` subprocess on a free port (or, with ``gguf``, llama-cpp-python's server on that file);
+    ``url`` and ``model_id`` once healthy; ``text``: whether it is sent text prompts rather than token ids."""
 
-    def __init__(self, args, max_batch: int, log: str) -> None:
+    def __init__(self, args, max_batch: int, log: str, gguf: str | None = None) -> None:
+        import socket
+
         import httpx
 
         env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [sys.executable, "-m", "triforce.serve", "--port", "0", "--threads", str(args.threads),
-               "--max-batch", str(max_batch), "--log-level", "warning", "--queue-size", "64",
-               "--temperature", str(args.temperature), "--top-p", str(args.top_p)]
-        if args.model:
-            cmd += ["--model", args.model]
+        self.text = gguf is not None
+        if gguf:
+            with socket.socket() as sock:  # a free port (llama_cpp.server does not print the one it took)
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_threads", str(args.threads),
+                   "--n_threads_batch", str(args.threads), "--n_ctx", "8192", "--port", str(port), "--host",
+                   "127.0.0.1", "--verbose", "False", "--interrupt_requests", "False"]  # queued, not interrupted
+        else:
+            cmd = [sys.executable, "-m", "triforce.serve", "--port", "0", "--threads", str(args.threads),
+                   "--max-batch", str(max_batch), "--log-level", "warning", "--queue-size", "64",
+                   "--temperature", str(args.temperature), "--top-p", str(args.top_p)]
+            if args.model:
+                cmd += ["--model", args.model]
         self.log = log
         with open(log, "w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         t0, self.url = time.monotonic(), None
         while time.monotonic() - t0 < 300:
             m = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", open(log).read())
+            url = f"http://127.0.0.1:{port}" if gguf else m and m.group(1)
             if self.proc.poll() is not None:
                 raise RuntimeError(open(log).read())
-            if m:
+            if url:
                 try:
-                    if httpx.get(m.group(1) + "/health", timeout=2).status_code == 200:
-                        self.url = m.group(1)
-                        MODEL_ID[0] = httpx.get(self.url + "/v1/models").json()["data"][0]["id"]
+                    models = httpx.get(url + "/v1/models", timeout=2)
+                    if models.status_code == 200:
+                        self.url, self.model_id = url, models.json()["data"][0]["id"]
                         return
                 except httpx.HTTPError:
                     pass
@@ -87,18 +105,20 @@ class Server:
         self.proc.wait(30)
 
 
-MODEL_ID = [""]  # the server's model id, read from /v1/models
+SAMPLING = {}  # temperature and top_p of every request (main)
+DECODE = [None]  # token ids -> text, for the servers sent text (main)
 
 
-def stream(url: str, prompt: list[int], max_tokens: int, seed: int, out: dict, started: threading.Event | None = None):
+def stream(server: Server, prompt: list[int], max_tokens: int, seed: int, out: dict,
+           started: threading.Event | None = None):
     """Stream one completion; fills ``out`` with ``sent``, ``times`` (each content chunk's arrival), ``tokens``."""
     import httpx
 
-    body = {"model": MODEL_ID[0], "prompt": prompt, "max_tokens": max_tokens, "stream": True, "seed": seed,
-            "stream_options": {"include_usage": True}}
+    body = {"model": server.model_id, "prompt": DECODE[0](prompt) if server.text else prompt, "max_tokens": max_tokens,
+            "stream": True, "seed": seed, "stream_options": {"include_usage": True}, **SAMPLING}
     out["sent"], out["times"], out["tokens"] = time.monotonic(), [], None
     with httpx.Client(timeout=600) as h:
-        with h.stream("POST", url + "/v1/completions", json=body) as r:
+        with h.stream("POST", server.url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 out["error"] = f"{r.status_code}: {r.read()[:200]!r}"
                 return
@@ -115,9 +135,9 @@ def stream(url: str, prompt: list[int], max_tokens: int, seed: int, out: dict, s
     out["end"] = time.monotonic()
 
 
-def run_clients(url: str, prompts: list[list[int]], max_tokens: int, seed: int) -> dict:
+def run_clients(server: Server, prompts: list[list[int]], max_tokens: int, seed: int) -> dict:
     outs = [{} for _ in prompts]
-    threads = [threading.Thread(target=stream, args=(url, p, max_tokens, seed + i, o)) for i, (p, o) in
+    threads = [threading.Thread(target=stream, args=(server, p, max_tokens, seed + i, o)) for i, (p, o) in
                enumerate(zip(prompts, outs))]
     for t in threads:
         t.start()
@@ -135,17 +155,17 @@ def run_clients(url: str, prompts: list[list[int]], max_tokens: int, seed: int) 
             "tbt_p50": percentile(tbt, 0.5), "tbt_p99": percentile(tbt, 0.99)}
 
 
-def long_arrival(url: str, short: list[list[int]], long: list[int], seed: int) -> dict:
+def long_arrival(server: Server, short: list[list[int]], long: list[int], seed: int) -> dict:
     outs = [{} for _ in short]
     firsts = [threading.Event() for _ in short]
-    threads = [threading.Thread(target=stream, args=(url, p, 96, seed + i, o, e)) for i, (p, o, e) in
+    threads = [threading.Thread(target=stream, args=(server, p, 96, seed + i, o, e)) for i, (p, o, e) in
                enumerate(zip(short, outs, firsts))]
     for t in threads:
         t.start()
     for e in firsts:
         e.wait(600)
     lout: dict = {}
-    lt = threading.Thread(target=stream, args=(url, long, 16, seed + 99, lout))
+    lt = threading.Thread(target=stream, args=(server, long, 16, seed + 99, lout))
     lt.start()
     for t in threads + [lt]:
         t.join()
@@ -173,8 +193,12 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reps", type=int, default=2, help="interleaved repetitions (medians reported)")
+    p.add_argument("--scenarios", nargs="+", default=["concurrent", "long_arrival"],
+                   choices=["concurrent", "long_arrival"])
+    p.add_argument("--llama-server", metavar="GGUF", help="add llama-cpp-python's server on this GGUF file")
     p.add_argument("--out")
     args = p.parse_args()
+    SAMPLING.update(temperature=args.temperature, top_p=args.top_p)
     sys.path.insert(0, SRC)
     from transformers import AutoTokenizer
 
@@ -182,6 +206,7 @@ def main() -> int:
     from triforce.prompts import strip_gutenberg
 
     tok = AutoTokenizer.from_pretrained(args.model or str(default_model_dir()))  # a local folder
+    DECODE[0] = tok.decode
     with open(args.book, encoding="utf-8") as f:
         ids = tok(strip_gutenberg(f.read()), add_special_tokens=False)["input_ids"]
     cursor = [0]
@@ -203,24 +228,26 @@ def main() -> int:
               "prompt_tokens": n, "new_tokens": args.new_tokens, "temperature": args.temperature,
               "top_p": args.top_p, "reps": args.reps, "settings": {}}
     servers = {}
-    runs = {mb: {"concurrent": {c: [] for c in args.clients}, "long_arrival": []} for mb in args.max_batch}
+    names = [str(mb) for mb in args.max_batch] + (["llama.cpp"] if args.llama_server else [])
+    runs = {name: {"concurrent": {c: [] for c in args.clients}, "long_arrival": []} for name in names}
     try:
-        for mb in args.max_batch:  # all loaded up front; an idle server sleeps
-            servers[mb] = Server(args, mb, f"/tmp/triforce_serving_http_{mb}.log")
+        for name in names:  # all loaded up front; an idle server sleeps
+            gguf = args.llama_server if name == "llama.cpp" else None
+            servers[name] = Server(args, 1 if gguf else int(name), f"/tmp/triforce_serving_http_{name}.log", gguf)
             warm = take(n)  # warm-up, not timed: a fresh server's first requests run slower
-            run_clients(servers[mb].url, [warm, warm[:300]], 8, args.seed)
+            run_clients(servers[name], [warm, warm[:300]], 8, args.seed)
         for rep in range(args.reps):
             plan = new_plan()
-            order = list(args.max_batch) if rep % 2 == 0 else list(reversed(args.max_batch))  # interleaved
+            order = names if rep % 2 == 0 else list(reversed(names))  # interleaved
             for c, prompts in zip(args.clients, plan["concurrent"]):
-                for mb in order:
-                    row = run_clients(servers[mb].url, prompts, args.new_tokens, args.seed + rep)
-                    runs[mb]["concurrent"][c].append(row)
-                    print(f"rep {rep} max_batch {mb}: {row}", file=sys.stderr, flush=True)
-            for mb in order:
-                arrival = long_arrival(servers[mb].url, plan["short"], plan["long"], args.seed + rep)
-                runs[mb]["long_arrival"].append(arrival)
-                print(f"rep {rep} max_batch {mb}: {arrival}", file=sys.stderr, flush=True)
+                for name in order:
+                    row = run_clients(servers[name], prompts, args.new_tokens, args.seed + rep)
+                    runs[name]["concurrent"][c].append(row)
+                    print(f"rep {rep} {name}: {row}", file=sys.stderr, flush=True)
+            for name in order if "long_arrival" in args.scenarios else []:
+                arrival = long_arrival(servers[name], plan["short"], plan["long"], args.seed + rep)
+                runs[name]["long_arrival"].append(arrival)
+                print(f"rep {rep} {name}: {arrival}", file=sys.stderr, flush=True)
     finally:
         for server in servers.values():
             server.close()
@@ -229,16 +256,21 @@ def main() -> int:
         return {k: statistics.median(r[k] for r in rows) if isinstance(rows[0][k], (int, float)) else rows[0][k]
                 for k in rows[0]}
 
-    for mb in args.max_batch:
-        result["settings"][str(mb)] = {
-            "concurrent": [dict(medians(rows), runs=rows) for rows in runs[mb]["concurrent"].values()],
-            "long_arrival": dict(medians(runs[mb]["long_arrival"]), runs=runs[mb]["long_arrival"])}
-    if len(args.max_batch) == 2:  # throughput ratio of the first setting to the second, within each repetition
-        a, b = args.max_batch
-        result["throughput_ratio"] = {
-            str(c): statistics.median(x["tokens_per_second"] / y["tokens_per_second"]
-                                      for x, y in zip(runs[a]["concurrent"][c], runs[b]["concurrent"][c]))
-            for c in args.clients}
+    for name in names:
+        arrivals = runs[name]["long_arrival"]
+        result["settings"][name] = {
+            "concurrent": [dict(medians(rows), runs=rows) for rows in runs[name]["concurrent"].values()],
+            "long_arrival": dict(medians(arrivals), runs=arrivals) if arrivals else None}
+
+    def ratio(a: str, b: str) -> dict:  # throughput of setting a over b's, within each repetition
+        return {str(c): statistics.median(x["tokens_per_second"] / y["tokens_per_second"]
+                                          for x, y in zip(runs[a]["concurrent"][c], runs[b]["concurrent"][c]))
+                for c in args.clients}
+
+    if len(args.max_batch) == 2:
+        result["throughput_ratio"] = ratio(*names[:2])
+    if args.llama_server:
+        result["vs_llama_cpp"] = ratio(names[0], "llama.cpp")
     emit_json(result, args.out)
     return 0
 
