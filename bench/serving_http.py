@@ -22,6 +22,11 @@ Scenarios, run for each ``--max-batch`` setting:
   while it is prefilled (from its arrival to its first token): with batching its 512-token prefill chunks share
   forwards with their decode steps (chunked prefill), one at a time it waits for them.
 
+* ``choices``: one request for ``--choices`` samples (``n``, 4) of a ``--prompt-tokens`` prompt, against one request
+  for one sample of another prompt as long (non-streamed, fresh prompts, ``--new-tokens`` each): ``n`` samples
+  share one prefill and decode as a batch, so ``choices_over_one`` (the wall times' ratio) is what the extra samples
+  cost; ``llama.cpp`` does not run it.
+
 ``--scenarios concurrent`` runs the first only. ``--llama-server GGUF`` adds llama.cpp's OpenAI-compatible server
 (``python -m llama_cpp.server``, llama-cpp-python's, which runs one request at a time) on that file as a setting of
 its own, sent the same prompts as text (it is not sent token ids); ``vs_llama_cpp`` is then the first
@@ -155,6 +160,20 @@ def run_clients(server: Server, prompts: list[list[int]], max_tokens: int, seed:
             "tbt_p50": percentile(tbt, 0.5), "tbt_p99": percentile(tbt, 0.99)}
 
 
+def choices(server: Server, prompt: list[int], n: int, max_tokens: int, seed: int) -> dict:
+    """One non-streamed request for ``n`` samples: its wall time, tokens, and each choice's reused prefix."""
+    import httpx
+
+    body = {"model": server.model_id, "prompt": prompt, "max_tokens": max_tokens, "seed": seed, "n": n, **SAMPLING}
+    t0 = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=600).json()
+    seconds = time.monotonic() - t0
+    stats = r["triforce"].get("choices", [r["triforce"]])
+    return {"n": n, "seconds": seconds, "tokens": r["usage"]["completion_tokens"],
+            "prefill_seconds": stats[0]["prefill_seconds"],
+            "reused_prefix_tokens": [s["tiers"]["target"].get("reused_prefix_tokens") for s in stats]}
+
+
 def long_arrival(server: Server, short: list[list[int]], long: list[int], seed: int) -> dict:
     outs = [{} for _ in short]
     firsts = [threading.Event() for _ in short]
@@ -194,7 +213,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reps", type=int, default=2, help="interleaved repetitions (medians reported)")
     p.add_argument("--scenarios", nargs="+", default=["concurrent", "long_arrival"],
-                   choices=["concurrent", "long_arrival"])
+                   choices=["concurrent", "long_arrival", "choices"])
+    p.add_argument("--choices", type=int, default=4, help="samples of the choices scenario's request (n)")
     p.add_argument("--llama-server", metavar="GGUF", help="add llama-cpp-python's server on this GGUF file")
     p.add_argument("--out")
     args = p.parse_args()
@@ -222,14 +242,15 @@ def main() -> int:
 
     def new_plan() -> dict:  # fresh prompts for each repetition: no request reuses another's prefix
         return {"concurrent": [[take(n) for _ in range(c)] for c in args.clients],
-                "short": [take(500) for _ in range(3)], "long": take(args.long_tokens)}
+                "short": [take(500) for _ in range(3)], "long": take(args.long_tokens),
+                "choices": [take(n), take(n)] if "choices" in args.scenarios else None}
 
     result = {"machine": {"threads": args.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
               "prompt_tokens": n, "new_tokens": args.new_tokens, "temperature": args.temperature,
               "top_p": args.top_p, "reps": args.reps, "settings": {}}
     servers = {}
     names = [str(mb) for mb in args.max_batch] + (["llama.cpp"] if args.llama_server else [])
-    runs = {name: {"concurrent": {c: [] for c in args.clients}, "long_arrival": []} for name in names}
+    runs = {name: {"concurrent": {c: [] for c in args.clients}, "long_arrival": [], "choices": []} for name in names}
     try:
         for name in names:  # all loaded up front; an idle server sleeps
             gguf = args.llama_server if name == "llama.cpp" else None
@@ -239,7 +260,7 @@ def main() -> int:
         for rep in range(args.reps):
             plan = new_plan()
             order = names if rep % 2 == 0 else list(reversed(names))  # interleaved
-            for c, prompts in zip(args.clients, plan["concurrent"]):
+            for c, prompts in zip(args.clients, plan["concurrent"]) if "concurrent" in args.scenarios else ():
                 for name in order:
                     row = run_clients(servers[name], prompts, args.new_tokens, args.seed + rep)
                     runs[name]["concurrent"][c].append(row)
@@ -248,28 +269,36 @@ def main() -> int:
                 arrival = long_arrival(servers[name], plan["short"], plan["long"], args.seed + rep)
                 runs[name]["long_arrival"].append(arrival)
                 print(f"rep {rep} {name}: {arrival}", file=sys.stderr, flush=True)
+            for name in [x for x in order if x != "llama.cpp"] if "choices" in args.scenarios else []:
+                one, many = (choices(servers[name], prompt, k, args.new_tokens, args.seed + rep)
+                             for prompt, k in zip(plan["choices"], (1, args.choices)))
+                runs[name]["choices"].append({"one": one, "choices": many,
+                                              "choices_over_one": many["seconds"] / one["seconds"]})
+                print(f"rep {rep} {name}: {runs[name]['choices'][-1]}", file=sys.stderr, flush=True)
     finally:
         for server in servers.values():
             server.close()
 
     def medians(rows: list[dict]) -> dict:
         return {k: statistics.median(r[k] for r in rows) if isinstance(rows[0][k], (int, float)) else rows[0][k]
-                for k in rows[0]}
+                for k in rows[0]} if rows else {}
 
     for name in names:
         arrivals = runs[name]["long_arrival"]
         result["settings"][name] = {
             "concurrent": [dict(medians(rows), runs=rows) for rows in runs[name]["concurrent"].values()],
-            "long_arrival": dict(medians(arrivals), runs=arrivals) if arrivals else None}
+            "long_arrival": dict(medians(arrivals), runs=arrivals) if arrivals else None,
+            "choices": {"choices_over_one": statistics.median(r["choices_over_one"] for r in runs[name]["choices"]),
+                        "runs": runs[name]["choices"]} if runs[name]["choices"] else None}
 
     def ratio(a: str, b: str) -> dict:  # throughput of setting a over b's, within each repetition
         return {str(c): statistics.median(x["tokens_per_second"] / y["tokens_per_second"]
                                           for x, y in zip(runs[a]["concurrent"][c], runs[b]["concurrent"][c]))
                 for c in args.clients}
 
-    if len(args.max_batch) == 2:
+    if len(args.max_batch) == 2 and "concurrent" in args.scenarios:
         result["throughput_ratio"] = ratio(*names[:2])
-    if args.llama_server:
+    if args.llama_server and "concurrent" in args.scenarios:
         result["vs_llama_cpp"] = ratio(names[0], "llama.cpp")
     emit_json(result, args.out)
     return 0

@@ -447,7 +447,8 @@ MALFORMED = [
     (CH, {"messages": [{"role": "user", "content": "hi", "name": 5}]}, 400, "messages[0].name"),
     (CH, {"messages": [{"role": "user", "content": "hi", "weird": "x"}]}, 400, "messages[0].weird"),
     (CH, {"messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages"),
-    (CH, _chat(n=2), 400, "n"),
+    (CH, _chat(n=0), 400, "n"),
+    (CH, _chat(n=17), 400, "n"),
     (CH, _chat(n="1"), 400, "n"),
     (CH, _chat(logprobs=1), 400, "logprobs"),
     (CH, _chat(logprobs="yes"), 400, "logprobs"),
@@ -474,7 +475,8 @@ MALFORMED = [
     (C, _cmpl(logprobs=True), 400, "logprobs"),
     (C, _cmpl(logprobs=-1), 400, "logprobs"),
     (C, _cmpl(echo=True, max_tokens=-1), 400, "max_tokens"),
-    (C, _cmpl(n=3), 400, "n"),
+    (C, _cmpl(n=3, echo=True), 400, "n"),
+    (C, _cmpl(n=2.0), 400, "n"),
     (C, _cmpl(suffix="x"), 400, "suffix"),
     (C, _cmpl(messages=MSG), 400, "messages"),
     (C, _cmpl(tools=[]), 400, "tools"),
@@ -544,8 +546,45 @@ def test_malformed_requests_get_openai_errors_and_the_server_stays_healthy(serve
 
 def test_openai_client_sees_bad_request(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=client.models.list().data[0].id, messages=MSG, n=2)
+        client.chat.completions.create(model=client.models.list().data[0].id, messages=MSG, n=17)
     assert e.value.status_code == 400 and e.value.body["param"] == "n"
+
+
+# ------------------------------------------------------------------------------------------------ n choices
+def test_n_choices_share_the_prefill_and_equal_requests_seeded_one_by_one(client, ref):
+    model = client.models.list().data[0].id
+    prompt = ref.encode("n choices: a prompt no other test sends, long enough that its prefill is shared " * 3)
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0.9, seed=41, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.text for c in r.choices]
+    assert len(set(texts)) > 1, texts  # independent samples (seeds 41-43 draw different ones on this model)
+    stats = r.triforce["choices"]
+    assert [s["seed"] for s in stats] == [41, 42, 43]
+    assert r.usage.completion_tokens == sum(s["generated_tokens"] for s in stats)
+    assert r.usage.prompt_tokens == len(prompt)
+    # the first choice prefilled the prompt; the others adopted its KV and fed only the last prompt token
+    assert stats[0]["tiers"]["target"]["reused_prefix_tokens"] < len(prompt) - 1
+    assert [s["tiers"]["target"]["reused_prefix_tokens"] for s in stats[1:]] == [len(prompt) - 1] * 2
+    # choice i is the request with seed 41 + i alone (the same tokens: a reused prefix is exact)
+    for i, text in enumerate(texts):
+        alone = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0.9, seed=41 + i)
+        assert alone.choices[0].text == text, i
+
+
+def test_n_choices_stream_by_index_and_equal_the_non_streamed_answer(client):
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Name two colours, for the streamed n test."}]
+    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=10, seed=5, n=2)
+    parts, finish, usage = ["", ""], [None, None], None
+    for ch in client.chat.completions.create(model=model, messages=messages, max_tokens=10, seed=5, n=2,
+                                             stream=True, stream_options={"include_usage": True}):
+        for c in ch.choices:
+            parts[c.index] += c.delta.content or ""
+            finish[c.index] = c.finish_reason or finish[c.index]
+        usage = ch.usage or usage
+    assert parts == [c.message.content for c in whole.choices]
+    assert finish == [c.finish_reason for c in whole.choices]
+    assert usage.completion_tokens == whole.usage.completion_tokens
 
 
 # ------------------------------------------------------------------------------------------------ prefix reuse

@@ -11,9 +11,10 @@ import hmac
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from ..hierarchy import MAX_SEED
 from .logprob_fields import chat_logprobs, completion_logprobs
 from .metrics import ServerMetrics
 from .schema import GenerationRequest, parse_json_body, parse_request
@@ -90,21 +91,39 @@ class _RequireKey:
         return await self.inner(scope, receive, send)
 
 
+def _cancel(jobs: list[_Job]) -> None:
+    """Cancel every choice of a request (no effect on those that ended)."""
+    for job in jobs:
+        job.cancel.set()
+
+
+def _choices(req: GenerationRequest, loop, received: float, deadline: float) -> list[_Job]:
+    """The jobs of a request's ``n`` choices, sharing one event queue; choice i samples with ``seed + i`` (a random
+    seed each without a seed). The first carries the others as its followers (``worker.py``)."""
+    events: asyncio.Queue = asyncio.Queue()
+    jobs = []
+    for i in range(req.n):
+        seed = req.seed if req.seed is None or i == 0 else (req.seed + i) % (MAX_SEED + 1)
+        jobs.append(_Job(replace(req, seed=seed), loop, received, deadline, events=events, index=i))
+    jobs[0].followers = jobs[1:]
+    return jobs
+
+
 @functools.lru_cache(maxsize=None)
 def _job_stream_class():
-    """``StreamingResponse`` that cancels its job however the response ends (client gone included)."""
+    """``StreamingResponse`` that cancels its jobs however the response ends (client gone included)."""
     from starlette.responses import StreamingResponse
 
     class _JobStream(StreamingResponse):
-        def __init__(self, job: _Job, content, **kw) -> None:
+        def __init__(self, jobs: list[_Job], content, **kw) -> None:
             super().__init__(content, **kw)
-            self.job = job
+            self.jobs = jobs
 
         async def __call__(self, scope, receive, send):
             try:
                 await super().__call__(scope, receive, send)
             finally:
-                self.job.cancel.set()
+                _cancel(self.jobs)
 
     return _JobStream
 
@@ -121,8 +140,8 @@ class _Server:
     metrics: ServerMetrics
 
     async def next_event(self, job: _Job, request) -> tuple | None:
-        """The job's next event; None once the client has disconnected (checked at every call, i.e. between
-        tokens, and every DISCONNECT_POLL_SECONDS while waiting)."""
+        """The next ``(choice index, event)`` of the job's request; None once the client has disconnected (checked
+        at every call, i.e. between tokens, and every DISCONNECT_POLL_SECONDS while waiting)."""
         while True:
             if await request.is_disconnected():
                 return None
@@ -155,7 +174,11 @@ class _Server:
             # memory held by running requests or kept caches frees up: the worker checks again when it starts
             if e.code != "insufficient_memory" or not (self.worker.busy or self.worker.keeps_caches):
                 raise
-        job = _Job(req, asyncio.get_running_loop(), received, received + self.defaults.request_timeout)
+        if req.n > self.defaults.queue_size:
+            raise _invalid(f"n={req.n} choices cannot all wait in the server's queue (--queue-size "
+                           f"{self.defaults.queue_size}); ask for at most {self.defaults.queue_size}", param="n")
+        jobs = _choices(req, asyncio.get_running_loop(), received, received + self.defaults.request_timeout)
+        job = jobs[0]
         if not self.worker.submit(job):
             raise APIError(503, f"the server is busy: {self.worker.waiting} requests are already waiting (--queue-size "
                            f"{self.defaults.queue_size}); retry later", type="server_error", code="queue_full",
@@ -163,133 +186,145 @@ class _Server:
         try:
             first = await self.next_event(job, request)
         except BaseException:
-            job.cancel.set()
+            _cancel(jobs)
             raise
-        if first is None or first[0] == "cancelled":
-            job.cancel.set()
+        if first is None or first[1][0] == "cancelled":
+            _cancel(jobs)
             return Response(status_code=499)  # client closed the request (nginx's code); nobody reads it
-        if first[0] == "error":
-            raise first[1]
+        if first[1][0] == "error":
+            _cancel(jobs)
+            raise first[1][1]
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if req.stream:
-            return _job_stream_class()(job, self.stream_body(job, request, req, rid, created),
+            return _job_stream_class()(jobs, self.stream_body(jobs, request, req, rid, created),
                                        media_type="text/event-stream",
                                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             return await self.answer(job, request, req, rid, created)
         finally:
-            job.cancel.set()
+            _cancel(jobs)
 
     async def answer(self, job: _Job, request, req: GenerationRequest, rid: str, created: int):
-        """The non-streamed answer: collect the job's tokens, then one JSON object (499 if the client left)."""
+        """The non-streamed answer: collect the tokens of every choice, then one JSON object (499 if the client
+        left). ``triforce`` holds the first choice's stats, and with ``n`` > 1 every choice's as ``choices``."""
         from fastapi.responses import JSONResponse, Response
 
         first_token = True
-        entries: list[tuple[dict, str]] = []  # (entry, text piece) of the completion's tokens
-        prompt_entries: list[tuple[dict, str]] = []  # ... and of the echoed prompt's
-        while True:
-            ev = await self.next_event(job, request)
-            if ev is None:
+        entries: list[list[tuple[dict, str]]] = [[] for _ in range(req.n)]  # (entry, text piece) of each choice's
+        prompt_entries: list[tuple[dict, str]] = []  # ... and of the echoed prompt's (n = 1)
+        infos: dict[int, dict] = {}
+        while len(infos) < req.n:
+            item = await self.next_event(job, request)
+            if item is None:
                 return Response(status_code=499)
+            i, ev = item
             if ev[0] == "token":
                 if first_token:
                     self.metrics.ttft.observe(time.monotonic() - job.received)
                     first_token = False
                 if ev[2] is not None:
-                    entries.append(ev[2])
+                    entries[i].append(ev[2])
             elif ev[0] == "prompt_logprobs":
                 prompt_entries = ev[1]
             elif ev[0] == "error":
                 raise ev[1]
+            elif ev[0] == "cancelled":
+                return Response(status_code=499)
             elif ev[0] == "done":
-                info = ev[1]
-                break
-        usage = _usage(len(req.prompt_ids), info["completion_tokens"])
-        logprobs = None
-        if req.kind == "chat":
-            if req.logprobs is not None:
-                logprobs = chat_logprobs(entries)
-            choice = {"index": 0, "message": {"role": "assistant", "content": info["text"]}, "logprobs": logprobs,
-                      "finish_reason": info["finish_reason"]}
-            obj = "chat.completion"
-        else:
-            echoed = self.echo_text(req)
-            if req.logprobs is not None:  # the completion's offsets start after the echoed prompt
-                prompt, _ = completion_logprobs(prompt_entries, 0)
-                logprobs = {k: v + completion_logprobs(entries, len(echoed))[0][k] for k, v in prompt.items()}
-            choice = {"index": 0, "text": echoed + info["text"], "logprobs": logprobs,
-                      "finish_reason": info["finish_reason"]}
-            obj = "text_completion"
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice],
-                             "usage": usage, "triforce": info["stats"]})
+                infos[i] = ev[1]
+        choices = []
+        for i in range(req.n):
+            info, logprobs = infos[i], None
+            if req.kind == "chat":
+                if req.logprobs is not None:
+                    logprobs = chat_logprobs(entries[i])
+                choices.append({"index": i, "message": {"role": "assistant", "content": info["text"]},
+                                "logprobs": logprobs, "finish_reason": info["finish_reason"]})
+            else:
+                echoed = self.echo_text(req)
+                if req.logprobs is not None:  # the completion's offsets start after the echoed prompt
+                    prompt, _ = completion_logprobs(prompt_entries, 0)
+                    logprobs = {k: v + completion_logprobs(entries[i], len(echoed))[0][k] for k, v in prompt.items()}
+                choices.append({"index": i, "text": echoed + info["text"], "logprobs": logprobs,
+                                "finish_reason": info["finish_reason"]})
+        usage = _usage(len(req.prompt_ids), sum(info["completion_tokens"] for info in infos.values()))
+        stats = infos[0]["stats"] if req.n == 1 else dict(infos[0]["stats"],
+                                                          choices=[infos[i]["stats"] for i in range(req.n)])
+        obj = "chat.completion" if req.kind == "chat" else "text_completion"
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": req.model, "choices": choices,
+                             "usage": usage, "triforce": stats})
 
-    async def stream_body(self, job: _Job, request, req: GenerationRequest, rid: str, created: int):
-        """The server-sent events of a streamed answer: chunks as tokens arrive, the final chunk with the stats,
-        the usage chunk (``stream_options.include_usage``), ``[DONE]``."""
+    async def stream_body(self, jobs: list[_Job], request, req: GenerationRequest, rid: str, created: int):
+        """The server-sent events of a streamed answer: chunks as tokens arrive (each names its choice's
+        ``index``), each choice's final chunk with its stats, the usage chunk (``stream_options.include_usage``),
+        ``[DONE]``."""
         chat = req.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
         extra = {"usage": None} if req.include_usage else {}
 
-        offset = 0  # completions: characters of text sent so far (text_offset)
-        pending: list[tuple[dict, str]] = []  # (entry, text piece) of tokens not sent yet
+        offset = [0] * req.n  # completions: characters of text sent so far (text_offset), per choice
+        pending: list[list[tuple[dict, str]]] = [[] for _ in range(req.n)]  # (entry, text piece) not sent yet
 
-        def chunk(delta: str | None, finish: str | None = None, role: bool = False) -> dict:
-            nonlocal offset, pending
+        def chunk(i: int, delta: str | None, finish: str | None = None, role: bool = False) -> dict:
             lp = None
-            if pending:  # OpenAI's null where a chunk carries no token's log-probability
+            if pending[i]:  # OpenAI's null where a chunk carries no token's log-probability
                 if chat:
-                    lp = chat_logprobs(pending)
+                    lp = chat_logprobs(pending[i])
                 else:
-                    lp, offset = completion_logprobs(pending, offset)
-                pending = []
+                    lp, offset[i] = completion_logprobs(pending[i], offset[i])
+                pending[i] = []
             if chat:
                 d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
-                c = {"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish}
+                c = {"index": i, "delta": d, "logprobs": lp, "finish_reason": finish}
             else:
-                c = {"index": 0, "text": delta or "", "logprobs": lp, "finish_reason": finish}
+                c = {"index": i, "text": delta or "", "logprobs": lp, "finish_reason": finish}
             return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [c], **extra}
 
         try:
             if chat:
-                yield _sse(chunk(None, role=True))
+                for i in range(req.n):
+                    yield _sse(chunk(i, None, role=True))
             first_token = True
             echoed = "" if chat else self.echo_text(req)
             if echoed and req.logprobs is None:
-                yield _sse(chunk(echoed))
-            while True:
-                ev = await self.next_event(job, request)
-                if ev is None:
-                    job.cancel.set()
+                yield _sse(chunk(0, echoed))
+            completion_tokens, done = 0, 0
+            while done < req.n:
+                item = await self.next_event(jobs[0], request)
+                if item is None:
                     return
+                i, ev = item
                 if ev[0] == "token":
                     if first_token:
-                        self.metrics.ttft.observe(time.monotonic() - job.received)
+                        self.metrics.ttft.observe(time.monotonic() - jobs[0].received)
                         first_token = False
                     if ev[2] is not None:
-                        pending.append(ev[2])
+                        pending[i].append(ev[2])
                     if ev[1].text:
-                        yield _sse(chunk(ev[1].text))
+                        yield _sse(chunk(i, ev[1].text))
                 elif ev[0] == "prompt_logprobs":  # echo: the prompt and its tokens' log-probabilities first
-                    pending = ev[1]
-                    yield _sse(chunk(echoed))
-                    offset = len(echoed)  # the completion's text follows the prompt as sent
-                elif ev[0] == "error":
-                    yield _sse(ev[1].body())
+                    pending[i] = ev[1]
+                    yield _sse(chunk(i, echoed))
+                    offset[i] = len(echoed)  # the completion's text follows the prompt as sent
+                elif ev[0] in ("error", "cancelled"):
+                    if ev[0] == "error":
+                        yield _sse(ev[1].body())
                     yield b"data: [DONE]\n\n"
                     return
                 elif ev[0] == "done":
                     info = ev[1]
-                    final = chunk(None, finish=info["finish_reason"])
+                    final = chunk(i, None, finish=info["finish_reason"])
                     final["triforce"] = info["stats"]
                     yield _sse(final)
-                    if req.include_usage:
-                        yield _sse({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
-                                    "usage": _usage(len(req.prompt_ids), info["completion_tokens"])})
-                    yield b"data: [DONE]\n\n"
-                    return
+                    completion_tokens += info["completion_tokens"]
+                    done += 1
+            if req.include_usage:
+                yield _sse({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
+                            "usage": _usage(len(req.prompt_ids), completion_tokens)})
+            yield b"data: [DONE]\n\n"
         finally:
-            job.cancel.set()
+            _cancel(jobs)
 
     def echo_text(self, req: GenerationRequest) -> str:
         """What ``echo`` puts before a completion: the prompt as sent, or the decoded token ids ("" without echo)."""

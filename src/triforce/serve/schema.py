@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..hierarchy import MAX_SEED
-from .settings import MAX_BODY_BYTES, MAX_STOP_SEQUENCES, APIError, ServerDefaults, _invalid
+from .settings import MAX_BODY_BYTES, MAX_CHOICES, MAX_STOP_SEQUENCES, APIError, ServerDefaults, _invalid
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..api import TriForce
@@ -34,6 +34,8 @@ class GenerationRequest:
         echo: (completions) the prompt comes back before the completion, with its tokens' log-probabilities when
             ``logprobs`` is given; ``max_tokens`` 0 is then allowed (score a text, generate nothing).
         prompt_text: the prompt as the client sent it (a string), or None (token ids): what ``echo`` returns.
+        n: choices to generate (1 to :data:`~triforce.serve.settings.MAX_CHOICES`): samples of the same prompt, which
+            share its prefill and decode as a batch (``worker.py``).
     """
 
     kind: str
@@ -50,18 +52,18 @@ class GenerationRequest:
     logprobs: int | None = None
     echo: bool = False
     prompt_text: str | None = None
+    n: int = 1
 
 
 # accepted and used
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-           "logprobs"}
+           "logprobs", "n"}
 _CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs"}
 _COMPLETION_ONLY = {"prompt", "echo"}
 # accepted and ignored (no effect on the output)
 _IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "parallel_tool_calls"}
 # accepted only at their neutral value; anything else is refused by name
 _NEUTRAL_COMMON = {
-    "n": lambda v: v is None or (_is_int(v) and v == 1),
     "presence_penalty": lambda v: v is None or (_is_number(v) and v == 0),
     "frequency_penalty": lambda v: v is None or (_is_number(v) and v == 0),
     "logit_bias": lambda v: v is None or v == {},
@@ -127,8 +129,8 @@ def _check_unsupported(body: dict, kind: str) -> None:
             continue
         if key in neutral:
             if not neutral[key](value):
-                raise _invalid(f"{key}={json.dumps(value)[:80]} is not supported by this server (one choice per "
-                               f"request, no penalties, logit bias or tools); omit {key!r} or give its default",
+                raise _invalid(f"{key}={json.dumps(value)[:80]} is not supported by this server (no best_of, "
+                               f"penalties, logit bias or tools); omit {key!r} or give its default",
                                param=key, code="unsupported_parameter")
             continue
         hint = {"prompt": " (prompt belongs to /v1/completions)",
@@ -297,6 +299,15 @@ def parse_request(body: dict, kind: str, tf: "TriForce", defaults: ServerDefault
             raise _invalid("give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
         max_name, max_tokens = "max_completion_tokens", body["max_completion_tokens"]
     logprobs, echo = _logprobs_options(body, kind)
+    n = body.get("n")
+    if n is None:
+        n = 1
+    elif not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise _invalid(f"n must be an integer in [1, {MAX_CHOICES}] (choices to generate), got {json.dumps(n)[:40]}",
+                       param="n")
+    if n > 1 and echo:
+        raise _invalid("echo with n > 1 is not supported: ask for the prompt's log-probabilities in a request of its own",
+                       param="n", code="unsupported_parameter")
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < (0 if echo else 1)):
         raise _invalid(f"{max_name} must be an integer >= {0 if echo else 1}"
                        f"{'' if echo else ' (0 only with echo on /v1/completions)'}, got {json.dumps(max_tokens)[:40]}",
@@ -344,7 +355,7 @@ def parse_request(body: dict, kind: str, tf: "TriForce", defaults: ServerDefault
     return GenerationRequest(kind=kind, prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                              top_k=top_k, seed=seed, stop=stop, stream=stream, include_usage=include_usage,
                              model=defaults.model_id, logprobs=logprobs, echo=echo,
-                             prompt_text=prompt_text if kind == "completion" else None)
+                             prompt_text=prompt_text if kind == "completion" else None, n=n)
 
 
 def _logprobs_options(body: dict, kind: str) -> tuple[int | None, bool]:

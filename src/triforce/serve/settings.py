@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 MAX_BODY_BYTES = 16 * 1024 * 1024
 MAX_STOP_SEQUENCES = 4
+MAX_CHOICES = 16  # most choices (`n`) of one request; each is a sequence of the batch
 DISCONNECT_POLL_SECONDS = 0.25
 API_KEY_ENV = "TRIFORCE_API_KEY"
 OPEN_PATHS = ("/health",)  # answered without the API key (load balancers' liveness checks)

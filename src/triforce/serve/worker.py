@@ -30,16 +30,23 @@ class _Abort(Exception):
 
 @dataclass
 class _Job:
+    """One choice of a request. The choices of one request (``n``) share ``events``, each event tagged with its
+    ``index``; the first carries the others as ``followers``, queued once it has prefilled the prompt."""
+
     request: GenerationRequest
     loop: asyncio.AbstractEventLoop
     received: float  # time.monotonic() at arrival
     deadline: float
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
+    index: int = 0  # the choice's index
+    followers: list["_Job"] = field(default_factory=list)  # the request's other choices (first choice only)
+    shared_prefix: tuple | None = None  # (FullKVCache, tokens): the prompt's KV the first choice computed
 
     def post(self, *item: Any) -> None:
+        """Send ``(index, item)`` to the request's coroutine."""
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, item))
         except RuntimeError:  # the event loop is closed (shutdown)
             pass
 
@@ -63,7 +70,13 @@ class GenerationWorker:
 
     Each job receives, through its asyncio queue: ``("started", queue_seconds)`` when the engine takes it,
     ``("token", TokenEvent)`` per accepted token, then ``("done", info)`` or ``("error", APIError)``; a job
-    cancelled before it started gets ``("cancelled",)``.
+    cancelled before it started gets ``("cancelled",)``. Each event comes as ``(choice index, event)``.
+
+    Several choices of one prompt (``n``): the first runs as any request; once it has its first token (its prefill
+    done), a copy of the prompt's KV is made and the other choices are queued on the scheduler, each adopting that
+    copy as its prefix (:meth:`~triforce.engine.Engine.adopt_prefix`), so they feed only the prompt's last token and
+    decode in the same batch. Where no copy can be made (the first choice ended before a token, an offloaded cache)
+    they prefill the prompt themselves.
 
     Args:
         tf: the model; only this thread calls its engine.
@@ -92,6 +105,7 @@ class GenerationWorker:
         self._thread: threading.Thread | None = None
         self._active: dict[int, _Job] = {}  # id(job) -> job, the running ones
         self._idle_views: list = [] if self._can_fork else [tf]  # engines kept with their last cache, LRU first
+        self._scheduler = None  # the BatchScheduler of the engine thread (_run)
         self._mean_seconds = 1.0  # running mean of a job's engine time, for Retry-After
 
     @property
@@ -115,11 +129,11 @@ class GenerationWorker:
         return int(min(3600, max(1, math.ceil(self._mean_seconds * rounds))))
 
     def submit(self, job: _Job) -> bool:
-        """Queue a job; False when the queue is full."""
+        """Queue a job and its followers; False when the queue cannot hold them all."""
         with self._lock:
-            if self._waiting >= self.queue_size:
+            if self._waiting + 1 + len(job.followers) > self.queue_size:
                 return False
-            self._waiting += 1
+            self._waiting += 1 + len(job.followers)
             self.metrics.queue_depth.set(self._waiting)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="triforce-engine", daemon=True)
@@ -138,7 +152,7 @@ class GenerationWorker:
     def _run(self) -> None:
         from ..scheduling import BatchScheduler
 
-        scheduler = BatchScheduler(self.max_batch)
+        scheduler = self._scheduler = BatchScheduler(self.max_batch)
         stopping = False
         while True:
             try:  # wait for work only when nothing runs
@@ -149,8 +163,9 @@ class GenerationWorker:
                 if job is None:
                     stopping = True
                 elif stopping:
-                    self._dequeued()
-                    job.post("cancelled")
+                    for one in (job, *job.followers):
+                        self._dequeued()
+                        one.post("cancelled")
                 else:
                     scheduler.submit(lambda job=job: self._run_job(job))
                 try:
@@ -262,10 +277,14 @@ class GenerationWorker:
         t0, view = time.monotonic(), None
         try:
             view = self._take_view(job.request.prompt_ids)
+            if job.shared_prefix is not None:  # another choice of the same prompt prefilled it
+                view.engine.adopt_prefix(*job.shared_prefix)
+                job.shared_prefix = None
             self._serve(job, view)
         except BaseException as e:  # noqa: BLE001 - a bug must not kill the only worker
             job.post("error", APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
         finally:
+            self._release_followers(job, None)  # the first choice ended before a token: the others prefill
             with self._lock:
                 del self._active[id(job)]
             self.metrics.running.set(len(self._active))
@@ -275,6 +294,24 @@ class GenerationWorker:
 
             release_free_memory()  # the request's caches were freed: give their pages back (memory.py)
             self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.monotonic() - t0)
+
+    def _release_followers(self, job: _Job, tf: "TriForce | None") -> None:
+        """Queue ``job``'s followers (the request's other choices) on the scheduler, with a copy of the prompt's KV
+        from ``tf``'s full cache when it holds the prompt (not offloaded), else to prefill it themselves."""
+        followers, job.followers = job.followers, []
+        if not followers:
+            return
+        shared, prompt = None, job.request.prompt_ids
+        full = tf.engine.full_cache if tf is not None else None
+        if full is not None and self._can_fork and not full.offload and full.length >= len(prompt):
+            from ..caches import FullKVCache
+
+            copy = FullKVCache(tf.engine.target.cfg, len(prompt), full.k.dtype, full.k.device)
+            copy.copy_prefix_from(full, len(prompt))  # positions before the prompt's end hold only the prompt's KV
+            shared = (copy, list(prompt))
+        for follower in followers:
+            follower.shared_prefix = shared
+            self._scheduler.submit(lambda f=follower: self._run_job(f))
 
     def _serve(self, job: _Job, tf: "TriForce") -> None:
         from ..memory import InsufficientMemoryError
@@ -340,6 +377,8 @@ class GenerationWorker:
                     now = time.monotonic()
                     if len(tokens) > 1:
                         self.metrics.tbt.observe(now - last)
+                    else:
+                        self._release_followers(job, tf)  # the prompt is prefilled: the other choices start
                     last = now
                 texts.append(event.text)
                 job.post("token", event, None if event.logprob is None else
