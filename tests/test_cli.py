@@ -1,6 +1,7 @@
 """The command line and the loader, on tiny Hugging Face folders: JSON schema, stop strings, bad input."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -29,6 +30,23 @@ def test_generate_json_schema(tiny_folder):
     assert d["auto"]["hierarchy"] and d["auto"]["reason"]  # the chosen hierarchy is reported
     assert 1 <= len(d["token_ids"]) <= 12 and d["peak_memory_bytes"] > 0
     assert (d["auto"]["budget"] is None) == ("retrieval" not in d["auto"]["hierarchy"])  # no tier, no budget
+
+
+def test_structured_output_from_the_command_line(tiny_folder, tmp_path):
+    pytest.importorskip("llguidance")
+    code, out, err = run("generate", "--model", tiny_folder, "--prompt", "hello", "--max-new-tokens", "8",
+                         "--temperature", "0.7", "--regex", "[0-9]{2}-[a-c]{2}", "--threads", "1", "--no-progress")
+    assert code == 0, err
+    assert re.fullmatch(r"[0-9]{2}-[a-c]{2}\n", out), out
+    schema = tmp_path / "schema.json"  # the tiny tokenizer has no "}": an array, written compactly
+    schema.write_text(json.dumps({"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 2,
+                                  "x-guidance": {"whitespace_flexible": False}}))
+    code, out, err = run("generate", "--model", tiny_folder, "--prompt", "hello", "--max-new-tokens", "16",
+                         "--temperature", "0", "--json-schema", str(schema), "--json", "--threads", "1")
+    d = json.loads(out)
+    assert code == 0 and d["finish_reason"] == "eos", err
+    value = json.loads(d["text"])
+    assert isinstance(value, list) and 1 <= len(value) <= 2 and all(isinstance(v, bool) for v in value)
 
 
 def test_a_huge_gamma2_is_capped_and_reported(tiny_folder):
@@ -148,6 +166,10 @@ BAD = [
     (["--dtype", "foo"], "--dtype"),
     (["--max-new-tokens", "2.5"], "--max-new-tokens"),
     (["--adaptive-gamma", "--stop-below", "1.5"], "--stop-below"),
+    (["--json-schema", "/nonexistent.json"], "--json-schema: cannot read"),
+    (["--json-schema", __file__], "--json-schema: " + __file__ + " is not JSON"),
+    (["--json-schema", __file__, "--regex", "a"], "give --json-schema or --regex"),
+    (["--regex", "[ab"], "--regex"),
 ]
 
 

@@ -462,7 +462,8 @@ MALFORMED = [
     (CH, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     (CH, _chat(tool_choice="auto"), 400, "tool_choice"),
     (CH, _chat(functions=[{"name": "f"}]), 400, "functions"),
-    (CH, _chat(response_format={"type": "json_object"}), 400, "response_format"),
+    (CH, _chat(response_format={"type": "yaml"}), 400, "response_format"),
+    (CH, _chat(response_format={"type": "regex", "regex": "[ab"}), 400, "response_format"),
     (CH, _chat(prompt="x"), 400, "prompt"),
     (CH, _chat(foo=1), 400, "foo"),
     (CH, _chat(max_completion_tokens=0), 400, "max_completion_tokens"),
@@ -548,6 +549,28 @@ def test_openai_client_sees_bad_request(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=client.models.list().data[0].id, messages=MSG, n=17)
     assert e.value.status_code == 400 and e.value.body["param"] == "n"
+
+
+# ------------------------------------------------------------------------------------------------ structured output
+def test_response_format_constrains_every_choice_and_equals_the_library(client, ref):
+    pytest.importorskip("llguidance")
+    model = client.models.list().data[0].id
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 1,
+              "maxItems": 3, "x-guidance": {"whitespace_flexible": False}}
+    r = client.chat.completions.create(model=model, messages=MSG, max_tokens=16, temperature=0.9, seed=3, n=4,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "numbers", "schema": schema}})
+    for c in r.choices:
+        if c.finish_reason == "stop":  # ended (EOS): a whole array of the schema
+            value = json.loads(c.message.content)
+            assert isinstance(value, list) and 1 <= len(value) <= 3 and all(0 <= x <= 99 for x in value)
+        else:
+            assert c.message.content.startswith("["), c.message.content
+    regex = {"type": "regex", "regex": "[0-9]{3}"}  # then only EOS
+    r = client.completions.create(model=model, prompt="abc", max_tokens=10, temperature=0,
+                                  extra_body={"response_format": regex})
+    assert re.fullmatch("[0-9]{3}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == ref.generate("abc", max_new_tokens=10, sampling=GREEDY, response_format=regex).text
 
 
 # ------------------------------------------------------------------------------------------------ n choices

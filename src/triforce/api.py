@@ -23,6 +23,7 @@ from .caches import KV_DTYPES
 from .defaults import DEFAULTS
 from .detok import IncrementalDetokenizer
 from .engine import Engine, GenerationStats, SpeculationConfig
+from .grammar import constraint_for
 from .loading import LoadedModel, ModelLoadError, load_model
 from .logprobs import TokenLogprob, check_top_logprobs, prompt_logprobs
 from .prompts import encode_prompt_cut
@@ -237,7 +238,8 @@ class TriForce:
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = DEFAULTS["max_new_tokens"],
                sampling: SamplingParams = SamplingParams(), spec: SpeculationConfig | None = None,
                seed: int | None = None, stop: Sequence[str] = (),
-               prefill_progress: Callable[[int], None] | None = None) -> Generator[TokenEvent, None, GenerationResult]:
+               prefill_progress: Callable[[int], None] | None = None,
+               response_format: dict | None = None) -> Generator[TokenEvent, None, GenerationResult]:
         """Generate, yielding a :class:`TokenEvent` per accepted token; returns a :class:`GenerationResult`.
 
         Args:
@@ -246,6 +248,10 @@ class TriForce:
             spec: speculation settings (default: :attr:`default_mode` with the paper's defaults).
             stop: stop strings; generation ends when the text contains one, and the text is cut before it (when two
                 overlap, the one completed first).
+            response_format: structured output, OpenAI's ``{"type": "json_object"}`` or ``{"type": "json_schema",
+                "json_schema": {"schema": {...}}}`` (or ``regex`` / ``lark``): every tier samples from its
+                distribution masked to what the grammar allows, so the output is exactly the constrained target
+                distribution (``grammar.py``; needs llguidance, the ``grammar`` extra). None: unconstrained.
 
         Text is detokenized incrementally (:class:`~triforce.detok.IncrementalDetokenizer`: work linear in the output);
         a character split over several tokens comes out whole with the token that completes it.
@@ -266,9 +272,11 @@ class TriForce:
             raise ValueError(f"prompt must be one string or a list of token ids, got a list of {len(prompt)} "
                              "strings: for several prompts use generate(prompts=[...])")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        constraint = constraint_for(response_format, self.tokenizer, self.target.model.cfg.vocab_size,
+                                    self.engine.eos_ids) if response_format is not None else None
         cached, file_hit = self.prompt_cache.before_request(self.engine, ids) if self.prompt_cache else (0, None)
         gen = self.engine.stream(ids, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=seed,
-                                 prefill_progress=prefill_progress)
+                                 prefill_progress=prefill_progress, constraint=constraint)
         out: list[int] = []
         log: list[TokenLogprob] | None = None if sampling.logprobs is None else []
         detok = IncrementalDetokenizer(self.tokenizer)  # linear in the output, not a full decode per token

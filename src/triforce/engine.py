@@ -391,7 +391,8 @@ class Engine:
     # ------------------------------------------------------------------ generation
     def stream(self, prompt_ids: list[int], max_new_tokens: int = DEFAULTS["max_new_tokens"], sampling: SamplingParams = SamplingParams(),
                spec: SpeculationConfig = SpeculationConfig(), seed: int | None = None,
-               prefill_progress: Callable[[int], None] | None = None) -> Generator[int, None, GenerationStats]:
+               prefill_progress: Callable[[int], None] | None = None,
+               constraint=None) -> Generator[int, None, GenerationStats]:
         """Generate, yielding each token id as the verifier accepts it; returns the stats.
 
         Args:
@@ -401,6 +402,8 @@ class Engine:
             spec: the speculation mode and its parameters.
             seed: seeds the generator that drives every random draw (None: a random seed, reported in the stats).
             prefill_progress: called with the number of prompt tokens each prefill chunk processed.
+            constraint: a :class:`~triforce.grammar.TokenConstraint` every tier masks its logits with (structured
+                output, ``grammar.py``), fresh for this generation; None: unconstrained.
 
         Returns (as the generator's return value, also in ``self.last_stats``): :class:`GenerationStats`.
         Closing the generator early (stop string, Ctrl-C) still records the stats, with ``finish_reason``
@@ -421,6 +424,9 @@ class Engine:
         generator = torch.Generator(device=self.target.device).manual_seed(seed)
         self.placement = plan.placement  # this request's placement, reported in its stats
         top = self.build_hierarchy(len(prompt_ids), max_new_tokens, sampling, spec, generator, plan=plan)
+        if constraint is not None:
+            constraint.begin(len(prompt_ids))
+            top.set_constraint(constraint)
         self.logprob_log = top.logprob_log  # the verifier's (only with sampling.logprobs); the tiers are not kept
         governor = self.governor_factory(top) if auto is not None else None
         eos = frozenset(self.eos_ids)

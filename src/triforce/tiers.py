@@ -128,6 +128,7 @@ class ModelTier:
         self.confidence: torch.Tensor | None = None  # (len(emitted),) of the last step, when stop_below is set
         self.cached: list[int] = []  # tokens whose KV is in the cache: always a prefix of the sequence
         self.tail_logits: torch.Tensor | None = None  # (V,) logits at position len(cached) - 1, if known
+        self.constraint = None  # a grammar.TokenConstraint masking this tier's logits (structured output), or None
         self.logprob_log: list[TokenLogprob] = []  # the verifier with sampling.logprobs set: one per emitted token
         self.stats = TierStats(name)
         if drafter is not None:  # proposals asked per verification (capped per request at max_new_tokens - 1)
@@ -211,7 +212,8 @@ class ModelTier:
             drafts, q = [], None
         k = len(drafts)
         logits = self.logits_for(seq + drafts, k + 1)  # (k+1, V)
-        p = logits_to_probs(logits, self.sampling)  # (k+1, V): the same processing as every other tier
+        scores = logits if self.constraint is None else self.constraint.mask_logits(logits, seq, drafts)  # grammar.py
+        p = logits_to_probs(scores, self.sampling)  # (k+1, V): the same processing as every other tier
         d = torch.tensor([drafts], dtype=torch.long, device=p.device)
         q = q[None] if q is not None else p.new_zeros((1, 0, p.shape[-1]))
         n_acc, nxt = self.verify_fn(d, q, p[None], self.generator, greedy=self.sampling.greedy)
@@ -304,6 +306,13 @@ class ModelTier:
     def all_stats(self) -> list[TierStats]:
         below = self.drafter.all_stats() if self.drafter is not None else []
         return below + [self.stats]
+
+    def set_constraint(self, constraint) -> None:
+        """Mask this tier's and every model tier's below it logits with ``constraint`` (``grammar.py``: the same
+        mask at the same prefix in every tier keeps the verification exact for the constrained distribution)."""
+        self.constraint = constraint
+        if hasattr(self.drafter, "set_constraint"):
+            self.drafter.set_constraint(constraint)
 
 
 class RetrievalTier(ModelTier):

@@ -36,6 +36,11 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     gen.add_argument("--logprobs", type=int, metavar="N", help="with --json: each generated token's log-probability "
                                                                "under the target model and its N (0-20) most likely "
                                                                "alternatives, field logprobs")
+    gen.add_argument("--json-schema", metavar="FILE", help="structured output: the text is JSON valid under the "
+                                                            "JSON schema in FILE, every tier sampling from its "
+                                                            "distribution masked by the grammar (needs llguidance)")
+    gen.add_argument("--regex", metavar="PATTERN", help="structured output: the text matches PATTERN (as "
+                                                         "--json-schema)")
     gen.add_argument("--no-progress", action="store_true", help="no prefill progress (a bar on a terminal, a line "
                                                                  "every 10 s otherwise)")
     return gen
@@ -220,6 +225,7 @@ def _generate(args: argparse.Namespace, out) -> int:
             raise CLIError("--stop strings must not be empty")
     except ValueError as e:
         raise option_error(e) from e
+    response_format = _response_format(args)
     text, document = _read_prompt(args)
     from ..parallel import init_tensor_parallel
 
@@ -250,13 +256,18 @@ def _generate(args: argparse.Namespace, out) -> int:
             print(f"triforce: {cut.summary()}", file=sys.stderr)
         if not given_new_tokens:
             _fit_new_tokens(args, len(ids), tf.engine.target.cfg)
+        if response_format is not None:  # the grammar compiled against the model's tokenizer, before the prefill
+            from ..grammar import constraint_for
+
+            constraint_for(response_format, tf.tokenizer, cfg.vocab_size, tf.engine.eos_ids,
+                           param="--json-schema" if args.json_schema is not None else "--regex")
         if args.offload_kv:  # the memory planner's choice, reported before the prefill
             print(tf.engine.validate(ids, args.max_new_tokens, spec).summary(), file=sys.stderr)
     except ValueError as e:
         raise option_error(e) from e
     bar = prefill_progress(len(ids), disable=args.no_progress)
     gen = tf.stream(ids, max_new_tokens=args.max_new_tokens, sampling=sampling, spec=spec, seed=args.seed,
-                    stop=args.stop, prefill_progress=bar.update)
+                    stop=args.stop, prefill_progress=bar.update, response_format=response_format)
     result = None
     try:
         while True:
@@ -306,6 +317,38 @@ def _generate(args: argparse.Namespace, out) -> int:
         print(f"[{result.finish_reason}] {s.summary()}; peak memory {fmt_bytes(s.peak_memory_bytes)}; "
               f"{threads} thread{'' if threads == 1 else 's'}; attention kernel {kernel_status()}", file=sys.stderr)
     return 130 if result.finish_reason == "interrupted" else 0
+
+
+def _response_format(args: argparse.Namespace) -> dict | None:
+    """``--json-schema`` / ``--regex`` as a ``response_format`` (``grammar.py``), checked before the model loads.
+
+    Raises:
+        CLIError: both given, an unreadable or non-JSON schema file, a malformed format, llguidance missing.
+    """
+    if args.json_schema is not None and args.regex is not None:
+        raise CLIError("give --json-schema or --regex, not both")
+    if args.json_schema is not None:
+        try:
+            with open(args.json_schema, encoding="utf-8") as f:
+                schema = json.load(f)
+        except OSError as e:
+            raise CLIError(f"--json-schema: cannot read {args.json_schema}: {e.strerror}") from e
+        except ValueError as e:
+            raise CLIError(f"--json-schema: {args.json_schema} is not JSON: {e}") from e
+        fmt, flag = {"type": "json_schema", "json_schema": {"schema": schema}}, "--json-schema"
+    elif args.regex is not None:
+        fmt, flag = {"type": "regex", "regex": args.regex}, "--regex"
+    else:
+        return None
+    from ..grammar import grammar_from_response_format
+
+    try:
+        grammar_from_response_format(fmt, flag)
+    except ImportError as e:
+        raise CLIError(f"{flag} needs llguidance: pip install 'triforce[grammar]'") from e
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    return fmt
 
 
 def cmd_download(args: argparse.Namespace) -> int:

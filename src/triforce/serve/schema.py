@@ -34,6 +34,8 @@ class GenerationRequest:
         echo: (completions) the prompt comes back before the completion, with its tokens' log-probabilities when
             ``logprobs`` is given; ``max_tokens`` 0 is then allowed (score a text, generate nothing).
         prompt_text: the prompt as the client sent it (a string), or None (token ids): what ``echo`` returns.
+        response_format: OpenAI's ``response_format`` (``json_object``, ``json_schema``; ``regex`` and ``lark`` as
+            extensions), validated and compiled once here; None for text (``grammar.py``).
         n: choices to generate (1 to :data:`~triforce.serve.settings.MAX_CHOICES`): samples of the same prompt, which
             share its prefill and decode as a batch (``worker.py``).
     """
@@ -52,12 +54,13 @@ class GenerationRequest:
     logprobs: int | None = None
     echo: bool = False
     prompt_text: str | None = None
+    response_format: dict | None = None
     n: int = 1
 
 
 # accepted and used
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-           "logprobs", "n"}
+           "logprobs", "n", "response_format"}
 _CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs"}
 _COMPLETION_ONLY = {"prompt", "echo"}
 # accepted and ignored (no effect on the output)
@@ -67,7 +70,6 @@ _NEUTRAL_COMMON = {
     "presence_penalty": lambda v: v is None or (_is_number(v) and v == 0),
     "frequency_penalty": lambda v: v is None or (_is_number(v) and v == 0),
     "logit_bias": lambda v: v is None or v == {},
-    "response_format": lambda v: v is None or v == {"type": "text"},
 }
 _NEUTRAL_CHAT = {
     "echo": lambda v: v is None or v is False,  # a completions field some clients send to chat too
@@ -313,8 +315,10 @@ def parse_request(body: dict, kind: str, tf: "TriForce", defaults: ServerDefault
                        f"{'' if echo else ' (0 only with echo on /v1/completions)'}, got {json.dumps(max_tokens)[:40]}",
                        param=max_name)
 
-    # the prompt, tokenized
     cfg = tf.target.model.cfg
+    response_format = _response_format(body.get("response_format"), tf)
+
+    # the prompt, tokenized
     context = cfg.max_position_embeddings
     if kind == "chat":
         prompt_param = "messages"
@@ -355,7 +359,8 @@ def parse_request(body: dict, kind: str, tf: "TriForce", defaults: ServerDefault
     return GenerationRequest(kind=kind, prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                              top_k=top_k, seed=seed, stop=stop, stream=stream, include_usage=include_usage,
                              model=defaults.model_id, logprobs=logprobs, echo=echo,
-                             prompt_text=prompt_text if kind == "completion" else None, n=n)
+                             prompt_text=prompt_text if kind == "completion" else None, n=n,
+                             response_format=response_format)
 
 
 def _logprobs_options(body: dict, kind: str) -> tuple[int | None, bool]:
@@ -386,3 +391,22 @@ def _logprobs_options(body: dict, kind: str) -> tuple[int | None, bool]:
     if echo is not None and not isinstance(echo, bool):
         raise _invalid(f"echo must be a boolean, got {_type_name(echo)}", param="echo")
     return v, bool(echo)
+
+
+def _response_format(value: Any, tf: "TriForce") -> dict | None:
+    """``response_format`` checked and its grammar compiled (the worker builds each choice's matcher from it); None
+    for text.
+
+    Raises:
+        APIError: 400 naming ``response_format``: malformed, a grammar that does not compile, or llguidance missing.
+    """
+    from ..grammar import constraint_for
+
+    try:
+        constraint = constraint_for(value, tf.tokenizer, tf.target.model.cfg.vocab_size, tf.engine.eos_ids)
+    except ImportError as e:
+        raise _invalid("response_format needs llguidance on the server: pip install 'triforce[grammar]'",
+                       param="response_format", code="unsupported_parameter") from e
+    except ValueError as e:
+        raise _invalid(str(e), param="response_format") from e
+    return None if constraint is None else value

@@ -362,7 +362,7 @@ class GenerationWorker:
             return
 
         gen = tf.stream(req.prompt_ids, max_new_tokens=req.max_tokens, sampling=sampling, spec=spec, seed=req.seed,
-                        stop=req.stop, prefill_progress=check)
+                        stop=req.stop, prefill_progress=check, response_format=req.response_format)
         token_text = IncrementalDetokenizer(tf.tokenizer)  # the text each token adds, held back or not (text_offset)
         result, ended, tokens, texts, last = None, None, [], [], 0.0
         try:

@@ -1,0 +1,224 @@
+"""Structured output: every tier's distribution masked to the tokens a grammar allows (constrained decoding).
+
+A grammar (a JSON schema, any JSON object, a regular expression or a Lark grammar) defines, at each prefix of the
+output, the set A(prefix) of tokens that keep the output inside its language. Constrained decoding samples from
+the target's distribution restricted to A and renormalised,
+
+    p'(x | prefix) = p(x | prefix) [x in A(prefix)] / sum_{y in A(prefix)} p(y | prefix),
+
+by setting the logits of the other tokens to -inf before temperature, top-k and top-p (as vLLM, SGLang and
+llama.cpp apply their grammars' masks). Every model tier masks its logits with the same rule at the same prefix
+(``ModelTier.step``), so each verification runs speculative decoding's rule (Leviathan et al. 2023, Sec. 2.3) on
+the masked q' and p': the output is distributed exactly as p' at every step, the constrained target distribution,
+and under greedy decoding it is the argmax over A, token for token what constrained plain decoding gives. A draft
+outside A (an n-gram drafter's may be) has p'(x) = 0 and is always rejected; the rows after it are never read.
+
+The grammars are compiled and matched by llguidance (MIT; the matcher llama.cpp, vLLM and SGLang use; about
+50 us per mask on a CPU): one :class:`GrammarConstraint` per generation, its matcher moved (consume / rollback) to
+each prefix a tier asks about, masks kept by prefix.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, Protocol, Sequence
+
+import torch
+
+#: ``response_format`` types (OpenAI's ``json_object`` and ``json_schema``; ``regex`` and ``lark`` as extensions)
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "lark")
+#: masks kept per generation, by prefix (a verification asks for gamma + 1 prefixes; the tiers below for theirs)
+MASK_CACHE_ENTRIES = 256
+
+
+class TokenConstraint(Protocol):
+    """What a tier needs from a constraint: the allowed tokens after any prefix of the output."""
+
+    def begin(self, prompt_tokens: int) -> None:
+        """A generation starts after a prompt of this many tokens (what precedes the output in every sequence)."""
+
+    def mask_logits(self, logits: torch.Tensor, seq: Sequence[int], drafts: Sequence[int]) -> torch.Tensor:
+        """``logits`` (R, V) of the R positions after ``seq + drafts[:j]`` (j = 0..R-1), with disallowed tokens
+        at -inf (a new tensor)."""
+
+
+class GrammarConstraint:
+    """A grammar's token masks for one generation (module docstring), through an llguidance matcher.
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer (a fast one: llguidance reads its vocabulary).
+        grammar: an llguidance grammar (:func:`grammar_from_response_format`).
+        vocab_size: the width V of the model's logits (token ids past the tokenizer's are never allowed).
+        eos_ids: the tokens that end generation; allowed where the grammar's language may end.
+
+    Raises:
+        ImportError: llguidance is not installed (``pip install 'triforce[grammar]'``).
+        ValueError: the grammar does not compile (llguidance's message).
+    """
+
+    def __init__(self, tokenizer, grammar: str, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        import llguidance
+        import llguidance.torch
+
+        self._ll = llguidance.torch
+        ll_tokenizer = _ll_tokenizer(tokenizer, vocab_size, tuple(eos_ids))
+        self.matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
+        if self.matcher.is_error():  # the grammar does not compile: llguidance's message names where
+            raise ValueError(" ".join(line.strip() for line in self.matcher.get_error().splitlines() if line.strip()))
+        self.vocab_size = vocab_size
+        self._bitmask = llguidance.torch.allocate_token_bitmask(1, ll_tokenizer.vocab_size)
+        self._shifts = torch.arange(32, dtype=torch.int32)
+        self._consumed: list[int] = []  # the output tokens the matcher has consumed
+        self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+        self.start = 0
+
+    def begin(self, prompt_tokens: int) -> None:
+        """Start a generation after ``prompt_tokens`` prompt tokens: the matcher at the grammar's start."""
+        self.matcher.reset()
+        self._consumed, self._masks, self.start = [], {}, prompt_tokens
+
+    def _goto(self, output: list[int]) -> bool:
+        """Move the matcher to ``output`` (roll back to the common prefix, consume the rest); False where a token
+        of ``output`` leaves the language (the matcher then stands on the longest allowed prefix)."""
+        common = 0
+        for a, b in zip(self._consumed, output):
+            if a != b:
+                break
+            common += 1
+        if common < len(self._consumed):
+            self.matcher.rollback(len(self._consumed) - common)
+            del self._consumed[common:]
+        rest = output[common:]
+        if not rest:
+            return True
+        n = self.matcher.validate_tokens(rest)  # how many of them the grammar accepts, consuming none
+        if n:
+            self.matcher.consume_tokens(rest[:n])
+            self._consumed += rest[:n]
+        return n == len(rest)
+
+    def allowed(self, output: list[int]) -> torch.Tensor | None:
+        """(V,) bool: the tokens allowed after ``output`` (the generated tokens so far); None where ``output``
+        itself leaves the language."""
+        key = tuple(output)
+        mask = self._masks.get(key)
+        if mask is None:
+            if not self._goto(list(output)):
+                return None
+            self._ll.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+            bits = (self._bitmask[0, :, None] >> self._shifts) & 1  # (V / 32, 32): bit i of word w is token 32w + i
+            mask = bits.flatten()[:self.vocab_size].bool()
+            if len(self._masks) >= MASK_CACHE_ENTRIES:
+                self._masks.clear()
+            self._masks[key] = mask
+        return mask
+
+    def mask_logits(self, logits: torch.Tensor, seq: Sequence[int], drafts: Sequence[int]) -> torch.Tensor:
+        """``logits`` (R, V) of the positions after ``seq + drafts[:j]``, j = 0..R-1, with the tokens the grammar
+        does not allow there at -inf. A row whose prefix left the language (past a draft the grammar rejects, or
+        past an EOS, which a drafter may propose beyond) is left as it is: the verifier never emits such a prefix
+        (it rejects that draft: p' = 0; it stops at an EOS), so the row's distribution is never part of the output.
+        """
+        output = list(seq[self.start:])
+        masks = []
+        for j in range(logits.shape[0]):
+            masks.append(self.allowed(output + list(drafts[:j])) if j == 0 or masks[-1] is not None else None)
+        if all(m is None for m in masks):
+            return logits
+        everything = torch.ones(logits.shape[-1], dtype=torch.bool)
+        allowed = torch.stack([everything if m is None else m for m in masks]).to(logits.device)
+        return logits.masked_fill(~allowed, float("-inf"))
+
+
+@functools.lru_cache(maxsize=4)
+def _ll_tokenizer(tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
+    """llguidance's view of a Hugging Face tokenizer (built once per tokenizer: it scans the vocabulary)."""
+    import llguidance.hf
+
+    try:
+        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids) or None)
+    except Exception:  # noqa: BLE001 - a decoder llguidance does not know (e.g. a character-level one): each
+        pass  # token's bytes as the tokenizer decodes it alone
+    try:
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenBytes(tokenizer, vocab_size, eos_ids)),
+                                      n_vocab=vocab_size, eos_token=list(eos_ids) or None)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"structured output needs a tokenizer llguidance can read: {e}") from e
+
+
+class _TokenBytes:
+    """A tokenizer as llguidance's ``TokenizerWrapper`` takes one: every token's bytes (the text the Hugging Face
+    tokenizer decodes it to alone; a special token is 0xFF and its name, llguidance's convention) and an encoder."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
+        special = set(tokenizer.all_special_ids)
+        names = tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), vocab_size))))
+        self.tokens = [b"\xff" + (n or f"<{i}>").encode() if i in special else tokenizer.decode([i]).encode()
+                       for i, n in enumerate(names)] + [b"\xff<pad>"] * max(0, vocab_size - len(names))
+        self.eos_token_id = eos_ids[0] if eos_ids else tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = sorted(special)
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def grammar_from_response_format(response_format: Any, param: str = "response_format") -> str | None:
+    """The llguidance grammar of an OpenAI ``response_format``, or None for ``{"type": "text"}`` / None.
+
+    Args:
+        response_format: ``{"type": "json_object"}`` (any JSON object), ``{"type": "json_schema", "json_schema":
+            {"schema": {...}, "name": ..., "strict": ...}}`` (OpenAI's; the schema alone is also taken),
+            ``{"type": "regex", "regex": "..."}`` or ``{"type": "lark", "lark": "..."}`` (extensions, as vLLM's
+            guided decoding offers).
+        param: the name errors give the value.
+
+    Raises:
+        ImportError: llguidance is not installed.
+        ValueError: naming ``param``: not an object, an unknown type, a missing or malformed field.
+    """
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+        raise ValueError(f"{param} must be an object with a type, one of {', '.join(RESPONSE_FORMATS)}; got "
+                         f"{json.dumps(response_format, default=str)[:80]}")
+    kind = response_format["type"]
+    if kind not in RESPONSE_FORMATS:
+        raise ValueError(f"{param}.type must be one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}")
+    from llguidance import LLMatcher
+
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}))
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ValueError(f"{param}.json_schema must be an object holding the schema (\"schema\": {{...}})")
+        schema = spec.get("schema", spec if "name" not in spec else None)
+        if not isinstance(schema, dict):
+            raise ValueError(f"{param}.json_schema.schema must be a JSON schema object")
+        return LLMatcher.grammar_from_json_schema(json.dumps(schema))
+    text = response_format.get(kind)
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"{param}.{kind} must be a non-empty string")
+    return LLMatcher.grammar_from_regex(text) if kind == "regex" else LLMatcher.grammar_from_lark(text)
+
+
+def constraint_for(response_format: Any, tokenizer, vocab_size: int, eos_ids: Sequence[int],
+                   param: str = "response_format") -> GrammarConstraint | None:
+    """A fresh :class:`GrammarConstraint` for one generation under ``response_format``; None for text.
+
+    Raises:
+        ImportError, ValueError: see :func:`grammar_from_response_format`; a grammar llguidance rejects (its
+            message, naming ``param``).
+    """
+    grammar = grammar_from_response_format(response_format, param)
+    if grammar is None:
+        return None
+    try:
+        return GrammarConstraint(tokenizer, grammar, vocab_size, eos_ids)
+    except ValueError as e:
+        raise ValueError(f"{param}: {e}") from e
