@@ -170,6 +170,7 @@ BAD = [
     (["--json-schema", __file__], "--json-schema: " + __file__ + " is not JSON"),
     (["--json-schema", __file__, "--regex", "a"], "give --json-schema or --regex"),
     (["--regex", "[ab"], "--regex"),
+    (["--regex", ""], "--regex must be a non-empty pattern"),
 ]
 
 

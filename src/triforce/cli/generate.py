@@ -335,8 +335,13 @@ def _response_format(args: argparse.Namespace) -> dict | None:
             raise CLIError(f"--json-schema: cannot read {args.json_schema}: {e.strerror}") from e
         except ValueError as e:
             raise CLIError(f"--json-schema: {args.json_schema} is not JSON: {e}") from e
+        if not isinstance(schema, dict):
+            raise CLIError(f"--json-schema: {args.json_schema} must hold a JSON schema object ({{\"type\": ...}}), "
+                           f"got {type(schema).__name__}")
         fmt, flag = {"type": "json_schema", "json_schema": {"schema": schema}}, "--json-schema"
     elif args.regex is not None:
+        if not args.regex:
+            raise CLIError("--regex must be a non-empty pattern")
         fmt, flag = {"type": "regex", "regex": args.regex}, "--regex"
     else:
         return None
