@@ -24,7 +24,7 @@ pytest.importorskip("llguidance")
 
 from tiny import char_tokenizer, hf_model, ours  # noqa: E402
 from triforce.engine import Engine, SpeculationConfig  # noqa: E402
-from triforce.grammar import constraint_for  # noqa: E402
+from triforce.grammar import GrammarError, constraint_for  # noqa: E402
 from triforce.sampling import SamplingParams, logits_to_probs  # noqa: E402
 from triforce.tiers import ModelTier  # noqa: E402
 
@@ -147,6 +147,27 @@ def test_greedy_equals_constrained_plain_decoding_in_every_mode(models):
             assert text.startswith("[")
 
 
+def test_long_reference_chains_compile_on_a_deep_stack():
+    """A chain of 1,000 ``$ref`` overflowed the 8 MiB main-thread stack inside llguidance (a crash); 3,000 compile."""
+    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(3000)}
+    schema = {"$defs": {**defs, "d3000": {"type": "string"}}, "$ref": "#/$defs/d0"}
+    constraint = constraint_for({"type": "json_schema", "json_schema": {"schema": schema}}, TOK, V, (2,))
+    constraint.begin(0)
+    assert constraint.allowed([]).nonzero().flatten().tolist() == TOK.convert_tokens_to_ids(["{"])
+
+
+@pytest.mark.parametrize("fmt,reason", [
+    ({"type": "regex", "regex": "[a&&b]"}, "no token can continue"),  # an empty language
+    ({"type": "regex", "regex": "(a{1000}){1000}"}, "too many expressions"),  # past llguidance's lexer limit
+])
+def test_a_failing_matcher_is_an_error_not_a_finished_output(fmt, reason):
+    constraint = constraint_for(fmt, TOK, V, (2,))
+    constraint.begin(0)
+    with pytest.raises(GrammarError, match=reason):
+        for output in ([], TOK.convert_tokens_to_ids(["a"])):
+            constraint.allowed(output)
+
+
 @pytest.mark.parametrize("value,message", [
     ("json", "must be an object with a type"),
     ({"type": "yaml"}, "type must be one of"),
@@ -154,6 +175,10 @@ def test_greedy_equals_constrained_plain_decoding_in_every_mode(models):
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}, "schema must be a JSON schema object"),
     ({"type": "regex", "regex": "[ab"}, "regex"),
     ({"type": "lark", "lark": ""}, "non-empty string"),
+    ({"type": "json_schema", "json_schema": {"strict": True}}, "schema must be a JSON schema object, got none"),
+    ({"type": "json_schema", "json_schema": {"schema": {"enum": {1, 2}}}}, "is not JSON"),
+    ({"type": "lark", "lark": "start: foo"}, "unknown name"),
+    ({"type": "regex", "regex": "a" * 300_000}, "at most 262144"),
 ])
 def test_malformed_response_formats_are_named(value, message):
     with pytest.raises(ValueError, match="response_format") as e:

@@ -464,6 +464,7 @@ MALFORMED = [
     (CH, _chat(functions=[{"name": "f"}]), 400, "functions"),
     (CH, _chat(response_format={"type": "yaml"}), 400, "response_format"),
     (CH, _chat(response_format={"type": "regex", "regex": "[ab"}), 400, "response_format"),
+    (CH, _chat(response_format={"type": "regex", "regex": "[a&&b]"}), 400, "response_format"),  # fails at its start
     (CH, _chat(prompt="x"), 400, "prompt"),
     (CH, _chat(foo=1), 400, "foo"),
     (CH, _chat(max_completion_tokens=0), 400, "max_completion_tokens"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from typing import Any, Protocol, Sequence
 
 import torch
@@ -30,6 +31,17 @@ import torch
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "lark")
 #: masks kept per generation, by prefix (a verification asks for gamma + 1 prefixes; the tiers below for theirs)
 MASK_CACHE_ENTRIES = 256
+#: largest grammar accepted, in bytes of llguidance's serialized grammar (a JSON schema, a pattern, a Lark text)
+MAX_GRAMMAR_BYTES = 256 * 1024
+#: stack of the thread llguidance compiles a grammar on: its compiler recurses along chains of references
+#: (``$ref`` to ``$ref``, rule to rule), and a chain of 1,000 overflowed the 8 MiB main-thread stack (a crash, not
+#: an error); 256 MiB of address space (pages are only touched as used) holds the longest chain that fits in
+#: MAX_GRAMMAR_BYTES
+COMPILE_STACK_BYTES = 256 * 1024 * 1024
+
+
+class GrammarError(ValueError):
+    """The grammar's matcher failed during generation (llguidance's limits, or a grammar with no way to go on)."""
 
 
 class TokenConstraint(Protocol):
@@ -63,9 +75,9 @@ class GrammarConstraint:
 
         self._ll = llguidance.torch
         ll_tokenizer = _ll_tokenizer(tokenizer, vocab_size, tuple(eos_ids))
-        self.matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
+        self.matcher = _on_big_stack(llguidance.LLMatcher, ll_tokenizer, grammar)
         if self.matcher.is_error():  # the grammar does not compile: llguidance's message names where
-            raise ValueError(" ".join(line.strip() for line in self.matcher.get_error().splitlines() if line.strip()))
+            raise ValueError(_one_line(self.matcher.get_error()))
         self.vocab_size = vocab_size
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, ll_tokenizer.vocab_size)
         self._shifts = torch.arange(32, dtype=torch.int32)
@@ -96,7 +108,18 @@ class GrammarConstraint:
         if n:
             self.matcher.consume_tokens(rest[:n])
             self._consumed += rest[:n]
+            self._check(len(self._consumed))
         return n == len(rest)
+
+    def _check(self, tokens: int) -> None:
+        """Raise :class:`GrammarError` where the matcher has failed (llguidance then allows only EOS, which would
+        end the output as if the grammar were complete)."""
+        if self.matcher.is_error():
+            reason = (self.matcher.get_error().strip().splitlines() or ["unknown"])[0]
+            if reason == "NoExtensionBias":
+                reason = "no token can continue the output (a grammar whose language is empty, or a dead end)"
+            raise GrammarError(f"response_format: the grammar's matcher failed after {tokens} generated tokens: "
+                               f"{reason[:300]}")
 
     def allowed(self, output: list[int]) -> torch.Tensor | None:
         """(V,) bool: the tokens allowed after ``output`` (the generated tokens so far); None where ``output``
@@ -107,6 +130,7 @@ class GrammarConstraint:
             if not self._goto(list(output)):
                 return None
             self._ll.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+            self._check(len(output))
             bits = (self._bitmask[0, :, None] >> self._shifts) & 1  # (V / 32, 32): bit i of word w is token 32w + i
             mask = bits.flatten()[:self.vocab_size].bool()
             if len(self._masks) >= MASK_CACHE_ENTRIES:
@@ -129,6 +153,36 @@ class GrammarConstraint:
         everything = torch.ones(logits.shape[-1], dtype=torch.bool)
         allowed = torch.stack([everything if m is None else m for m in masks]).to(logits.device)
         return logits.masked_fill(~allowed, float("-inf"))
+
+
+def _one_line(message: str) -> str:
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+def _on_big_stack(fn, *args):
+    """``fn(*args)`` on a thread with a :data:`COMPILE_STACK_BYTES` stack (llguidance's compiler recursion)."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            out["error"] = e
+
+    with _STACK_LOCK:  # threading.stack_size is process-wide: set it only around this thread's start
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="triforce-grammar")
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+_STACK_LOCK = threading.Lock()
 
 
 @functools.lru_cache(maxsize=4)
@@ -170,14 +224,15 @@ def grammar_from_response_format(response_format: Any, param: str = "response_fo
 
     Args:
         response_format: ``{"type": "json_object"}`` (any JSON object), ``{"type": "json_schema", "json_schema":
-            {"schema": {...}, "name": ..., "strict": ...}}`` (OpenAI's; the schema alone is also taken),
+            {"schema": {...}, "name": ..., "strict": ...}}`` (OpenAI's),
             ``{"type": "regex", "regex": "..."}`` or ``{"type": "lark", "lark": "..."}`` (extensions, as vLLM's
             guided decoding offers).
         param: the name errors give the value.
 
     Raises:
         ImportError: llguidance is not installed.
-        ValueError: naming ``param``: not an object, an unknown type, a missing or malformed field.
+        ValueError: naming ``param``: not an object, an unknown type, a missing or malformed field, a grammar over
+            :data:`MAX_GRAMMAR_BYTES` or one that does not compile (llguidance's message).
     """
     if response_format is None:
         return None
@@ -192,19 +247,30 @@ def grammar_from_response_format(response_format: Any, param: str = "response_fo
     if kind == "text":
         return None
     if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}))
-    if kind == "json_schema":
+        grammar = LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}))
+    elif kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict):
             raise ValueError(f"{param}.json_schema must be an object holding the schema (\"schema\": {{...}})")
-        schema = spec.get("schema", spec if "name" not in spec else None)
+        schema = spec.get("schema")
         if not isinstance(schema, dict):
-            raise ValueError(f"{param}.json_schema.schema must be a JSON schema object")
-        return LLMatcher.grammar_from_json_schema(json.dumps(schema))
-    text = response_format.get(kind)
-    if not isinstance(text, str) or not text:
-        raise ValueError(f"{param}.{kind} must be a non-empty string")
-    return LLMatcher.grammar_from_regex(text) if kind == "regex" else LLMatcher.grammar_from_lark(text)
+            raise ValueError(f"{param}.json_schema.schema must be a JSON schema object, got "
+                             f"{type(schema).__name__ if 'schema' in spec else 'none'}")
+        try:
+            grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema))
+        except (TypeError, ValueError) as e:  # values JSON cannot hold (a set, NaN...)
+            raise ValueError(f"{param}.json_schema.schema is not JSON: {e}") from e
+    else:
+        text = response_format.get(kind)
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"{param}.{kind} must be a non-empty string")
+        grammar = LLMatcher.grammar_from_regex(text) if kind == "regex" else LLMatcher.grammar_from_lark(text)
+    if len(grammar) > MAX_GRAMMAR_BYTES:
+        raise ValueError(f"{param}: the grammar is {len(grammar)} bytes; at most {MAX_GRAMMAR_BYTES} are accepted")
+    error = _on_big_stack(LLMatcher.validate_grammar, grammar)
+    if error:
+        raise ValueError(f"{param}: {_one_line(error)}")
+    return grammar
 
 
 def constraint_for(response_format: Any, tokenizer, vocab_size: int, eos_ids: Sequence[int],

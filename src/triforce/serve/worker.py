@@ -314,6 +314,7 @@ class GenerationWorker:
             self._scheduler.submit(lambda f=follower: self._run_job(f))
 
     def _serve(self, job: _Job, tf: "TriForce") -> None:
+        from ..grammar import GrammarError
         from ..memory import InsufficientMemoryError
         from ..sampling import SamplingParams
 
@@ -390,6 +391,9 @@ class GenerationWorker:
                     break
         except _Abort as a:  # raised by the prefill progress callback: no token yet
             ended = a.reason
+        except GrammarError as e:  # the grammar's matcher failed: the request's fault, even mid-stream
+            job.post("error", APIError(400, str(e), param="response_format", code="grammar_error"))
+            return
         except (InsufficientMemoryError, ValueError) as e:
             if tokens:
                 raise
