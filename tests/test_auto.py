@@ -589,3 +589,21 @@ def test_engine_measures_step_times_once_per_shape_and_keeps_no_copy_it_timed_fo
     ref, _ = engine.generate(prompt, max_new_tokens=16, sampling=GREEDY)
     out, stats = engine.generate(prompt, max_new_tokens=16, sampling=GREEDY, spec=SpeculationConfig(mode="auto"))
     assert out == ref and engine.measured_steps and "measured at 300 tokens" in stats.auto["reason"]
+
+
+def test_a_batched_generation_does_not_stall_the_others_to_measure_step_times():
+    """Inside a batch with other generations running, ``step_times`` returns None (``auto`` plans on bytes) and keeps
+    nothing, so a later request alone measures; a generation alone in the scheduler measures."""
+    from triforce.scheduling import BatchScheduler
+
+    engine = Engine(ours(hf_model(seed=16)))
+    seen = {}
+
+    def ask(name):
+        return lambda: seen.setdefault(name, engine.step_times(400, 64, 3, "int8", torch.float32, chunk_size=4))
+
+    other = engine.fork()  # a generation already waiting on its forward when the next one asks
+    BatchScheduler(2).run([lambda: other.generate(list(range(3, 40)), max_new_tokens=2, sampling=GREEDY), ask("a")])
+    assert seen == {"a": None} and engine.measured_steps == {}
+    BatchScheduler(2).run([ask("alone")])
+    assert seen["alone"] is not None and len(engine.measured_steps) == 1

@@ -49,6 +49,7 @@ from .plan import DRAFT_PREFILL_CHUNK, RequestPlan, check_plan_fits, draft_kv_dt
 from .quant import int8_copy_bytes, lower_precision_copy
 from .retrieval import RetrievalCache
 from .sampling import SamplingParams
+from .scheduling import others_running
 from .speculative import rejection_sample
 from .steptimes import StepTimes, measure_step_times
 from .tiers import ModelTier, RetrievalTier, StreamingTier, VerifyFn
@@ -179,9 +180,12 @@ class Engine:
                    chunk_size: int = DEFAULTS["chunk_size"]) -> StepTimes | None:
         """A retrieval tier's :class:`~triforce.steptimes.StepTimes` at ``context`` tokens, for ``auto``'s plan: measured
         once per shape (contexts within 25% of each other share one) and kept in :attr:`measured_steps` (forks share it);
-        None where the measurement's caches would take more than half the free memory."""
+        None where the measurement's caches would take more than half the free memory, or while other generations
+        of a batch run (measuring would stall them: ``auto`` then plans on bytes and a later request measures)."""
         key = (round(math.log(context, 1.25)), budget, gamma, lower_weights, lower_kv)
         if key not in self.measured_steps:
+            if others_running():
+                return None
             scratch = kv_bytes(self.target.cfg, context + gamma + 1, self.kv_dtype) + kv_bytes(self.target.cfg, budget, lower_kv)
             if 2 * scratch > available_bytes(self.target.device):
                 return None

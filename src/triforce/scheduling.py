@@ -121,6 +121,13 @@ def prefill_chunk(default: int) -> int:
     return max(MIN_PREFILL_CHUNK, min(default, int(PREFILL_CHUNK_SECONDS / max(rate, 1e-9))))
 
 
+def others_running() -> bool:
+    """Whether the calling generation runs in a :class:`BatchScheduler` beside other generations: work of its own that
+    is not a forward (:func:`run_forward`), such as timing a step (``Engine.step_times``), would stall their tokens."""
+    current = greenlet.getcurrent()
+    return isinstance(current, _SequenceGreenlet) and current.scheduler.running > 1
+
+
 class Cancelled(Exception):
     """Raised inside a generation cancelled while it waited on a forward (:meth:`BatchedSequence.cancel`)."""
 
