@@ -92,7 +92,7 @@ def pvalue(counts, probs):
     return chisquare(obs.numpy(), exp.numpy()).pvalue
 
 
-def test_the_grammar_masks_are_the_regex(models):
+def test_the_grammar_masks_are_the_regex():
     constraint = constraint_for(REGEX, TOK, V, (2,))
     constraint.begin(0)
     assert constraint.allowed([]).nonzero().flatten().tolist() == FIRST

@@ -13,9 +13,9 @@ the masked q' and p': the output is distributed exactly as p' at every step, the
 and under greedy decoding it is the argmax over A, token for token what constrained plain decoding gives. A draft
 outside A (an n-gram drafter's may be) has p'(x) = 0 and is always rejected; the rows after it are never read.
 
-The grammars are compiled and matched by llguidance (MIT; the matcher llama.cpp, vLLM and SGLang use; about
-50 us per mask on a CPU): one :class:`GrammarConstraint` per generation, its matcher moved (consume / rollback) to
-each prefix a tier asks about, masks kept by prefix.
+The grammars are compiled and matched by llguidance (MIT; the matcher llama.cpp, vLLM and SGLang use): one
+:class:`GrammarConstraint` per generation, its matcher moved (consume / rollback) to each prefix a tier asks about,
+masks kept by prefix.
 """
 
 from __future__ import annotations

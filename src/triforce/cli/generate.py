@@ -256,11 +256,6 @@ def _generate(args: argparse.Namespace, out) -> int:
             print(f"triforce: {cut.summary()}", file=sys.stderr)
         if not given_new_tokens:
             _fit_new_tokens(args, len(ids), tf.engine.target.cfg)
-        if response_format is not None:  # the grammar compiled against the model's tokenizer, before the prefill
-            from ..grammar import constraint_for
-
-            constraint_for(response_format, tf.tokenizer, cfg.vocab_size, tf.engine.eos_ids,
-                           param="--json-schema" if args.json_schema is not None else "--regex")
         if args.offload_kv:  # the memory planner's choice, reported before the prefill
             print(tf.engine.validate(ids, args.max_new_tokens, spec).summary(), file=sys.stderr)
     except ValueError as e:

@@ -316,7 +316,7 @@ def parse_request(body: dict, kind: str, tf: "TriForce", defaults: ServerDefault
                        param=max_name)
 
     cfg = tf.target.model.cfg
-    response_format = _response_format(body.get("response_format"), tf)
+    response_format = _response_format(body.get("response_format"))
 
     # the prompt, tokenized
     context = cfg.max_position_embeddings
@@ -393,20 +393,20 @@ def _logprobs_options(body: dict, kind: str) -> tuple[int | None, bool]:
     return v, bool(echo)
 
 
-def _response_format(value: Any, tf: "TriForce") -> dict | None:
-    """``response_format`` checked and its grammar compiled (the worker builds each choice's matcher from it); None
-    for text.
+def _response_format(value: Any) -> dict | None:
+    """``response_format`` checked and its grammar compiled once (:func:`~triforce.grammar.grammar_from_response_format`,
+    no tokenizer needed); the worker builds each choice's matcher from it. None for text.
 
     Raises:
         APIError: 400 naming ``response_format``: malformed, a grammar that does not compile, or llguidance missing.
     """
-    from ..grammar import constraint_for
+    from ..grammar import grammar_from_response_format
 
     try:
-        constraint = constraint_for(value, tf.tokenizer, tf.target.model.cfg.vocab_size, tf.engine.eos_ids)
+        grammar = grammar_from_response_format(value)
     except ImportError as e:
         raise _invalid("response_format needs llguidance on the server: pip install 'triforce[grammar]'",
                        param="response_format", code="unsupported_parameter") from e
     except ValueError as e:
         raise _invalid(str(e), param="response_format") from e
-    return None if constraint is None else value
+    return None if grammar is None else value
