@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Generator, Sequence
 
 from .caches import KV_DTYPES
+from .config import check_rope_scaling
 from .defaults import DEFAULTS
 from .detok import IncrementalDetokenizer
 from .engine import Engine, GenerationStats, SpeculationConfig
@@ -129,7 +130,9 @@ class TriForce:
              packed_weights: bool | None = None, threads: int | str | None = None,
              prompt_cache: str | os.PathLike | None = None,
              prompt_cache_max_bytes: int | None = DEFAULTS["prompt_cache_max_bytes"],
-             prompt_cache_min_tokens: int = DEFAULTS["prompt_cache_min_tokens"]) -> "TriForce":
+             prompt_cache_min_tokens: int = DEFAULTS["prompt_cache_min_tokens"],
+             rope_scaling: str | None = DEFAULTS["rope_scaling"],
+             rope_factor: float | None = DEFAULTS["rope_factor"]) -> "TriForce":
         """Load the target (default: the embedded SmolLM2-135M-Instruct) and an optional draft (a model source,
         ``"ngram"`` for the model-free drafter or ``"self"`` for the target's own int4 copy); see :func:`load_model`. With ``tp`` (a
         :class:`~triforce.parallel.TensorParallel`) the target is this rank's shard and the draft is replicated;
@@ -144,10 +147,13 @@ class TriForce:
         physical core that other programs leave idle while the model loads, :mod:`triforce.threads`), or None to
         leave torch's current setting. ``prompt_cache``, ``prompt_cache_max_bytes``,
         ``prompt_cache_min_tokens``: see :class:`TriForce` (checked, and the directory created, before any model loads).
+        ``rope_scaling``, ``rope_factor``: the target's RoPE scaling override, e.g. ``"yarn", 4.0`` (see
+        :func:`load_model`; it changes the model); the draft keeps its own RoPE, since a StreamingLLM cache shows it
+        distances of at most ``draft_sink + draft_window - 1`` whatever the position (``self`` is the target's copy).
 
         Raises:
             ValueError: an unknown ``quantize`` or ``kv_dtype``, or ``threads`` not ``"auto"``, None or an integer in
-                [1, 4x the CPUs] (before loading), or see :func:`load_model`."""
+                [1, 4x the CPUs], or a bad RoPE override (before loading), or see :func:`load_model`."""
         if quantize not in (None, "int8"):
             raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:  # the command line's --kv-dtype names, aliases too
@@ -155,6 +161,7 @@ class TriForce:
         from .threads import IdleCPUProbe, check_threads, default_threads, set_threads
 
         check_threads(threads)
+        check_rope_scaling(rope_scaling, rope_factor)
         if prompt_cache is not None:
             from .promptcache import check_options
 
@@ -162,7 +169,7 @@ class TriForce:
         probe = IdleCPUProbe() if threads == "auto" else None  # measured over the loading below
         if isinstance(threads, int):
             set_threads(threads)
-        target = load_model(model, dtype, device, tp=tp)
+        target = load_model(model, dtype, device, tp=tp, rope_scaling=rope_scaling, rope_factor=rope_factor)
         if quantize:
             from .quant import lower_precision_copy
 

@@ -9,8 +9,12 @@ Supported families (decoder-only, Llama-style blocks: RMSNorm, RoPE, SwiGLU MLP,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from .defaults import ROPE_SCALINGS
+from .errors import ParameterError
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -48,7 +52,8 @@ class ModelConfig:
         num_key_value_heads: key/value heads nkv (nh % nkv == 0; GQA group size nh // nkv).
         head_dim: per-head width hs.
         rms_norm_eps: epsilon of RMSNorm.
-        max_position_embeddings: the context the checkpoint declares.
+        max_position_embeddings: the context in tokens that the length checks use: the one the checkpoint declares,
+            or for YaRN the original context times its factor when that is longer (:func:`with_rope_scaling`).
         rope_parameters: Hugging Face ``rope_parameters`` dict (``rope_type``, ``rope_theta``, scaling keys).
         qkv_bias: bias on the q/k/v projections (Qwen2, Llama ``attention_bias``).
         o_bias: bias on the output projection (Llama ``attention_bias``).
@@ -119,6 +124,11 @@ class ModelConfig:
             sliding = getattr(hf_config, "sliding_window", None)
         eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        max_pos = int(getattr(hf_config, "max_position_embeddings", 4096))
+        if rope_type == "yarn":  # the context YaRN scales to (Qwen2.5's card keeps max_position_embeddings at 32768)
+            rope.setdefault("original_max_position_embeddings", max_pos)
+            if rope.get("factor"):
+                max_pos = max(max_pos, int(rope["original_max_position_embeddings"] * float(rope["factor"])))
         return cls(
             model_type=model_type,
             vocab_size=hf_config.vocab_size,
@@ -129,7 +139,7 @@ class ModelConfig:
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 4096)),
+            max_position_embeddings=max_pos,
             rope_parameters=rope,
             qkv_bias=True if model_type == "qwen2" else attention_bias,
             o_bias=attention_bias if model_type == "llama" else False,
@@ -169,3 +179,95 @@ def _rope_parameters(hf_config: Any) -> dict[str, Any]:
     out.setdefault("rope_type", "default")
     out.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     return out
+
+
+def check_rope_scaling(rope_scaling: str | None, rope_factor: float | None) -> None:
+    """Check a RoPE scaling override's arguments (no model needed: run before anything loads).
+
+    Args:
+        rope_scaling: None (no override) or one of :data:`~triforce.defaults.ROPE_SCALINGS`: ``yarn``, ``linear``,
+            ``dynamic``.
+        rope_factor: None, or the scaling factor, a finite number > 1 (the new context over the old one).
+
+    Raises:
+        ParameterError (a ValueError): one given without the other (naming both), an unknown type (listing the
+            allowed ones), a factor that is not a finite number > 1.
+    """
+    if rope_scaling is None and rope_factor is None:
+        return
+    if rope_scaling is None or rope_factor is None:
+        given, missing = ("rope_scaling", "rope_factor") if rope_factor is None else ("rope_factor", "rope_scaling")
+        raise ParameterError(f"`{given}` needs `{missing}`: give `rope_scaling` (one of {', '.join(ROPE_SCALINGS)}) "
+                             "and `rope_factor` together, or neither")
+    if rope_scaling not in ROPE_SCALINGS:
+        raise ParameterError(f"`rope_scaling` must be one of {', '.join(ROPE_SCALINGS)}, got {rope_scaling!r}")
+    if isinstance(rope_factor, bool) or not isinstance(rope_factor, (int, float)) or not math.isfinite(rope_factor) \
+            or rope_factor <= 1:
+        raise ParameterError(f"`rope_factor` must be a finite number > 1 (the new context over the trained one), "
+                             f"got {rope_factor!r}")
+
+
+def with_rope_scaling(cfg: ModelConfig, rope_type: str, factor: float,
+                      original_max_position_embeddings: int | None = None) -> ModelConfig:
+    """``cfg`` with its RoPE scaled as transformers scales a checkpoint whose config.json carries ``rope_scaling:
+    {"rope_type": rope_type, "factor": factor, "original_max_position_embeddings": old}``.
+
+    This changes the model: its logits differ from the checkpoint's at every position for ``yarn`` and ``linear``
+    (past ``old`` for ``dynamic``), and what it does past the trained context is the scaling's, not guaranteed.
+
+    The context the length checks use (``max_position_embeddings``, in tokens) becomes ``int(old * factor)`` for
+    ``yarn`` and ``linear``, as llama.cpp's ``--rope-scaling``/``--rope-scale`` and vLLM's ``max_model_len`` take it
+    (transformers checks no length; its YaRN validation calls ``max_position_embeddings / old`` the factor). For
+    ``dynamic`` it stays ``old``: transformers' dynamic NTK divides by ``max_position_embeddings``, so it must stay
+    the trained context, and a dynamic model has no length limit here (``rope.py``: the scaling is fixed once per
+    request from its length), exactly as a checkpoint saved with dynamic scaling.
+
+    Args:
+        cfg: the checkpoint's configuration.
+        rope_type: ``yarn``, ``linear`` or ``dynamic`` (:data:`~triforce.defaults.ROPE_SCALINGS`).
+        factor: a finite number > 1.
+        original_max_position_embeddings: ``old``, the trained context in tokens; None: the checkpoint's
+            ``original_max_position_embeddings`` when it already has this scaling type, else its
+            ``max_position_embeddings``.
+
+    Returns:
+        a new :class:`ModelConfig`; rope_theta and, for the same type, the checkpoint's other scaling keys (YaRN's
+        beta_fast, beta_slow, mscale, attention_factor) are kept; ``factor`` and ``original_max_position_embeddings``
+        are replaced.
+
+    Raises:
+        ParameterError (a ValueError): see :func:`check_rope_scaling`; ``original_max_position_embeddings`` not an
+            integer >= 1; a checkpoint whose RoPE is already scaled with another type (naming both types).
+
+    Source: YaRN, Peng et al., arXiv 2309.00071; linear interpolation, Chen et al., arXiv 2306.15595; dynamic NTK and
+    the parameters' meaning: transformers' ``modeling_rope_utils`` (``_compute_yarn_parameters``,
+    ``_compute_linear_scaling_rope_parameters``, ``_compute_dynamic_ntk_parameters``).
+    """
+    check_rope_scaling(rope_type, factor)
+    old = original_max_position_embeddings
+    if old is not None and (isinstance(old, bool) or not isinstance(old, int) or old < 1):
+        raise ParameterError(f"`original_max_position_embeddings` must be an integer >= 1 (tokens), got {old!r}")
+    current = cfg.rope_type
+    if current not in ("default", rope_type):
+        raise ParameterError(f"`rope_scaling` {rope_type}: this checkpoint's RoPE is already scaled ({current}, "
+                             f"{_describe(cfg.rope_parameters)}); an override may only change a {current} scaling's "
+                             f"factor (`rope_scaling` {current}), or leave the checkpoint as it is")
+    params = dict(cfg.rope_parameters)
+    params.pop("type", None)
+    if old is None:
+        old = int(params.get("original_max_position_embeddings") or cfg.max_position_embeddings) \
+            if current == rope_type and rope_type != "dynamic" else cfg.max_position_embeddings
+    if current != rope_type:  # scaling a default RoPE: only its base carries over
+        params = {"rope_theta": params.get("rope_theta", 10000.0)}
+    params.update(rope_type=rope_type, factor=float(factor))
+    if rope_type == "dynamic":
+        params.pop("original_max_position_embeddings", None)
+        return replace(cfg, rope_parameters=params, max_position_embeddings=int(old))
+    params["original_max_position_embeddings"] = int(old)
+    return replace(cfg, rope_parameters=params, max_position_embeddings=int(old * float(factor)))
+
+
+def _describe(params: dict[str, Any]) -> str:
+    """``factor 4.0, original context 32768`` of a rope_parameters dict (the keys it has)."""
+    keys = (("factor", "factor"), ("original_max_position_embeddings", "original context"))
+    return ", ".join(f"{name} {params[k]}" for k, name in keys if params.get(k) is not None) or "no factor"

@@ -28,6 +28,8 @@ PACKED_WEIGHTS = ("auto", "on", "off")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 #: ``--cuda-graphs`` values
 CUDA_GRAPHS = ("on", "off")
+#: ``--rope-scaling`` values: the RoPE scalings an override may apply (``config.with_rope_scaling``)
+ROPE_SCALINGS = ("yarn", "linear", "dynamic")
 
 #: options shared by ``generate``, ``serve``, ``bench``, ``analyze`` and the Python API
 DEFAULTS: dict[str, object] = {
@@ -48,6 +50,8 @@ DEFAULTS: dict[str, object] = {
     "prompt_cache": None,  # no prompt cache files (promptcache.py)
     "prompt_cache_max_bytes": None,  # no cap on the directory
     "prompt_cache_min_tokens": 64,  # a request writes its KV when it computed at least this many new tokens
+    "rope_scaling": None,  # the checkpoint's RoPE (config.with_rope_scaling: yarn, linear, dynamic)
+    "rope_factor": None,  # given with rope_scaling
     "tp": 1,
     # sampling
     "max_new_tokens": 256,

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from .caches import KV_DTYPES
-from .config import ModelConfig, ModelLoadError, UnsupportedModelError, check_architecture  # noqa: F401  (re-exported)
+from .config import (ModelConfig, ModelLoadError, UnsupportedModelError, check_architecture,  # noqa: F401  (re-exported)
+                     check_rope_scaling, with_rope_scaling)
 from .gguf import read_gguf
 from .memory import check_fits
 from .model import Transformer
@@ -98,13 +99,14 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _read_folder(folder: Path, dtype: torch.dtype, device: str | torch.device, tp=None):
+def _read_folder(folder: Path, dtype: torch.dtype, device: str | torch.device, tp=None, rope=None):
     from safetensors import safe_open
     from transformers import AutoConfig, AutoTokenizer
 
     raw = json.loads((folder / "config.json").read_text())
     check_architecture(raw.get("model_type"))
     hf_config = AutoConfig.from_pretrained(str(folder))
+    _scaled(ModelConfig.from_hf(hf_config), rope)  # refuse an override the checkpoint's RoPE forbids before any weight
     if tp is not None:  # refuse a size that does not divide the heads before reading any weight
         from .parallel import check_tp_size
 
@@ -166,14 +168,14 @@ def _as_stored(name: str, tensor: torch.Tensor, dtype: torch.dtype, state: dict,
     return tensor.to(dtype)
 
 
-def _read_gguf_as(path: Path, dtype: torch.dtype, device: torch.device, tp):
+def _read_gguf_as(path: Path, dtype: torch.dtype, device: torch.device, tp, rope=None):
     """A GGUF file's config, state and tokenizer: its quantized matrices kept as the file stores them (block codes,
     ``ggufcodes.py``) for an fp32 model on the CPU where the block-code kernel runs, else dequantized to ``dtype``."""
     if _keeps_stored(dtype, device, tp):
         from .ggufcodes import read_gguf_codes
 
         hf_config, _, tokenizer = read_gguf(path, codes=True)
-        cfg = ModelConfig.from_hf(hf_config)
+        cfg = _scaled(ModelConfig.from_hf(hf_config), rope)
         try:
             state = read_gguf_codes(path, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.tie_word_embeddings)
         except ValueError as e:
@@ -181,6 +183,12 @@ def _read_gguf_as(path: Path, dtype: torch.dtype, device: torch.device, tp):
         return hf_config, state, tokenizer
     hf_config, state, tokenizer = read_gguf(path)
     return hf_config, {k: v.to(dtype) for k, v in state.items()}, tokenizer
+
+
+def _scaled(cfg: ModelConfig, rope: tuple[str, float] | None) -> ModelConfig:
+    """``cfg`` under the RoPE scaling override ``(rope_scaling, rope_factor)`` (:func:`~triforce.config.with_rope_scaling`;
+    None: ``cfg`` itself)."""
+    return cfg if rope is None else with_rope_scaling(cfg, *rope)
 
 
 def _prod(shape) -> int:
@@ -196,7 +204,8 @@ def _looks_like_hub_id(source: str) -> bool:
 
 
 def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu", tp=None) -> LoadedModel:
+               device: str | torch.device = "cpu", tp=None, rope_scaling: str | None = None,
+               rope_factor: float | None = None) -> LoadedModel:
     """Load a Llama-family model and its tokenizer from a folder, a GGUF file, a hub id, or the default model.
 
     Args:
@@ -204,6 +213,12 @@ def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype
         dtype: weights and KV-cache dtype: float32, bfloat16 or float16.
         device: torch device string (``cpu``, ``cuda``, ``cuda:1``).
         tp: a :class:`~triforce.parallel.TensorParallel`: load only this rank's shard (see ``parallel.py``).
+        rope_scaling, rope_factor: a RoPE scaling override, given together: ``yarn``, ``linear`` or ``dynamic`` and a
+            factor > 1 (``rope_scaling="yarn", rope_factor=4.0``: Qwen2.5's 32K to 128K). The model is the checkpoint
+            with ``rope_scaling: {"rope_type": ..., "factor": ..., "original_max_position_embeddings": its
+            context}`` in its config.json, and its context becomes ``int(context * factor)`` (yarn, linear; dynamic:
+            no limit): :func:`~triforce.config.with_rope_scaling`. It changes the model's outputs. None: the
+            checkpoint's RoPE.
 
     Returns:
         :class:`LoadedModel`.
@@ -212,8 +227,13 @@ def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype
         ModelLoadError: the source does not exist, has no weights, or cannot be fetched.
         UnsupportedModelError: an architecture we do not run (the message lists the supported ones).
         InsufficientMemoryError: the weights do not fit in free memory (both figures in the message).
-        ValueError: an unknown dtype, or a ``tp`` size that does not divide the heads (valid sizes listed).
+        ValueError: an unknown dtype, or a ``tp`` size that does not divide the heads (valid sizes listed); a bad RoPE
+            override (before anything is read: one of the pair without the other, an unknown type, a factor not > 1;
+            before the weights are read, except for a GGUF file read in fp32 blocks: a checkpoint whose RoPE is
+            already scaled with another type).
     """
+    check_rope_scaling(rope_scaling, rope_factor)
+    rope = None if rope_scaling is None else (rope_scaling, rope_factor)
     torch_dtype = parse_dtype(dtype)
     device = parse_device(device)
     if source is not None and not isinstance(source, (str, os.PathLike)):
@@ -227,16 +247,16 @@ def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"model file {path} is not a .gguf file; pass a GGUF file or a Hugging Face folder")
-        hf_config, state, tokenizer = _read_gguf_as(path, torch_dtype, device, tp)
+        hf_config, state, tokenizer = _read_gguf_as(path, torch_dtype, device, tp, rope)
     elif path.is_dir():
         if (path / "config.json").is_file():
-            hf_config, state, tokenizer = _read_folder(path, torch_dtype, device, tp)
+            hf_config, state, tokenizer = _read_folder(path, torch_dtype, device, tp, rope)
         else:
             ggufs = sorted(path.glob("*.gguf"))
             if len(ggufs) != 1:
                 raise ModelLoadError(f"folder {path} has no config.json and {len(ggufs)} GGUF files; expected a Hugging "
                                      "Face folder (config.json + safetensors) or exactly one .gguf file")
-            hf_config, state, tokenizer = _read_gguf_as(ggufs[0], torch_dtype, device, tp)
+            hf_config, state, tokenizer = _read_gguf_as(ggufs[0], torch_dtype, device, tp, rope)
     elif _looks_like_hub_id(source):
         try:
             from huggingface_hub import snapshot_download
@@ -245,11 +265,11 @@ def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype
         except Exception as e:  # network errors, unknown repo, gated repo
             raise ModelLoadError(f"could not fetch {source!r} from the Hugging Face hub ({type(e).__name__}); "
                                  "pass a local folder or GGUF file instead") from e
-        return load_model(folder, dtype, device, tp)
+        return load_model(folder, dtype, device, tp, rope_scaling, rope_factor)
     else:
         raise ModelLoadError(f"model {source!r} not found: pass a local Hugging Face folder, a .gguf file, or a hub "
                              "id like 'org/name'")
-    cfg = ModelConfig.from_hf(hf_config)
+    cfg = _scaled(ModelConfig.from_hf(hf_config), rope)
     model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=device if tp is None else tp.device, tp=tp,
                                         consume=True)
     model.attach_block_codes()  # a GGUF model's exact 4/8-bit codes: the same fp32 products from fewer bytes

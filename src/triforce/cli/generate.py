@@ -96,6 +96,21 @@ def check_offload(args: argparse.Namespace) -> None:
         raise CLIError(f"--on-chip-layers must be >= 0, got {args.on_chip_layers}")
 
 
+def check_rope_args(args: argparse.Namespace) -> None:
+    """``--rope-scaling`` and ``--rope-factor`` of ``generate`` and ``serve``: both or neither, a factor > 1
+    (:func:`~triforce.config.check_rope_scaling`), before the model loads.
+
+    Raises:
+        CLIError: naming the options.
+    """
+    from ..config import check_rope_scaling
+
+    try:
+        check_rope_scaling(args.rope_scaling, args.rope_factor)
+    except ValueError as e:
+        raise option_error(e) from e
+
+
 def load_from_args(args: argparse.Namespace, tp=None):
     """The :class:`~triforce.api.TriForce` that the model options of ``generate`` or ``serve`` describe (compiled
     with ``--compile``); ``tp``: this rank's :class:`~triforce.parallel.TensorParallel` or None.
@@ -111,7 +126,8 @@ def load_from_args(args: argparse.Namespace, tp=None):
                        threads="auto" if args.threads is None else args.threads,
                        prompt_cache=getattr(args, "prompt_cache", None),
                        prompt_cache_max_bytes=None if getattr(args, "prompt_cache_max_gib", None) is None
-                       else int(args.prompt_cache_max_gib * 2**30))
+                       else int(args.prompt_cache_max_gib * 2**30),
+                       rope_scaling=args.rope_scaling, rope_factor=args.rope_factor)
     if args.compile:
         tf.compile(args.compile)
     tf.set_cuda_graphs(args.cuda_graphs == "on")
@@ -201,6 +217,7 @@ def _generate(args: argparse.Namespace, out) -> int:
     from ..loading import parse_device
 
     check_seed(args.seed)
+    check_rope_args(args)
     given_new_tokens = args.max_new_tokens is not None
     if not given_new_tokens:
         args.max_new_tokens = DEFAULTS["max_new_tokens"]

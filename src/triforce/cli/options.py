@@ -14,7 +14,7 @@ import argparse
 from dataclasses import dataclass
 
 from ..defaults import (COMPILE_MODES, CUDA_GRAPHS, DEFAULTS, DTYPE_ALIASES, LOWER_WEIGHTS, PACKED_WEIGHTS,
-                        SELF_WEIGHTS, default)
+                        ROPE_SCALINGS, SELF_WEIGHTS, default)
 from ..hierarchy import MODES, SpeculationConfig
 from ..retrieval import CHUNK_SCORES
 from .common import CLIError
@@ -86,6 +86,8 @@ _ALL = [  # by the kind of value; the groups of each subcommand are the tuples b
     Option("--draft-window", "StreamingLLM window of the draft cache (default {default})", type=int),
     Option("--ngram-n", "longest suffix the n-gram drafter matches (default {default})", type=int),
     Option("--ngram-min", "shortest suffix the n-gram drafter may match (default {default})", type=int),
+    Option("--rope-factor", "with --rope-scaling: the factor F > 1; yarn and linear raise the context to F times the "
+                            "trained one (Qwen2.5: yarn 4 for 128K)", type=float, metavar="F"),
     # one of a few values
     Option("--dtype", "weights and KV dtype (default {default}; fp32, bf16, fp16 name the same)",
            choices=tuple(DTYPE_ALIASES)),
@@ -104,6 +106,9 @@ _ALL = [  # by the kind of value; the groups of each subcommand are the tuples b
                             "(default {default}: not yet run on a GPU)", choices=CUDA_GRAPHS),
     Option("--mode", "auto (default: the hierarchy is chosen per request and bypassed while it does not pay), "
                      "autoregressive, retrieval, draft, triforce", choices=MODES),
+    Option("--rope-scaling", "override the target's RoPE as a config.json rope_scaling would (with --rope-factor): "
+                             "it changes the model, past the trained context quality is the scaling's "
+                             "(docs/long_documents.md); the draft keeps its own", choices=ROPE_SCALINGS),
     Option("--self-weights", "weights of the --draft self tier (default {default})", choices=SELF_WEIGHTS),
     Option("--chunk-score", "retrieval chunk score: mean (paper: q . mean key), max (best key), bound (Quest upper "
                             "bound), attn (per-head attention mass over recent verifier queries + a recent window; "
@@ -127,7 +132,7 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in _ALL}
 #: the groups of ``generate`` and ``serve``, by title
 MODEL_OPTIONS = ("model", "draft", "dtype", "device", "threads", "kv_dtype", "quantize", "packed_weights", "compile",
                  "cuda_graphs",
-                 "offload_kv", "on_chip_layers", "tp")
+                 "offload_kv", "on_chip_layers", "tp", "rope_scaling", "rope_factor")
 SAMPLING_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 SPECULATION_OPTIONS = ("mode", "self_weights", "gamma1", "gamma2", "budget", "chunk_size", "chunk_score", "stop_below",
                        "adaptive_gamma", "rebuild_below", "rebuild_every", "draft_sink", "draft_window", "ngram_n",

@@ -14,7 +14,7 @@ import sys
 from ..defaults import DEFAULTS, SERVE_DEFAULTS
 from ..serve.settings import API_KEY_ENV, ServerDefaults, check_api_key, model_id_for
 from .common import CLIError, Parser, check_seed, check_threads, option_error
-from .generate import add_prompt_cache_args, check_offload, check_prompt_cache, load_from_args
+from .generate import add_prompt_cache_args, check_offload, check_prompt_cache, check_rope_args, load_from_args
 from .options import add_generation_args, spec_from_args
 
 
@@ -66,6 +66,7 @@ def defaults_from_args(args: argparse.Namespace) -> ServerDefaults:
         raise CLIError("--tp: triforce serve runs in one process; tensor parallelism is for `torchrun ... -m triforce "
                        "generate --tp N`")
     check_offload(args)
+    check_rope_args(args)
     check_prompt_cache(args)
     if not 0 <= args.port <= 65535:
         raise CLIError(f"--port must be in [0, 65535], got {args.port}")
