@@ -5,7 +5,7 @@ size and context length.
     python bench/batching_model.py --out bench/results/batching_model.json
 
 Two machines: this project's CPU with SmolLM2-135M (fp32 verifier, int8 retrieval tier: 540 MB / 135 MB of
-weights, 46 KB of KV per position; ``--cpu-gbs`` GB/s, the large fp32 GEMV's bandwidth in docs/benchmarks.md, and
+weights, 46 KB of KV per position; ``--cpu-gbs`` GB/s, the large fp32 GEMV's bandwidth in docs/history.md, and
 ``--cpu-gflops`` GFLOP/s, an assumed rate for 2 cores' small-M fp32 products), and MagicDec's A100 with
 Llama-2-7B in bf16 (13.5 GB of weights, 0.5 MB of KV per position, 2.0 TB/s, 312 TFLOP/s peak). Acceptance
 ``--acceptance`` (default 0.78: the retrieval tier's acceptance at 1,000 slots, T = 0.6, 8K tokens of pg1342,

@@ -15,7 +15,7 @@ process's CPU time over the decode (``cpu_tokens_per_second``, :func:`generate_t
 other jobs, CPU time at ``--threads 1`` is the figure that time-sharing does not inflate. JSON output;
 ``--markdown`` prints the tables.
 
-    # the first, small set (docs/benchmarks.md)
+    # the first, small set (docs/history.md)
     python bench/beyond.py --books pg1342.txt pg84.txt --prompt-tokens 4000 --new-tokens 128 --threads 2 \
         --out bench/results/beyond.json --markdown
     # minimum n-gram match length (ngram_n 4): --ngram-min sweep

@@ -31,7 +31,7 @@ The JSON is rewritten after each stage, so a run stopped by its time limit keeps
     PYTHONPATH=src python bench/gpu_check.py --device cpu --smoke     # the same code paths on a CPU, small sizes
 
 Prints a markdown summary; writes JSON. Exit status 1 if a parity, equality or distribution check fails. Results
-of the H200 runs: bench/results/gpu_h200_2026-12-04/ (docs/benchmarks.md, "GPU checks").
+of the H200 runs: bench/results/gpu_h200_2026-12-04/ (docs/history.md, "GPU checks").
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 Loads the model once in this process (fp32 unless ``--dtype``) and writes one JSON object: ``load_seconds`` (wall
 clock), ``peak_rss_bytes`` (``ru_maxrss`` of this process: the checkpoint as transformers reads it, our conversion
 and the model, at their largest together), ``weights_bytes`` (the model's own tensors) and their ratio. Used in
-docs/benchmarks.md for the loader's peak (``Transformer.from_state_dict(consume=True)``), which decides whether two
+docs/history.md for the loader's peak (``Transformer.from_state_dict(consume=True)``), which decides whether two
 1.5B fp32 workers of ``triforce bench`` fit in this machine's 24 GiB.
 """
 

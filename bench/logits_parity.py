@@ -5,7 +5,7 @@
 Reads the first ``--tokens`` tokens of a book (from character 5,000 of pg1342 by default), runs our model
 (``triforce.loading.load_model``, fp32, one prefill over a full KV cache) and transformers' (``from_pretrained`` with
 ``gguf_file=``, fp32), and prints one JSON line: the largest absolute difference of the logits and the share of
-positions whose argmax agrees. Used in docs/benchmarks.md to rule out a loading error behind a low acceptance.
+positions whose argmax agrees. Used in docs/history.md to rule out a loading error behind a low acceptance.
 """
 
 from __future__ import annotations

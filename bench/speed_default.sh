@@ -6,7 +6,7 @@
 #   T06_METHODS=autoregressive,auto,llama.cpp SHORT_METHODS=autoregressive,auto bash bench/speed_default.sh  # fewer
 #   BENCH_ARGS="--packed-weights off" ...     # more `triforce bench` options for every run
 # Writes bench/results/speed_default/*.json; `python bench/speed_default_table.py` turns them into the table and PNG
-# of docs/benchmarks.md. llama.cpp rows need `pip install -e ".[llamacpp]"` (compiles for minutes).
+# of docs/history.md. llama.cpp rows need `pip install -e ".[llamacpp]"` (compiles for minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/speed_default}

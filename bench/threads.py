@@ -15,7 +15,7 @@ idle machine and next to a busy-loop process (``python -c 'while True: pass'``, 
 Each run reports decode ms/token (``1000 / decode_tokens_per_second``) and prefill seconds from its ``--json``
 object, and the CPU time other programs used meanwhile (all CPUs' busy time from /proc/stat minus this run's own and
 the hog's), so a figure taken while someone else was benchmarking says so. Prints one JSON object (``--out`` also
-writes it); the medians go to docs/benchmarks.md.
+writes it); the medians go to docs/history.md.
 
     python bench/threads.py --reps 2 --prompt-tokens 1500 --new-tokens 16 --out bench/results/threads.json
 """

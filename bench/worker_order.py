@@ -3,7 +3,7 @@
 ``triforce bench`` runs one worker process per method and, in every repetition, the methods in one fixed order
 (:data:`triforce.lab.bench.methods.METHODS` order), so ``auto`` always runs right before ``autoregressive``, and its
 worker is the one that loads first and tokenizes the prompt. Where ``auto`` decodes plainly (SmolLM2 at 1K and 4K
-tokens: the same code as ``autoregressive``), runs measured it at 0.86-1.03x (docs/benchmarks.md). This script
+tokens: the same code as ``autoregressive``), runs measured it at 0.86-1.03x (docs/history.md). This script
 separates the three candidate causes with the bench's own workers: it starts one worker per entry of ``--workers``
 (duplicates allowed: ``autoregressive,autoregressive,auto`` is an A/A/B test), tokenizes the prompt in a worker of
 its own that then exits (``--encode-in own``) or in the first worker (``first``, as ``triforce bench`` does), and
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--reps, --prompt-tokens and --new-tokens must be >= 1")
     if not os.path.isfile(os.path.join(BOOKS_DIR, a.book)):
         p.error(f"--book: no file {a.book!r} in {BOOKS_DIR}")
-    # a worker's config as `triforce bench` writes it, with the options of docs/benchmarks.md's 1K and 4K runs
+    # a worker's config as `triforce bench` writes it, with the options of docs/history.md's 1K and 4K runs
     cfg = {"model": None, "draft": None, "dtype": "float32", "threads": a.threads, "temperature": a.temperature,
            "top_p": a.top_p, "top_k": 0, "seed": a.seed, "budget": 1000, "chunk_size": DEFAULTS["chunk_size"],
            "gamma1": DEFAULTS["gamma1"], "gamma2": DEFAULTS["gamma2"], "synthetic": None, "layers": None,

@@ -1,5 +1,6 @@
 """The package's layout (issue 12): no import cycles, the core never imports the entry points or the research tools,
-modules stay small, README's module map and options table match the code. Static checks: well under a second."""
+modules stay small, the module map (docs/architecture.md) and README's options table match the code, README stays a
+quick guide and the docs' links resolve (issue 48). Static checks: well under a second."""
 
 import argparse
 import ast
@@ -14,6 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 PKG = SRC / "triforce"
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+#: the module map ("Where things are") lives in docs/architecture.md
+ARCHITECTURE = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+#: README.md is a quick guide (issue 48): the rest is in docs/
+README_MAX_LINES = 220
 #: the largest module, in lines ("no module over about 500 lines")
 MAX_LINES = 510
 #: import edges allowed to close a cycle, each with its reason
@@ -138,10 +143,10 @@ def test_nothing_outside_the_engine_touches_its_private_fields():
     assert hits == []
 
 
-def test_readme_module_map_lists_every_module():
-    """Every module of src/ is named in README's "Where things are" table (a subpackage's ``__init__.py`` by its
-    folder; ``__main__.py`` files, the ``python -m`` entry points, need not be)."""
-    section = README.split("## Where things are", 1)[1].split("\n## ", 1)[0]
+def test_module_map_lists_every_module():
+    """Every module of src/ is named in docs/architecture.md's "Where things are" table (a subpackage's
+    ``__init__.py`` by its folder; ``__main__.py`` files, the ``python -m`` entry points, need not be)."""
+    section = ARCHITECTURE.split("## Where things are", 1)[1].split("\n## ", 1)[0]
     listed = set()
     for row in re.findall(r"^\| (.+) \|$", section, re.MULTILINE):
         folder = ""
@@ -161,6 +166,59 @@ def test_readme_module_map_lists_every_module():
         if rel not in listed:
             missing.append(rel)
     assert missing == []
+
+
+def test_readme_is_a_quick_guide():
+    """README.md stays a quick guide: at most README_MAX_LINES lines; the details live in docs/."""
+    n = len(README.splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines, at most {README_MAX_LINES}: move details to docs/"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped (not ``-`` or ``_``), spaces as ``-``."""
+    text = re.sub(r"`|\*\*", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(text: str) -> set[str]:
+    """The anchors of a Markdown file's headings (headings inside code fences are not headings)."""
+    out, counts, fenced = set(), {}, False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6} (.+)", line)):
+            slug = _slug(m.group(1))
+            n = counts.get(slug, 0)
+            counts[slug] = n + 1
+            out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_point_at_files_and_headings_that_exist(doc):
+    text, bad = doc.read_text(encoding="utf-8"), []
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (doc.parent / path).resolve() if path else doc
+        if not dest.exists():
+            bad.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text(encoding="utf-8")):
+            bad.append(f"{target}: no such heading in {dest.relative_to(ROOT)}")
+    assert bad == []
+
+
+def test_dated_sections_only_in_the_history():
+    """Current docs are by topic; the dated record (headings with a date) is docs/history.md alone."""
+    dated = [f"{doc.relative_to(ROOT)}: {line}" for doc in DOCS if doc.name != "history.md"
+             for line in re.sub(r"```.*?```", "", doc.read_text(encoding="utf-8"), flags=re.DOTALL).splitlines()
+             if re.match(r"#{1,6} .*\b20\d\d-\d\d-\d\d\b", line)]
+    assert dated == []
 
 
 def _parser_options() -> dict[str, argparse.Action]:

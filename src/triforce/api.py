@@ -65,7 +65,7 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None
 
     def to_dict(self) -> dict:
-        """The ``--json`` object: text, token_ids, finish_reason and the stats fields (README, "JSON output")."""
+        """The ``--json`` object: text, token_ids, finish_reason and the stats fields (docs/usage.md, "JSON output")."""
         d = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason}
         d.update(self.stats.to_dict())
         d["finish_reason"] = self.finish_reason

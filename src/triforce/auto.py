@@ -12,7 +12,7 @@ hierarchy only changes how many tokens each verification emits, never their dist
     :data:`RETRIEVAL_MIN_KV_SHARE_SAMPLING` under sampling, with a budget of :data:`RETRIEVAL_BUDGET_SHARE` of the
     prompt (:data:`RETRIEVAL_BUDGET_SHARE_SAMPLING` under sampling). Below the threshold its step reads nearly as many
     bytes as the target's own decode step, and under sampling its proposals are accepted less often. Measured on this
-    project's CPU (SmolLM2, T = 0.6, docs/benchmarks.md): at 8K tokens, where the KV cache is 0.69x the weights,
+    project's CPU (SmolLM2, T = 0.6, docs/history.md): at 8K tokens, where the KV cache is 0.69x the weights,
     ``auto`` with a 1,000-slot retrieval tier ran at 1.18-1.43x plain decoding on three books, and the retrieval tier
     alone at 1.39x with 1,000 slots and 1.34x with 4,096 (``bench/results/budget_sweep``, ``speed_default``); at 4K (0.34x) it
     ran at 0.83-0.91x before the decode step of the int8 tier ran in one kernel call (``decode_step.decode_layers``),
@@ -41,7 +41,7 @@ hierarchy only changes how many tokens each verification emits, never their dist
     a StreamingLLM cache; ``self`` drafts directly for the target). Without one: the model-free n-gram drafter under
     greedy decoding (it costs no forward, and greedy text repeats itself); under sampling nothing below the
     retrieval tier, and plain decoding for short prompts. Measured on this project's CPU (SmolLM2, 2 threads,
-    docs/benchmarks.md): under sampling the n-gram drafter's exact-match proposals are rarely accepted on prose
+    docs/history.md): under sampling the n-gram drafter's exact-match proposals are rarely accepted on prose
     (0.02-0.05 at T = 0.6), and the ``self`` tier was 0.71-1.12x plain decoding at 1K tokens and 0.97-1.16x at
     8K on three books, because a verification pass costs about twice a decode step on this CPU.
 

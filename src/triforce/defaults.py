@@ -74,7 +74,7 @@ DEFAULTS: dict[str, object] = {
     "draft_window": 240,
     "self_weights": "int4",
     "ngram_n": 4,
-    "ngram_min": 3,  # measured best on 4 books x 2 prompt kinds (bench/beyond.py, docs/benchmarks.md)
+    "ngram_min": 3,  # measured best on 4 books x 2 prompt kinds (bench/beyond.py, docs/history.md)
     "lower_weights": None,
     "lower_kv_dtype": None,
     "tiers": None,

@@ -9,7 +9,7 @@ whole cache: at 8K tokens the keys and values of SmolLM2 are 369 MB a step, read
 6 GB/s on one core and parallelised over the 3 KV heads only. ``csrc/attention.c`` streams each key and value row
 once for all rows of its head, split into key chunks that every thread shares (flash-decoding), and merges the
 chunks with the log-sum-exp rule (see the C file's header for the equations and sources). Measured by
-``bench/attention_kernel.py`` (docs/benchmarks.md, "Attention kernel").
+``bench/attention_kernel.py`` (docs/history.md, "Attention kernel").
 
 The kernel is C with AVX2/FMA intrinsics (and an AVX-512 path for head sizes that are multiples of 16, built where
 the CPU has AVX-512: 16 lanes, the values' weighted sum for 6 query rows at once), reads fp32 or bf16 caches (a lower
@@ -27,8 +27,8 @@ The linear kernels stream each weight row once for up to :data:`LINEAR_MAX_ROWS`
 :data:`INT8_LINEAR_MAX_ROWS`):
 :func:`int8_linear` dequantises 16 int8 weights per AVX-512 vector, 1.1-1.2x faster than ``aten._weight_int8pack_mm``
 over SmolLM2's weights for the 1-2 rows of a lower tier's decode step on this project's CPU (as fast at 4-5 rows,
-slower from 7; docs/benchmarks.md); :func:`f32_linear` multiplies fp32 weights stored (in, out), the
-verifier's blocks and batched steps (``bench/qlinear.py``, docs/benchmarks.md). They are built for AVX-512 (F, BW,
+slower from 7; docs/history.md); :func:`f32_linear` multiplies fp32 weights stored (in, out), the
+verifier's blocks and batched steps (``bench/qlinear.py``, docs/history.md). They are built for AVX-512 (F, BW,
 VL) where the CPU has it, and otherwise for AVX2 and FMA (8-lane versions of the same kernels, with the same
 row-independence); where the CPU has neither, or ``TRIFORCE_LINEAR_KERNEL=0`` is set, they return None
 (``linear_status()`` says why). Which product a model's fp32 projection runs is decided per build: with AVX-512 our
@@ -245,7 +245,7 @@ def f32_one_row_pays() -> bool:
 
     By default True with the AVX-512 build: on this project's AVX-512 CPU it made a SmolLM2 decode step at 8K 1.17x
     faster (41.0 against 48.1 ms, ``bench/rows.py --rows 1 7``) and swept Qwen2.5-1.5B's weights at 29.5 GB/s against
-    MKL's 18.5 (``bench/qlinear.py --shapes qwen2.5-1.5b``; docs/benchmarks.md). False with the AVX2 build (slower than
+    MKL's 18.5 (``bench/qlinear.py --shapes qwen2.5-1.5b``; docs/history.md). False with the AVX2 build (slower than
     MKL's GEMV for one row on an AVX2 CPU, ``bench/results/qlinear_avx2_cpu.json``) or without the kernels.
     ``TRIFORCE_ONE_ROW_KERNEL`` (:data:`ONE_ROW_ENV_SWITCH`) = "1" or "0" overrides the default, for A/B runs. When
     True, a decode step computes bitwise the logits of its row in a verification block.
@@ -329,7 +329,7 @@ def f32_linear(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor | None:
     inputs in order, whatever the other rows, so a row's result is bitwise the same alone and in a block (the
     attention kernel's property too: a verification computes the logits a decode step would). 0.9-1.2x oneDNN's
     packed product and 1.6-3.3x MKL's for 1-56 rows over SmolLM2's matrices on this project's AVX-512 CPU
-    (``bench/qlinear.py --rows 1 2 4 5 7 8 14 28 56``, docs/benchmarks.md).
+    (``bench/qlinear.py --rows 1 2 4 5 7 8 14 28 56``, docs/history.md).
 
     Args:
         x: (M, in) fp32 activations, 1 <= M <= :data:`LINEAR_MAX_ROWS`.

@@ -15,7 +15,7 @@ sooner (``bench/wait_policy.sh``). libgomp reads the variable once, when torch l
 
 Even so, a thread on a core another program keeps busy holds up every parallel region, so the default thread count
 (``--threads`` not given, ``TriForce.load(threads="auto")``) counts the cores other programs leave idle while the
-model loads (:class:`IdleCPUProbe`): one thread per idle physical core, at least one. Measurements: docs/benchmarks.md,
+model loads (:class:`IdleCPUProbe`): one thread per idle physical core, at least one. Measurements: docs/history.md,
 "Threads on a shared machine" (``bench/threads.py``).
 """
 
@@ -99,7 +99,7 @@ def default_threads(idle_cpus: float | None = None) -> int:
 
     Hyper-threads share a core's arithmetic units, so a second thread per core adds synchronisation and no speed to
     these memory-bound kernels; a thread on a core another program keeps busy makes every parallel region wait for
-    it (docs/benchmarks.md, "Threads on a shared machine").
+    it (docs/history.md, "Threads on a shared machine").
     """
     try:
         import psutil

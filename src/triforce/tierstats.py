@@ -1,6 +1,6 @@
 """The figures of one generation (:class:`GenerationStats`: speed, memory, the plan) and the counters of each tier in
 it (:class:`TierStats`: forwards, acceptance, the run lengths of accepted drafts, what ``GenerationStats.tiers``
-reports per tier; README.md, "JSON output"; the cost model reads the run lengths)."""
+reports per tier; docs/usage.md, "JSON output"; the cost model reads the run lengths)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class TierStats:
-    """Counters of one tier for one generation (definitions: README.md, "JSON output").
+    """Counters of one tier for one generation (definitions: docs/usage.md, "JSON output").
 
     Attributes:
         name: tier name (``target``, ``retrieval``, ``draft``).
@@ -91,7 +91,7 @@ class TierStats:
 
 @dataclass
 class GenerationStats:
-    """Figures of one generation (schema documented in README.md, "JSON output").
+    """Figures of one generation (schema documented in docs/usage.md, "JSON output").
 
     Times are seconds, rates tokens per second, memory bytes.
     """

@@ -32,7 +32,7 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     add_prompt_cache_args(src)
     add_generation_args(gen)
     gen.set_defaults(max_new_tokens=None)  # not given: the default, lowered to what the context leaves (_fit_new_tokens)
-    gen.add_argument("--json", action="store_true", help="print one JSON object (schema in README) instead of text")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (schema: docs/usage.md) instead of text")
     gen.add_argument("--logprobs", type=int, metavar="N", help="with --json: each generated token's log-probability "
                                                                "under the target model and its N (0-20) most likely "
                                                                "alternatives, field logprobs")

@@ -300,7 +300,7 @@ def accepted_length_distribution(alpha: float, gamma: int, counts: list[int] | N
     verifications observed accepting exactly j, ``TierStats.accepted_lengths``): their frequencies, runs longer than
     ``gamma`` counted at ``gamma``. Acceptance on real text comes in runs (a verifier that accepts one token tends to
     accept the next), which the independent model underestimates: 3.5 tokens per verification predicted against 5.4
-    measured at alpha = 0.75, gamma = 6 (docs/benchmarks.md).
+    measured at alpha = 0.75, gamma = 6 (docs/history.md).
 
     Returns:
         gamma + 1 probabilities summing to 1.

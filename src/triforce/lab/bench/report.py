@@ -45,7 +45,7 @@ def format_table(result: dict) -> str:
                      f"({runner}, {timed[runner]:.1f})")
     if any(r.get("predicted_speedup_vs_autoregressive") for r in result["methods"].values()):
         lines.append("measured figures are what this machine did; a cost-model prediction is an estimate from tier "
-                     "latencies and acceptance, not a measurement (docs/benchmarks.md)")
+                     "latencies and acceptance, not a measurement (docs/history.md)")
     if result["greedy"]:
         lines.append("greedy: every method produced the reference's tokens" if result["greedy"]["all_same"] else
                      f"greedy: tokens differ from {result['greedy']['reference']}: "
