@@ -119,7 +119,10 @@ def test_a_verifier_that_ignores_the_grammar_fails_the_same_test(models, monkeyp
             self.constraint = None
 
     monkeypatch.setattr(ModelTier, "set_constraint", verifier_unmasked)
-    counts, outside = empirical(Engine(target, draft), prompt, SPECS["triforce"], 500, seed=9)
+    try:
+        counts, outside = empirical(Engine(target, draft), prompt, SPECS["triforce"], 500, seed=9)
+    except GrammarError:  # a masked lower tier saw the verifier's output leave the language and refused to go on
+        return
     assert outside > 0 or pvalue(counts, exact_distribution(hf, prompt)) < 1e-3
 
 

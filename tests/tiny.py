@@ -63,6 +63,34 @@ def char_tokenizer():
     return tok
 
 
+#: a Hermes-style chat template with tools (as Qwen2.5's renders them, shortened): the tools' JSON in the system
+#: turn, an assistant's calls as <tool_call> blocks, tool results as their own turns
+HERMES_TEMPLATE = (
+    "{% if tools %}<system>Tools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
+    "Reply with <tool_call>\n{\"name\": ..., \"arguments\": ...}\n</tool_call>{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{% if m.content %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>{% endfor %}"
+    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def tool_tokenizer():
+    """A 99-token character-level tokenizer (ids 0-2 special, a newline, then ASCII 32..126, braces included) with
+    :data:`HERMES_TEMPLATE`, for tool calls and JSON."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "\n": 3}
+    for c in range(32, 127):
+        vocab[chr(c)] = len(vocab)
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.chat_template = HERMES_TEMPLATE
+    return tok
+
+
 def save_folder(path, seed: int = 0, **kw):
     """Save a tiny transformers model + the char tokenizer as a Hugging Face folder; returns the HF model."""
     model = hf_model(seed, vocab=96, **kw)

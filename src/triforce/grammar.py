@@ -79,6 +79,7 @@ class GrammarConstraint:
         if self.matcher.is_error():  # the grammar does not compile: llguidance's message names where
             raise ValueError(_one_line(self.matcher.get_error()))
         self.vocab_size = vocab_size
+        self.eos_ids = frozenset(eos_ids) | frozenset(ll_tokenizer.eos_tokens)  # the ends the matcher knows
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, ll_tokenizer.vocab_size)
         self._shifts = torch.arange(32, dtype=torch.int32)
         self._consumed: list[int] = []  # the output tokens the matcher has consumed
@@ -148,6 +149,10 @@ class GrammarConstraint:
         masks = []
         for j in range(logits.shape[0]):
             masks.append(self.allowed(output + list(drafts[:j])) if j == 0 or masks[-1] is not None else None)
+        if masks[0] is None and not self.eos_ids.intersection(output):  # the output itself left the language
+            # (not by proposing past an EOS): never go on unconstrained, say so
+            raise GrammarError(f"response_format: the grammar's matcher rejects the output after {len(output)} "
+                               "tokens although its mask allowed them (a token llguidance reads two ways)")
         if all(m is None for m in masks):
             return logits
         everything = torch.ones(logits.shape[-1], dtype=torch.bool)
@@ -183,6 +188,20 @@ def _on_big_stack(fn, *args):
 
 
 _STACK_LOCK = threading.Lock()
+
+
+def reads_as_special(tokenizer, text: str, vocab_size: int, eos_ids: Sequence[int]) -> bool:
+    """Whether llguidance reads ``text`` as one special token of ``tokenizer`` (an added token such as Qwen2.5's
+    ``<tool_call>``): a grammar must then name it (``<tool_call>`` unquoted in Lark), since the quoted text is
+    written in other tokens. ``vocab_size`` and ``eos_ids`` as for :class:`GrammarConstraint`.
+
+    Raises:
+        ImportError: llguidance is not installed.
+    """
+    ids = tokenizer.convert_tokens_to_ids([text])
+    if not ids or ids[0] is None or ids[0] == tokenizer.unk_token_id or ids[0] >= vocab_size:
+        return False
+    return bool(_ll_tokenizer(tokenizer, vocab_size, tuple(eos_ids)).is_special_token(ids[0]))
 
 
 @functools.lru_cache(maxsize=4)

@@ -20,6 +20,7 @@ from .metrics import ServerMetrics
 from .schema import GenerationRequest, parse_json_body, parse_request
 from .settings import (API_KEY_ENV, DISCONNECT_POLL_SECONDS, ENDPOINTS, MAX_BODY_BYTES, OPEN_PATHS, APIError,
                        ServerDefaults, _invalid, model_id_for)
+from .tools import ToolCallParser
 from .worker import GenerationWorker, _Job, check_with_engine
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -239,8 +240,12 @@ class _Server:
             if req.kind == "chat":
                 if req.logprobs is not None:
                     logprobs = chat_logprobs(entries[i])
-                choices.append({"index": i, "message": {"role": "assistant", "content": info["text"]},
-                                "logprobs": logprobs, "finish_reason": info["finish_reason"]})
+                message, finish = {"role": "assistant", "content": info["text"]}, info["finish_reason"]
+                if req.tools is not None:  # the model's <tool_call> blocks as tool_calls (tools.py)
+                    message["content"], calls = ToolCallParser.parse(info["text"], req.tools.names)
+                    if calls:
+                        message["tool_calls"], finish = calls, ("tool_calls" if finish == "stop" else finish)
+                choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
             else:
                 echoed = self.echo_text(req)
                 if req.logprobs is not None:  # the completion's offsets start after the echoed prompt
@@ -266,7 +271,10 @@ class _Server:
         offset = [0] * req.n  # completions: characters of text sent so far (text_offset), per choice
         pending: list[list[tuple[dict, str]]] = [[] for _ in range(req.n)]  # (entry, text piece) not sent yet
 
-        def chunk(i: int, delta: str | None, finish: str | None = None, role: bool = False) -> dict:
+        parsers = [ToolCallParser(req.tools.names) for _ in range(req.n)] if req.tools is not None else None
+
+        def chunk(i: int, delta: str | None, finish: str | None = None, role: bool = False,
+                  tool_calls: list | None = None) -> dict:
             lp = None
             if pending[i]:  # OpenAI's null where a chunk carries no token's log-probability
                 if chat:
@@ -276,6 +284,8 @@ class _Server:
                 pending[i] = []
             if chat:
                 d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+                if tool_calls:
+                    d["tool_calls"] = tool_calls
                 c = {"index": i, "delta": d, "logprobs": lp, "finish_reason": finish}
             else:
                 c = {"index": i, "text": delta or "", "logprobs": lp, "finish_reason": finish}
@@ -301,7 +311,13 @@ class _Server:
                         first_token = False
                     if ev[2] is not None:
                         pending[i].append(ev[2])
-                    if ev[1].text:
+                    if parsers is not None and ev[1].text:  # text held while it may open a <tool_call> block
+                        text, calls = parsers[i].feed(ev[1].text)
+                        for k, call in enumerate(calls, start=parsers[i].calls - len(calls)):
+                            yield _sse(chunk(i, None, tool_calls=[dict(call, index=k)]))
+                        if text:
+                            yield _sse(chunk(i, text))
+                    elif ev[1].text:
                         yield _sse(chunk(i, ev[1].text))
                 elif ev[0] == "prompt_logprobs":  # echo: the prompt and its tokens' log-probabilities first
                     pending[i] = ev[1]
@@ -313,8 +329,16 @@ class _Server:
                     yield b"data: [DONE]\n\n"
                     return
                 elif ev[0] == "done":
-                    info = ev[1]
-                    final = chunk(i, None, finish=info["finish_reason"])
+                    info, finish = ev[1], ev[1]["finish_reason"]
+                    if parsers is not None:
+                        rest, calls = parsers[i].finish()
+                        if rest:
+                            yield _sse(chunk(i, rest))
+                        for k, call in enumerate(calls, start=parsers[i].calls - len(calls)):
+                            yield _sse(chunk(i, None, tool_calls=[dict(call, index=k)]))
+                        if parsers[i].calls and finish == "stop":
+                            finish = "tool_calls"
+                    final = chunk(i, None, finish=finish)
                     final["triforce"] = info["stats"]
                     yield _sse(final)
                     completion_tokens += info["completion_tokens"]

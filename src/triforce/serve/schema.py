@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..hierarchy import MAX_SEED
 from .settings import MAX_BODY_BYTES, MAX_CHOICES, MAX_STOP_SEQUENCES, APIError, ServerDefaults, _invalid
+from .tools import CLOSE, OPEN, ToolSpec, assistant_tool_calls, parse_tools
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..api import TriForce
@@ -38,6 +39,8 @@ class GenerationRequest:
             extensions), validated and compiled once here; None for text (``grammar.py``).
         n: choices to generate (1 to :data:`~triforce.serve.settings.MAX_CHOICES`): samples of the same prompt, which
             share its prefill and decode as a batch (``worker.py``).
+        tools: (chat) the tools offered to the model, whose ``<tool_call>`` blocks the answer returns as
+            ``tool_calls`` (``tools.py``); None without tools.
     """
 
     kind: str
@@ -56,15 +59,16 @@ class GenerationRequest:
     prompt_text: str | None = None
     response_format: dict | None = None
     n: int = 1
+    tools: ToolSpec | None = None
 
 
 # accepted and used
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
            "logprobs", "n", "response_format"}
-_CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs"}
+_CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
 _COMPLETION_ONLY = {"prompt", "echo"}
 # accepted and ignored (no effect on the output)
-_IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "parallel_tool_calls"}
+_IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
 # accepted only at their neutral value; anything else is refused by name
 _NEUTRAL_COMMON = {
     "presence_penalty": lambda v: v is None or (_is_number(v) and v == 0),
@@ -73,8 +77,6 @@ _NEUTRAL_COMMON = {
 }
 _NEUTRAL_CHAT = {
     "echo": lambda v: v is None or v is False,  # a completions field some clients send to chat too
-    "tools": lambda v: v is None or v == [],
-    "tool_choice": lambda v: v is None or v == "none",
     "functions": lambda v: v is None or v == [],
     "function_call": lambda v: v is None or v == "none",
 }
@@ -82,7 +84,7 @@ _NEUTRAL_COMPLETION = {
     "best_of": lambda v: v is None or (_is_int(v) and v == 1),
     "suffix": lambda v: v is None or v == "",
 }
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _is_int(v: Any) -> bool:
@@ -132,7 +134,7 @@ def _check_unsupported(body: dict, kind: str) -> None:
         if key in neutral:
             if not neutral[key](value):
                 raise _invalid(f"{key}={json.dumps(value)[:80]} is not supported by this server (no best_of, "
-                               f"penalties, logit bias or tools); omit {key!r} or give its default",
+                               f"penalties, logit bias or functions); omit {key!r} or give its default",
                                param=key, code="unsupported_parameter")
             continue
         hint = {"prompt": " (prompt belongs to /v1/completions)",
@@ -141,7 +143,8 @@ def _check_unsupported(body: dict, kind: str) -> None:
 
 
 def _chat_messages(value: Any) -> list[dict]:
-    """Validate OpenAI chat messages; returns ``[{"role", "content"}]`` for the chat template."""
+    """Validate OpenAI chat messages; returns ``[{"role", "content"}]`` for the chat template, with an assistant's
+    ``tool_calls`` (arguments decoded) and a tool result's ``tool_call_id``."""
     if value is None:
         raise _invalid("messages is required: a non-empty array of {role, content} objects", param="messages")
     if not isinstance(value, list):
@@ -158,21 +161,28 @@ def _chat_messages(value: Any) -> list[dict]:
             raise _invalid(f"{where}.role must be a string, one of {', '.join(_ROLES)}", param=f"{where}.role")
         if role not in _ROLES:
             raise _invalid(f"{where}.role {role!r} is not supported; use one of {', '.join(_ROLES)} "
-                           "(tool and function messages are not supported)", param=f"{where}.role")
+                           "(function messages are not supported)", param=f"{where}.role")
+        extra = {}
         for key, v in m.items():
             if key in ("role", "content"):
                 continue
-            if key == "name":
+            if key == "name" or (key == "tool_call_id" and role == "tool"):
                 if not isinstance(v, str):
-                    raise _invalid(f"{where}.name must be a string", param=f"{where}.name")
+                    raise _invalid(f"{where}.{key} must be a string", param=f"{where}.{key}")
+                extra[key] = v
+                continue
+            if key == "tool_calls" and role == "assistant" and v:
+                extra[key] = assistant_tool_calls(v, where)
                 continue
             if v is None or v == []:
                 continue
             raise _invalid(f"{where}.{key} is not supported by this server", param=f"{where}.{key}",
                            code="unsupported_parameter")
-        if "content" not in m:
+        if "content" not in m and "tool_calls" not in extra:
             raise _invalid(f"{where}.content is required", param=f"{where}.content")
-        content = m["content"]
+        content = m.get("content")
+        if content is None and "tool_calls" in extra:
+            content = ""
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
@@ -184,7 +194,7 @@ def _chat_messages(value: Any) -> list[dict]:
         elif not isinstance(content, str):
             raise _invalid(f"{where}.content must be a string or an array of text parts, got {_type_name(content)}",
                            param=f"{where}.content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        out.append({"role": "system" if role == "developer" else role, "content": content, **extra})
     return out
 
 
@@ -323,16 +333,25 @@ def parse_request(body: dict, kind: str, tf: "TriForce", defaults: ServerDefault
     if kind == "chat":
         prompt_param = "messages"
         messages = _chat_messages(body.get("messages"))
-        if not getattr(tf.tokenizer, "chat_template", None):
+        template = getattr(tf.tokenizer, "chat_template", None)
+        if not template:
             raise _invalid("this model's tokenizer has no chat template; use /v1/completions", param="messages")
+        tools = parse_tools(body, template if isinstance(template, str) else json.dumps(template))
+        if tools is not None and tools.choice != "auto":  # forced calls: a grammar (tools.py)
+            from ..grammar import reads_as_special
+
+            tags = all(reads_as_special(tf.tokenizer, t, cfg.vocab_size, tf.engine.eos_ids) for t in (OPEN, CLOSE))
+            response_format = _response_format(tools.response_format(tags))
         try:
-            ids = tf.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = tf.tokenizer.apply_chat_template(messages, tools=list(tools.tools) if tools else None,
+                                                   add_generation_prompt=True, tokenize=True)
         except Exception as e:  # jinja2 TemplateError (e.g. roles that must alternate) and the like
             raise _invalid(f"the chat template rejected the messages: {e}", param="messages") from e
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         ids = [int(t) for t in ids]
     else:
+        tools = None
         prompt_param = "prompt"
         prompt = _completion_prompt(body.get("prompt"), cfg.vocab_size)
         prompt_text = prompt if isinstance(prompt, str) else None
@@ -360,7 +379,7 @@ def parse_request(body: dict, kind: str, tf: "TriForce", defaults: ServerDefault
                              top_k=top_k, seed=seed, stop=stop, stream=stream, include_usage=include_usage,
                              model=defaults.model_id, logprobs=logprobs, echo=echo,
                              prompt_text=prompt_text if kind == "completion" else None, n=n,
-                             response_format=response_format)
+                             response_format=response_format, tools=tools)
 
 
 def _logprobs_options(body: dict, kind: str) -> tuple[int | None, bool]:
