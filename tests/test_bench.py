@@ -290,13 +290,13 @@ def test_bad_options_exit_2_naming_the_option(argv, option, capsys):
 
 
 def test_png_without_matplotlib_is_refused_before_the_run(monkeypatch, capsys):
-    import importlib.util
+    from triforce.lab.bench import run
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.setattr(run, "run_bench", lambda args: pytest.fail("the run started"))
     assert main(["bench", "--png", "chart.png", "--reps", "1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--png needs matplotlib" in err, err
+    assert len(err.splitlines()) == 1 and "--png" in err and "pip install matplotlib" in err, err
 
 
 def test_the_table_names_the_fastest_method(bench_result):
@@ -304,8 +304,76 @@ def test_the_table_names_the_fastest_method(bench_result):
     medians = {m: r["mean_time_between_tokens_ms"]["median"] for m, r in result["methods"].items()
                if r["status"] == "ok"}
     best = min(medians, key=medians.get)
-    line = next(x for x in bench.format_table(result).splitlines() if x.startswith("fastest: "))
+    lines = bench.format_table(result).splitlines()
+    line = next(x for x in lines if x.startswith("fastest: "))
     assert line.startswith(f"fastest: {best}, {medians[best]:.1f} ms/token median")
+    for method, name in (("autoregressive", "plain decoding"), ("hf-ar", "transformers")):
+        if best != method:
+            assert f"{medians[method] / medians[best]:.2f}x {name}" in line, line
+    assert "x the next (" in line
+
+
+def test_the_fastest_line_compares_with_plain_decoding_llamacpp_and_transformers():
+    from triforce.lab.bench.report import fastest_line
+
+    timed = {"hf-ar": 80.3, "autoregressive": 13.3, "auto": 8.2, "retrieval": 9.0, "llama.cpp": 21.9}
+    assert fastest_line(timed) == ("fastest: auto, 8.2 ms/token median: 1.62x plain decoding, 2.67x llama.cpp, "
+                                   "9.79x transformers; 1.10x the next (retrieval, 9.0)")
+    assert fastest_line({"autoregressive": 4.0, "auto": 5.0}) == \
+        "fastest: autoregressive, 4.0 ms/token median; 1.25x the next (auto, 5.0)"
+    assert fastest_line({"auto": 5.0}) == "fastest: auto, 5.0 ms/token median"
+
+
+@pytest.fixture
+def canned_run(bench_result, monkeypatch):
+    """``triforce bench`` with the run replaced by the module's result: what cmd_bench writes where, in-process."""
+    from triforce.lab.bench import run
+
+    seen = {}
+
+    def fake(args):
+        seen["args"] = args
+        return bench_result[0]
+
+    monkeypatch.setattr(run, "run_bench", fake)
+    return seen
+
+
+def test_json_goes_to_stdout_only_when_asked(canned_run, tiny_folder, tmp_path, capsys):
+    argv = ["bench", "--model", tiny_folder, "--prompt", PROMPT, "--no-progress"]
+    assert main(argv) == 0  # no --json: the table on stdout, no JSON anywhere
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1].startswith("fastest: ") and "{" not in out and "{" not in err
+    assert main([*argv, "--json", "-"]) == 0  # --json -: stdout holds the JSON alone, the table goes to stderr
+    out, err = capsys.readouterr()
+    assert json.loads(out)["benchmark"] == "triforce bench"
+    assert "fastest: " in err
+    path = tmp_path / "r.json"
+    assert main([*argv, "--json", str(path)]) == 0  # --json PATH: the file, and the table on stdout
+    out, err = capsys.readouterr()
+    assert json.loads(path.read_text())["benchmark"] == "triforce bench"
+    assert out.splitlines()[-1].startswith("fastest: ") and "{" not in out
+
+
+def test_dtype_short_names_are_accepted(canned_run, tiny_folder, capsys):
+    """The help says fp32, bf16 and fp16 name the same dtypes: the bench takes them, as generate does."""
+    assert main(["bench", "--model", tiny_folder, "--prompt", PROMPT, "--dtype", "fp32", "--no-progress"]) == 0
+    assert canned_run["args"].dtype == "float32"
+
+
+def test_bench_help_names_only_its_own_options_and_its_thread_default():
+    import argparse
+    import re
+
+    from triforce.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parser = sub.choices["bench"]
+    flags = {f for a in parser._actions for f in a.option_strings}
+    text = parser.description + " " + " ".join(a.help or "" for a in parser._actions)
+    assert set(re.findall(r"--[a-z0-9-]+", text)) <= flags  # e.g. no "--mode auto": bench has no --mode
+    threads = next(a for a in parser._actions if "--threads" in a.option_strings)
+    assert "os.cpu_count()" in threads.help and "generate" in threads.help
 
 
 def test_prompt_cache_prefills_the_prompt_once_across_methods(tiny_folder, tmp_path):

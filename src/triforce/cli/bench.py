@@ -20,13 +20,16 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         "bench", help="side-by-side decode speed: transformers, llama.cpp and our modes, interleaved, in one run",
         description="Compare decode speed, acceptance and peak memory of transformers generate (autoregressive, "
                     "assisted, prompt lookup), our modes and llama.cpp on one prompt, with interleaved repetitions. "
-                    "JSON to stdout (or --json PATH), a table on stderr, an optional PNG chart.")
+                    "A table on stdout that ends with the fastest method; the JSON only with --json; an optional "
+                    "PNG chart.")
     m = p.add_argument_group("model")
     add_options(m, ("model",))
     add_options(m, ("draft",), draft="draft model sharing the target's tokenizer (enables hf-assisted), or 'ngram' "
                                      "(the default: the n-gram drafter is the bottom tier of draft and triforce)")
     add_options(m, ("dtype",), "bench")
-    add_options(m, ("threads",), threads="CPU threads of every method (default: all CPUs)")
+    add_options(m, ("threads",), threads="CPU threads of every method, llama.cpp's included (default: every logical "
+                                         "CPU, os.cpu_count(), whatever the load: unlike generate's default, it does "
+                                         "not count the cores other programs leave idle)")
     m.add_argument("--synthetic", metavar="NAME", help="timing only: a random-weight model of a paper shape "
                                                        "(triforce.lab.synthetic), random KV instead of a real prefill")
     m.add_argument("--layers", type=int, help="layers of the --synthetic model (default: all of the shape)")
@@ -60,8 +63,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--methods", help="comma-separated, among " + ", ".join(METHOD_NAMES) + " (default: every one "
                                      "that can run)")
     r.add_argument("--reps", type=int, default=d["reps"], help=f"timed repetitions per method, interleaved ({d['reps']})")
-    r.add_argument("--json", metavar="PATH", help="write the JSON there ('-' or absent: stdout)")
-    r.add_argument("--png", metavar="PATH", help="write a chart (needs matplotlib: pip install 'triforce[bench]')")
+    r.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH; '-': to stdout, and the table to "
+                                                  "stderr (default: no JSON)")
+    r.add_argument("--png", metavar="PATH", help="write a chart (needs matplotlib, checked before the run: pip install "
+                                                 "matplotlib)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 

@@ -7,6 +7,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from ...defaults import DTYPE_ALIASES
 from ..books import BOOKS_DIR
 
 # method -> (family, description)
@@ -102,8 +103,9 @@ def validate_args(args: argparse.Namespace) -> None:
         if value is not None and value < minimum:
             raise BenchError(f"--{name} must be an integer >= {minimum}, got {value}")
 
-    if args.dtype not in ("float32", "bfloat16", "float16"):
-        raise BenchError(f"--dtype must be one of float32, bfloat16, float16, got {args.dtype!r}")
+    if args.dtype not in DTYPE_ALIASES:
+        raise BenchError(f"--dtype must be one of {', '.join(DTYPE_ALIASES)}, got {args.dtype!r}")
+    args.dtype = DTYPE_ALIASES[args.dtype]  # the full name: the workers, the JSON and the table use it
     if args.threads is not None:
         limit = 4 * (os.cpu_count() or 1)
         if not 1 <= args.threads <= limit:
@@ -113,11 +115,11 @@ def validate_args(args: argparse.Namespace) -> None:
         positive(name.replace("_", "-"), getattr(args, name))
     positive("layers", args.layers)
     if getattr(args, "png", None):
-        import importlib.util
-
-        if importlib.util.find_spec("matplotlib") is None:
-            raise BenchError("--png needs matplotlib, which is not installed: pip install 'triforce[bench]' "
-                             "(or leave out --png)")
+        try:  # imported, not only found: a broken install would otherwise fail after the whole run
+            import matplotlib  # noqa: F401
+        except ImportError as e:
+            raise BenchError(f"--png needs matplotlib, which cannot be imported ({e}): pip install matplotlib "
+                             "(or leave out --png)") from e
     if getattr(args, "prompt_cache", None) is not None:
         from ...promptcache import check_options
 

@@ -302,7 +302,10 @@ def run_bench(args: argparse.Namespace) -> dict:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """``triforce bench``: validate, run, print/write the JSON, the table (stderr) and the PNG; exit status.
+    """``triforce bench``: validate, run, write the table, the JSON and the PNG; exit status.
+
+    The table goes to stdout, or to stderr with ``--json -`` (the JSON then has stdout to itself); the JSON is
+    written only when ``--json`` asks for it. Progress and warnings go to stderr.
 
     Raises:
         BenchError (a ValueError): bad options, reported by ``triforce``'s ``main`` as one line, exit status 2.
@@ -314,12 +317,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     result = run_bench(args)
     text = json.dumps(result, indent=2)
-    if args.json in (None, "-"):
+    if args.json == "-":
         sys.stdout.write(text + "\n")
-    else:
+    elif args.json is not None:
         with open(args.json, "w") as f:
             f.write(text + "\n")
-    print(format_table(result), file=sys.stderr)
+    print(format_table(result), file=sys.stderr if args.json == "-" else sys.stdout)
     for m in result["greedy_mismatches"]:
         g = result["methods"][m]["greedy"]
         print(f"triforce: warning: {m} produced different greedy tokens from {result['greedy']['reference']} "
