@@ -4,8 +4,8 @@ A CUDA graph replays the kernels of its capture on the tensors of its capture. T
 cache's promise (every forward with the same ``graph_key`` reads and writes the same storage, refreshed in place),
 tested here directly, and the plumbing (capture once per key, copy each block into the graph's inputs, hand out a
 copy of its output, capture again for a new RoPE, fall back to eager forwards when a capture fails), tested with a
-stand-in backend that re-runs the captured forward where CUDA would replay it. ``bench/gpu_check.py --stages greedy``
-checks greedy equality with real CUDA graphs on a GPU.
+stand-in backend that re-runs the captured forward where CUDA would replay it.
+``bench/gpu/gpu_check.py --stages greedy`` checks greedy equality with real CUDA graphs on a GPU.
 """
 
 from __future__ import annotations

@@ -291,3 +291,55 @@ def test_shared_defaults_come_from_one_table():
         dest = action.dest
         if dest in DEFAULTS and action.default is not None and not isinstance(action.default, list):
             assert action.default == DEFAULTS[dest] or dest in SERVE_DEFAULTS, flag
+
+
+BENCH = ROOT / "bench"
+#: bench/'s scripts: every .py and .sh outside bench/results
+BENCH_SCRIPTS = sorted(p for p in BENCH.rglob("*") if p.suffix in (".py", ".sh") and "results" not in p.parts
+                       and "__pycache__" not in p.parts)
+
+
+def _names_a_commit(obj, depth: int = 0) -> bool:
+    """Whether a result (a dict) holds a non-empty string under a key with "commit" in its name, at most two levels
+    down (``commit_added``, ``machine.git_commit``, ``provenance.git_commit``)."""
+    if not isinstance(obj, dict):
+        return False
+    if any("commit" in k and isinstance(v, str) and v for k, v in obj.items()):
+        return True
+    return depth < 2 and any(_names_a_commit(v, depth + 1) for v in obj.values())
+
+
+def test_every_result_json_names_its_commit():
+    """bench/README.md, "Results and the commit that made them": every JSON under bench/results, and every line of a
+    .jsonl, names the commit of the code it measured (or the commit that added it)."""
+    import json
+
+    missing = []
+    for path in sorted((BENCH / "results").rglob("*.json*")):
+        if path.suffix not in (".json", ".jsonl"):
+            continue
+        text = path.read_text(encoding="utf-8")
+        lines = text.splitlines() if path.suffix == ".jsonl" else [text]
+        objs = [json.loads(x) for x in lines if x.strip()]
+        if not all(_names_a_commit(o) for o in objs):
+            missing.append(path.relative_to(ROOT).as_posix())
+    assert missing == []
+
+
+def test_bench_readme_names_every_script():
+    """bench/README.md is the index of bench/: every script is in it by its path."""
+    index = (BENCH / "README.md").read_text(encoding="utf-8")
+    assert BENCH_SCRIPTS
+    assert [p.relative_to(ROOT).as_posix() for p in BENCH_SCRIPTS
+            if p.relative_to(BENCH).as_posix() not in index] == []
+
+
+def test_docs_name_bench_scripts_that_exist():
+    """A bench script named by path in README.md, docs/ or bench/README.md exists there (scripts live in groups:
+    bench/e2e/, bench/kernels/, ...); ``COMMIT:bench/...`` (``git show``) names a path at another commit."""
+    bad = []
+    for doc in [*DOCS, BENCH / "README.md"]:
+        for path in re.findall(r"(?<![\w./:-])bench/[\w./-]+?\.(?:py|sh)\b", doc.read_text(encoding="utf-8")):
+            if not (ROOT / path).exists():
+                bad.append(f"{doc.relative_to(ROOT)}: {path}")
+    assert bad == []

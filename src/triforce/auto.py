@@ -24,7 +24,7 @@ hierarchy only changes how many tokens each verification emits, never their dist
     it then reads the target's own codes rather than an int8 copy (fewer bytes), multiplied by int8-quantized
     activations (``--lower-weights codes``: integer dot products, as llama.cpp's, where the verifier's exact fp32
     products are bound by dequantizing the codes: a retrieval step at 8K tokens 13.6 ms instead of 19.1,
-    ``bench/tier_latency.py`` under ``OMP_WAIT_POLICY=PASSIVE``);
+    ``bench/kernels/tier_latency.py`` under ``OMP_WAIT_POLICY=PASSIVE``);
   - the same tier also goes under the target, whatever the KV share, when the step is bound by the weights' bytes:
     on a CPU, a target whose layers hold at least :data:`WEIGHT_BOUND_LAYER_BYTES` each, so that a step's fixed
     per-layer costs are small next to the bytes the int8 copy saves. Its budget is then the largest
@@ -310,7 +310,7 @@ class SpeedGovernor:
       bypassed only when the mean over the window is below ``c`` by :attr:`confidence` standard errors, so that a
       stretch of low acceptance inside a run that pays is not a bypass.
 
-    Replayed on 12 recorded requests (``bench/governor_trace.py``: SmolLM2 at 8K tokens, ``retrieval:6``, T = 0.6,
+    Replayed on 12 recorded requests (``bench/analysis/governor_trace.py``: SmolLM2 at 8K tokens, ``retrieval:6``, T = 0.6,
     three books; the tier emitted 4.4-5.9 tokens per step against a break-even of 4.1-4.9), this rule bypassed 1
     request (at its 14th timed step; 4.43 tokens per step against 4.11 over the whole request), the rule it replaces
     (each window's time per token against the median of the 3 probe decode steps) 4. With every speculative step

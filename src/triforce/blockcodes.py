@@ -321,7 +321,7 @@ def blockcode_linear_q8(x: torch.Tensor, codes: BlockCodes) -> torch.Tensor | No
     fp32 product (relative error about 1e-2 per output): for tiers below the verifier only, whose rounding changes how
     often their proposals are accepted, never the output (TriForce, arXiv 2404.11912, Sec. 4). About a quarter of
     the exact kernel's instructions per weight, so a one-row product runs at the codes' memory bandwidth
-    (``bench/blockcodes.py --q8``).
+    (``bench/kernels/blockcodes.py --q8``).
 
     Args:
         x: (M, in) fp32 contiguous CPU activations, 1 <= M <= :data:`~triforce.kernels.LINEAR_MAX_ROWS`.
@@ -339,7 +339,7 @@ def blockcode_linear_q8(x: torch.Tensor, codes: BlockCodes) -> torch.Tensor | No
 
 
 #: outputs of one dequantized tile in :func:`blockcode_matmul` (a multiple of 8): 8 MiB of fp32 weights for 1,024
-#: inputs; PyTorch's GEMM ran at 183-208 GFLOP/s for tiles of 512-8,960 columns (bench/gguf_stored.py)
+#: inputs; PyTorch's GEMM ran at 183-208 GFLOP/s for tiles of 512-8,960 columns (bench/loading/gguf_stored.py)
 MATMUL_TILE_OUTPUTS = 2048
 
 

@@ -176,9 +176,10 @@ class RaggedCache(KVCache):
 #: longest block (tokens per forward) the full KV cache attends with ``kernels.gqa_attention_kernel`` instead of SDPA
 #: (where the kernel is available): decode steps and verification blocks; longer blocks (prefill) use SDPA, whose
 #: matrix-product tiling wins there. A row's result does not depend on the block it is in (same chunks, same order of
-#: operations), so a verification computes the logits a decode step would. Measured (``bench/attention_kernel.py``,
-#: docs/history.md): 1.37-1.49x SDPA for SmolLM2's decode steps, 0.96-1.16x for its 7-token blocks; on Qwen2.5's
-#: shape (2 KV heads, head dim 128) 0.94-1.02x for decode steps and 0.84-0.89x for 7-token blocks.
+#: operations), so a verification computes the logits a decode step would. Measured
+#: (``bench/kernels/attention_kernel.py``, docs/history.md): 1.37-1.49x SDPA for SmolLM2's decode steps, 0.96-1.16x
+#: for its 7-token blocks; on Qwen2.5's shape (2 KV heads, head dim 128) 0.94-1.02x for decode steps and 0.84-0.89x
+#: for 7-token blocks.
 KERNEL_MAX_BLOCK = 16
 
 

@@ -2,7 +2,7 @@
 
 On an H200 a Llama-2-7B forward of one token spent about 18 ms launching its kernels one by one from Python, whatever
 the cache (the retrieval tier's step over 4,096 slots cost 18.8-23.8 ms, the full cache's decode step over 32K-120K
-tokens 17.8-30.7 ms; ``bench/gpu_check.py --stages latency``, bench/results/gpu_h200_2026-12-04/): the middle tier
+tokens 17.8-30.7 ms; ``bench/gpu/gpu_check.py --stages latency``, bench/results/gpu_h200_2026-12-04/): the middle tier
 cost as much as the verifier, so TriForce could not pay there. A forward whose shapes and buffers stay the same from
 step to step can be captured once (``torch.cuda.CUDAGraph``) and replayed with one launch, as the TriForce reference
 code captures its draft and retrieval forwards and gpt-fast does through ``torch.compile``'s reduce-overhead mode.
@@ -16,11 +16,11 @@ out; the engine builds it so for a model with graphs on, :func:`model_graphs_app
 length grows every step). The engine keeps the last request's retrieval cache with its graphs for the next request
 (``RetrievalCache.reset_or_new``). A graph replays the very kernels the eager forward runs, on the same inputs: the
 logits are the eager ones, so greedy equality and the exact-distribution guarantee are untouched
-(``bench/gpu_check.py --stages greedy`` checks it on a GPU).
+(``bench/gpu/gpu_check.py --stages greedy`` checks it on a GPU).
 
 Off (eager forwards) on the CPU, under tensor parallelism, with ``torch.compile`` (its own CUDA graphs), for a
 batched (ragged) forward, and unless ``Transformer.cuda_graphs`` is set (``--cuda-graphs on``; off by default until
-``bench/gpu_check.py`` has run it on a GPU: tests/test_cudagraph.py runs the capture and replay code on the CPU with
+``bench/gpu/gpu_check.py`` has run it on a GPU: tests/test_cudagraph.py runs the capture and replay code on the CPU with
 a stand-in that re-runs the captured forward).
 """
 

@@ -5,7 +5,7 @@ sleeping OpenMP threads sit between two products. Models whose projections are a
 says where it applies (:meth:`~triforce.caches.KVCache.one_query_rows`: a retrieval step, a full-cache decode step),
 over an fp32 or a bf16 cache (a lower tier's ``lower_kv_dtype``, which ``auto`` picks for its retrieval tier).
 For the int8 retrieval tier of SmolLM2 at 8K tokens on this project's 2-core AVX2 CPU it was 1.75x faster than one
-Python call per operation (``bench/decode_step.py``). ``TRIFORCE_DECODE_STEP_KERNEL=0`` turns it off; feature
+Python call per operation (``bench/kernels/decode_step.py``). ``TRIFORCE_DECODE_STEP_KERNEL=0`` turns it off; feature
 detection with a fallback (None: the model runs its layers in Python)."""
 
 from __future__ import annotations

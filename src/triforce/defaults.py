@@ -43,7 +43,7 @@ DEFAULTS: dict[str, object] = {
     "quantize": None,
     "packed_weights": "auto",
     "compile": None,
-    # the retrieval tier's forwards on a GPU (cudagraph.py): off until bench/gpu_check.py has run them on a GPU
+    # the retrieval tier's forwards on a GPU (cudagraph.py): off until bench/gpu/gpu_check.py has run them on a GPU
     "cuda_graphs": "off",
     "offload_kv": False,
     "on_chip_layers": None,  # chosen by the memory planner
@@ -74,7 +74,7 @@ DEFAULTS: dict[str, object] = {
     "draft_window": 240,
     "self_weights": "int4",
     "ngram_n": 4,
-    "ngram_min": 3,  # measured best on 4 books x 2 prompt kinds (bench/beyond.py, docs/history.md)
+    "ngram_min": 3,  # measured best on 4 books x 2 prompt kinds (bench/e2e/beyond.py, docs/history.md)
     "lower_weights": None,
     "lower_kv_dtype": None,
     "tiers": None,

@@ -112,7 +112,7 @@ class SpeculationConfig:
         self_weights: weights of the ``self`` tier, one of :data:`SELF_WEIGHTS` (default ``int4``).
         ngram_n: longest suffix the n-gram drafter matches.
         ngram_min: shortest suffix the n-gram drafter may match (>= 1; capped at ngram_n; default 3, measured
-            best on 4 books x 2 prompt kinds in ``bench/beyond.py``, docs/history.md).
+            best on 4 books x 2 prompt kinds in ``bench/e2e/beyond.py``, docs/history.md).
         stop_below: model drafters end a proposal before a token whose confidence (max probability at temperature
             1) is below this (None: fixed-length proposals).
         adaptive_gamma: each verifying tier adapts its gamma from the last block: +1 after a fully accepted block

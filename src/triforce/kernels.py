@@ -9,7 +9,7 @@ whole cache: at 8K tokens the keys and values of SmolLM2 are 369 MB a step, read
 6 GB/s on one core and parallelised over the 3 KV heads only. ``csrc/attention.c`` streams each key and value row
 once for all rows of its head, split into key chunks that every thread shares (flash-decoding), and merges the
 chunks with the log-sum-exp rule (see the C file's header for the equations and sources). Measured by
-``bench/attention_kernel.py`` (docs/history.md, "Attention kernel").
+``bench/kernels/attention_kernel.py`` (docs/history.md, "Attention kernel").
 
 The kernel is C with AVX2/FMA intrinsics (and an AVX-512 path for head sizes that are multiples of 16, built where
 the CPU has AVX-512: 16 lanes, the values' weighted sum for 6 query rows at once), reads fp32 or bf16 caches (a lower
@@ -28,7 +28,7 @@ The linear kernels stream each weight row once for up to :data:`LINEAR_MAX_ROWS`
 :func:`int8_linear` dequantises 16 int8 weights per AVX-512 vector, 1.1-1.2x faster than ``aten._weight_int8pack_mm``
 over SmolLM2's weights for the 1-2 rows of a lower tier's decode step on this project's CPU (as fast at 4-5 rows,
 slower from 7; docs/history.md); :func:`f32_linear` multiplies fp32 weights stored (in, out), the
-verifier's blocks and batched steps (``bench/qlinear.py``, docs/history.md). They are built for AVX-512 (F, BW,
+verifier's blocks and batched steps (``bench/kernels/qlinear.py``, docs/history.md). They are built for AVX-512 (F, BW,
 VL) where the CPU has it, and otherwise for AVX2 and FMA (8-lane versions of the same kernels, with the same
 row-independence); where the CPU has neither, or ``TRIFORCE_LINEAR_KERNEL=0`` is set, they return None
 (``linear_status()`` says why). Which product a model's fp32 projection runs is decided per build: with AVX-512 our
@@ -39,7 +39,7 @@ GGUF model's projections with exact block codes read those instead (:mod:`trifor
 A decode step of an int8 lower tier or of a model on block codes runs every layer in one call
 (:func:`triforce.decode_step.decode_layers`, ``csrc/decode_step.c``): the same kernels back to back from C, without a Python call
 between them, so the gaps between two products stay shorter than OpenMP's spin (1.75x faster than one Python call per
-operation for SmolLM2 at 8K tokens, ``bench/decode_step.py``); ``TRIFORCE_DECODE_STEP_KERNEL=0`` turns it off.
+operation for SmolLM2 at 8K tokens, ``bench/kernels/decode_step.py``); ``TRIFORCE_DECODE_STEP_KERNEL=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -50,14 +50,15 @@ import os
 
 import torch
 
-from .kernelbuild import _Library, _build, _cpu_flags, best_build, forced_build  # noqa: F401  (_build: bench/step_source.py)
+from .kernelbuild import _Library, _build, _cpu_flags, best_build, forced_build  # noqa: F401
+# (_build: for bench/kernels/step_source.py)
 
 #: environment variable: "0" turns the attention kernel off (SDPA everywhere)
 ENV_SWITCH = "TRIFORCE_ATTENTION_KERNEL"
 #: environment variable: "0" turns the linear kernels off (PyTorch's products everywhere)
 LINEAR_ENV_SWITCH = "TRIFORCE_LINEAR_KERNEL"
 #: environment variable: where a decode step's one-row products run: "1" our fp32 kernel, "0" MKL's GEMV, unset the
-#: build's default (:func:`f32_one_row_pays`); for A/B runs of the same code (bench/rows.py, ``triforce bench``)
+#: build's default (:func:`f32_one_row_pays`); for A/B runs of the same code (bench/kernels/rows.py, ``triforce bench``)
 ONE_ROW_ENV_SWITCH = "TRIFORCE_ONE_ROW_KERNEL"
 #: compiler flags; the build is cached per (source, flags, compiler) hash
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
@@ -83,11 +84,11 @@ BLOCKCODES_ENV_SWITCH = "TRIFORCE_BLOCK_CODES"
 #: their flags: no FMA contraction, so d * q + m rounds twice, as the check of every weight in blockcodes.py does
 BLOCKCODES_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 #: most activation rows of one linear kernel call: a decode step, a verification block, a batch of them (8 sequences
-#: verifying 7 tokens each are 56 rows, where MKL's product is 2.6x slower than ours, bench/qlinear.py); prefill
+#: verifying 7 tokens each are 56 rows, where MKL's product is 2.6x slower than ours, bench/kernels/qlinear.py); prefill
 #: chunks take PyTorch's op
 LINEAR_MAX_ROWS = 64
 #: most rows of one int8 kernel call (a lower tier's decode step or proposal block, a small batch of them): from about
-#: 7 rows on, aten's bf16 int8 product is faster (bench/qlinear.py --rows 7 14 28), and it takes more
+#: 7 rows on, aten's bf16 int8 product is faster (bench/kernels/qlinear.py --rows 7 14 28), and it takes more
 INT8_LINEAR_MAX_ROWS = 16
 #: largest head_dim the kernel handles (checked in the C file)
 MAX_HEAD_DIM = 256
@@ -136,8 +137,8 @@ _LINEAR_SYMBOLS = {"triforce_int8_linear": (_I, [_P] * 4 + [_I] * 4),
 
 
 def linear_build(isa: str) -> "_Library":
-    """The linear kernels built for ``isa`` (:func:`forced_build`): tests and ``bench/qlinear.py`` swap the AVX2 build
-    of ``csrc/qlinear.c`` in as ``kernels._linear`` on an AVX-512 machine.
+    """The linear kernels built for ``isa`` (:func:`forced_build`): tests and ``bench/kernels/qlinear.py`` swap the AVX2
+    build of ``csrc/qlinear.c`` in as ``kernels._linear`` on an AVX-512 machine.
 
     Args:
         isa: "AVX-512" or "AVX2".
@@ -244,9 +245,9 @@ def f32_one_row_pays() -> bool:
     """Whether a one-row fp32 product (a decode step's projections) runs on :func:`f32_linear` rather than MKL's GEMV.
 
     By default True with the AVX-512 build: on this project's AVX-512 CPU it made a SmolLM2 decode step at 8K 1.17x
-    faster (41.0 against 48.1 ms, ``bench/rows.py --rows 1 7``) and swept Qwen2.5-1.5B's weights at 29.5 GB/s against
-    MKL's 18.5 (``bench/qlinear.py --shapes qwen2.5-1.5b``; docs/history.md). False with the AVX2 build (slower than
-    MKL's GEMV for one row on an AVX2 CPU, ``bench/results/qlinear_avx2_cpu.json``) or without the kernels.
+    faster (41.0 against 48.1 ms, ``bench/kernels/rows.py --rows 1 7``) and swept Qwen2.5-1.5B's weights at 29.5 GB/s
+    against MKL's 18.5 (``bench/kernels/qlinear.py --shapes qwen2.5-1.5b``; docs/history.md). False with the AVX2 build
+    (slower than MKL's GEMV for one row on an AVX2 CPU, ``bench/results/qlinear_avx2_cpu.json``) or without the kernels.
     ``TRIFORCE_ONE_ROW_KERNEL`` (:data:`ONE_ROW_ENV_SWITCH`) = "1" or "0" overrides the default, for A/B runs. When
     True, a decode step computes bitwise the logits of its row in a verification block.
 
@@ -329,7 +330,7 @@ def f32_linear(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor | None:
     inputs in order, whatever the other rows, so a row's result is bitwise the same alone and in a block (the
     attention kernel's property too: a verification computes the logits a decode step would). 0.9-1.2x oneDNN's
     packed product and 1.6-3.3x MKL's for 1-56 rows over SmolLM2's matrices on this project's AVX-512 CPU
-    (``bench/qlinear.py --rows 1 2 4 5 7 8 14 28 56``, docs/history.md).
+    (``bench/kernels/qlinear.py --rows 1 2 4 5 7 8 14 28 56``, docs/history.md).
 
     Args:
         x: (M, in) fp32 activations, 1 <= M <= :data:`LINEAR_MAX_ROWS`.

@@ -32,7 +32,7 @@ class Linear(nn.Module):
 
     A decode step multiplies one row vector by each weight matrix, reading the whole matrix. On CPU, PyTorch
     reads the (in, out) layout at about 26 GB/s on this project's machine, against about 17 GB/s for
-    ``nn.Linear``'s (out, in) layout with in = 576 (measured by ``bench/bench_decode.py --layouts``); on GPU both
+    ``nn.Linear``'s (out, in) layout with in = 576 (measured by ``bench/e2e/bench_decode.py --layouts``); on GPU both
     layouts run the same cuBLAS kernels.
 
     Args:
@@ -96,7 +96,7 @@ def compile_forward(fn, mode: str):
 
     ``reduce-overhead`` replays CUDA graphs (PyTorch's CUDA graph trees), which reuse a graph's output memory at a
     later replay; a block's norm output still read after that failed on an H200 with "accessing tensor output of
-    CUDAGraphs that has been overwritten by a subsequent run" (``bench/gpu_check.py --stages compiled``,
+    CUDAGraphs that has been overwritten by a subsequent run" (``bench/gpu/gpu_check.py --stages compiled``,
     bench/results/gpu_h200_2026-12-04/). The clone (one activation-sized copy) is the remedy PyTorch's message names.
 
     Args:
@@ -433,7 +433,7 @@ class Transformer(nn.Module):
         A speculative verification multiplies gamma + 1 rows by each weight matrix. On this project's CPU a 7-token
         forward of SmolLM2 at 8K costs 2.3x a decode step with MKL's general matrix product, and 1.6x with oneDNN
         and weights reordered for its kernels (``torch.ops.mkldnn``, what ``torch.compile``'s CPU freezing uses;
-        ``bench/rows.py``). One-row decode steps keep the (in, out) layout. Costs one more copy
+        ``bench/kernels/rows.py``). One-row decode steps keep the (in, out) layout. Costs one more copy
         of the weights in memory.
 
         Returns:
@@ -457,8 +457,8 @@ class Transformer(nn.Module):
         free memory (the packed copy doubles them), where our fp32 kernel for a few rows (``kernels.f32_linear``)
         cannot run or is slower than oneDNN's packed product (the AVX2 build, :func:`~triforce.kernels.f32_beats_onednn`).
         Where the AVX-512 build runs it is about as fast as oneDNN's packed product for 2-64 rows
-        (``bench/qlinear.py``), and prefill (more rows) is as fast with MKL's product over the (in, out) weights, so
-        the copy would only cost memory. Nor where the weights are block codes (``blockcodes.py``): 2-64 rows read
+        (``bench/kernels/qlinear.py``), and prefill (more rows) is as fast with MKL's product over the (in, out)
+        weights, so the copy would only cost memory. Nor where the weights are block codes (``blockcodes.py``): 2-64 rows read
         the codes."""
         from .kernels import f32_beats_onednn
         from .memory import available_bytes

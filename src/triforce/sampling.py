@@ -7,7 +7,7 @@ argmax (first index on ties), so the rejection rule reduces to "accept iff the d
 
 The nucleus selection and the inverse-CDF draw run in ``csrc/sampling.c`` where it builds (one pass over the row
 each instead of PyTorch's topk, cumsum, scatter and checks: inside a generation at 8K tokens, a retrieval step of
-SmolLM2 spent 0.21 ms around its forward with it and 0.51 ms with PyTorch's ops, ``bench/step_overhead.py``),
+SmolLM2 spent 0.21 ms around its forward with it and 0.51 ms with PyTorch's ops, ``bench/analysis/step_overhead.py``),
 PyTorch's ops otherwise (``TRIFORCE_SAMPLING_KERNEL=0``, no compiler, no AVX2): the same rule, the same support,
 probabilities equal up to the rounding of the renormalisation.
 """
@@ -117,7 +117,7 @@ def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     whole vocabulary, each row on its own (the result of a row does not depend on the rows beside it). Over
     SmolLM2's 49,152 logits on this project's AVX-512 EPYC, a full sort took 3.2 ms for one row (12.9 ms for a 7-row
     verification block), the candidates through ``torch.topk`` 0.14 ms (0.47), the kernel 0.05 ms (0.21)
-    (``bench/nucleus.py``, ``bench/results/nucleus_kernel_2026-12-05.json``). Rounding at
+    (``bench/kernels/nucleus.py``, ``bench/results/nucleus_kernel_2026-12-05.json``). Rounding at
     the boundary may differ from transformers' in the last bit of the cumulative mass; every tier applies this same
     function, so the verified distribution is the one it defines.
 
@@ -179,7 +179,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     token of probability 0 (its interval is empty). Equivalent in distribution to ``torch.multinomial(probs, 1)``,
     which on this project's AVX-512 EPYC took 0.77 ms for a nucleus row over a 49,152-token vocabulary, this draw in
     PyTorch's ops 0.073 ms and in ``csrc/sampling.c`` (runs of zero weights skipped; the same token for the same
-    uniform) 0.010 ms, and 5.3, 0.35 and 0.063 ms for a 7-row verification block (``bench/nucleus.py``,
+    uniform) 0.010 ms, and 5.3, 0.35 and 0.063 ms for a 7-row verification block (``bench/kernels/nucleus.py``,
     ``bench/results/nucleus_kernel_2026-12-05.json``); the draws for a given seed differ from multinomial's.
 
     Args:

@@ -50,7 +50,7 @@ def lower_right_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_k
     materialised; the bottom-right aligned causal mask flash-attn uses since its version 2.1, FlashAttention-2:
     Dao, arXiv 2307.08691) lets SDPA run its flash or memory-efficient kernel with the causal structure built in.
     On an H200 in bf16, for 7 queries of Llama-2-7B's 32 heads of 128 over 32K-120K keys, one layer's attention
-    with the bias ran 4.2-5.1x faster than with the boolean mask, outputs within 2.5e-4 (``bench/gpu_check.py
+    with the bias ran 4.2-5.1x faster than with the boolean mask, outputs within 2.5e-4 (``bench/gpu/gpu_check.py
     --stages attention``, an earlier version that called SDPA with the bias directly;
     bench/results/gpu_h200_2026-12-04/). This function itself has not run on a GPU yet.
 

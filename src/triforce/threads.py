@@ -9,14 +9,14 @@ its share of the work, but then every one of the hundreds of small parallel regi
 wake-up: on an idle machine a SmolLM2 decode step at 1K tokens took 55 ms at 2 threads, slower than 1 thread (52 ms),
 against 31 ms with libgomp's spinning. So triforce sets a short spin instead, ``GOMP_SPINCOUNT`` 10,000 (about
 0.1 ms): as fast as the default on an idle machine (31.4 ms) while a waiting thread gives its core back 30 times
-sooner (``bench/wait_policy.sh``). libgomp reads the variable once, when torch loads it, so
+sooner (``bench/kernels/wait_policy.sh``). libgomp reads the variable once, when torch loads it, so
 :func:`configure_openmp` must run before ``import torch``: ``import triforce`` does it first thing, which covers the
 ``triforce`` command and Python programs that import triforce before torch.
 
 Even so, a thread on a core another program keeps busy holds up every parallel region, so the default thread count
 (``--threads`` not given, ``TriForce.load(threads="auto")``) counts the cores other programs leave idle while the
 model loads (:class:`IdleCPUProbe`): one thread per idle physical core, at least one. Measurements: docs/history.md,
-"Threads on a shared machine" (``bench/threads.py``).
+"Threads on a shared machine" (``bench/e2e/threads.py``).
 """
 
 from __future__ import annotations

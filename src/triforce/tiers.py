@@ -332,7 +332,7 @@ class RetrievalTier(ModelTier):
     #: after a bypass of at most this many committed tokens the tier catches up by feeding them (its next step is a
     #: pass over them) instead of re-selecting its chunks: at 8K tokens on this project's CPU a re-selection took
     #: 73.6 ms, a pass of SmolLM2's retrieval tier (its codes, 1,000 slots) 8.8 ms over 1 token, 18.3 over 5, 28.3
-    #: over 9 and 75.1 over 17 (``bench/resync.py``, ``bench/results/cost_model_2026-12-04/resync.json``). ``auto``
+    #: over 9 and 75.1 over 17 (``bench/kernels/resync.py``, ``bench/results/cost_model_2026-12-04/resync.json``). ``auto``
     #: starts every request with 4 plain tokens, after which this re-selected chunks chosen 4 tokens before; a real
     #: bypass lasts 16 tokens or more.
     CATCH_UP_TOKENS = 8

@@ -17,7 +17,7 @@
  * stream does not pause while the scores and sums are computed, and a 7-token block's prefetches do not arrive in
  * one burst that evicts the rows it is working on (prefetching the whole next item into L1 at its start, as before,
  * left SmolLM2's decode-step attention at 8K 1.20x and a 7-token block's 1.26x slower on this project's AVX2 machine,
- * with bitwise the same outputs: bench/attention_kernel.py --baseline-source, which also measures the kernel against
+ * with bitwise the same outputs: bench/kernels/attention_kernel.py --baseline-source, which also measures the kernel against
  * the floor; bench/results/attention_kernel_avx2_prefetch_2026-12-03.json). The AVX-512 path spreads its
  * prefetches the same way, into L1 (its score passes take 4 rows); until 2026-12-05 it prefetched the whole next item
  * into L1 at the start of each, which left SmolLM2's attention at 8K 1.48x slower for a decode step, 1.52x for a
@@ -135,7 +135,7 @@ static inline __attribute__((always_inline)) void scores(const float* Q, const i
 /* A[b][0 : 8 NE) = sum_j P[b][j] V_j[0 : 8 NE) for NB (<= 3) rows over keys [0, n) (V rows hs apart, P rows ldp
  * apart, A rows lda apart): 4 value vectors (32 dims) for 3 rows per pass, so each value vector is loaded once for
  * the 3 rows (12 accumulators, 4 values and a broadcast: AVX2's 16 registers; a 7-token block's 21 rows per KV head
- * are 7 passes, not 21 that each load every value vector: bench/attention_kernel.py, 1.17x on SmolLM2's shape,
+ * are 7 passes, not 21 that each load every value vector: bench/kernels/attention_kernel.py, 1.17x on SmolLM2's shape,
  * 1.4x on Qwen2.5-1.5B's). Each output element is the same chain of FMAs over j in order whatever NB and NE, so a
  * row's result does not depend on the rows beside it. Prefetches pf's rows [0, npf) of its share of the keys. */
 static inline __attribute__((always_inline)) void pv(const float* P, int ldp, const int NB, const void* V, int n,

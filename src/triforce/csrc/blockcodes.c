@@ -27,7 +27,7 @@
  * AVX-512 (the exact product's 16-lane path below), and -mavx512vnni where it has VNNI (the integer dot products'
  * vpdpbusd). SmolLM2's codes, every matrix once, 2 threads, against the source before these paths built with the
  * same flags: the exact product 1.15x faster for one row, 1.53x for 4 and 1.68x for 7, the integer dot products
- * 1.15x for 4 rows and 1.21x for 7, bitwise the same outputs (bench/blockcodes.py,
+ * 1.15x for 4 rows and 1.21x for 7, bitwise the same outputs (bench/kernels/blockcodes.py,
  * bench/results/blockcodes_avx512_2026-12-05.json); the Python side checks every precondition before calling.
  */
 #include <immintrin.h>
@@ -88,7 +88,7 @@ static inline __attribute__((always_inline)) void prefetch_group(const void* cod
  * A tile reads 2 NC + NC short streams (a column block's codes are 2.3 KB for 576 inputs), too short for the hardware
  * prefetcher to run ahead: without it a one-row product's memory reads and dequantization took turns (SmolLM2's
  * codes, every matrix once, one row, 2 threads: 10.4 ms before, 8.3 ms with it, the same outputs bitwise;
- * bench/blockcodes.py, bench/results/blockcodes_prefetch_2026-12-03.json). */
+ * bench/kernels/blockcodes.py, bench/results/blockcodes_prefetch_2026-12-03.json). */
 static inline __attribute__((always_inline)) void tile(const float* x, const int R, int in, const void* codes,
                                                        const int BITS, const int BF, const void* d, const void* m, const int HAS_M,
                                                        const int F32, const int G, int64_t c0, const int NC, int out,
@@ -138,7 +138,7 @@ static inline __attribute__((always_inline)) void tile(const float* x, const int
 #ifdef __AVX512F__
 /* The AVX-512 path (built where the CPU has AVX-512 F/BW/VL): 16 lanes hold two column blocks, c (lanes 0-7) and
  * c + 1 (lanes 8-15), so each dequantization and FMA covers 16 outputs, in about half the AVX2 path's instructions
- * per weight (the AVX2 path's one-row product is bound by them, not by the codes' bytes: bench/blockcodes.py). Every
+ * per weight (the AVX2 path's one-row product is bound by them, not by the codes' bytes: bench/kernels/blockcodes.py). Every
  * lane is still one chain of FMAs over i = 0 .. in-1 of the same fp32 weights, so both paths, and
  * triforce_f32_linear, give bitwise the same products. */
 /* lane k's nibble of a 4-bit code word, in place: (q << 4 (k % 8)), and the scale 2^-4 (k % 8) that undoes it */

@@ -8,7 +8,7 @@
  * on SmolLM2. Called from Python one at a time, each pays its dispatch (a few microseconds to tens), and the gaps
  * between the OpenMP regions of the matrix products outlast the threads' spin, so every product also pays a thread
  * wake-up: at 8K tokens on this project's 2-core AVX2 machine the step took 26.3 ms where its int8 products and
- * attention alone took 16.2 ms (bench/decode_step.py, bench/results/decode_step_8000_avx2_2026-12-03.json). This driver runs the same layer as triforce/model.py Block.forward, with the
+ * attention alone took 16.2 ms (bench/kernels/decode_step.py, bench/results/decode_step_8000_avx2_2026-12-03.json). This driver runs the same layer as triforce/model.py Block.forward, with the
  * same kernels, back to back:
  *
  *     h = rms_norm(x) ;  [q k v] = h (s_qkv * Q_qkv)^T + b_qkv
@@ -72,7 +72,7 @@ static void round_bf16(float* x, int n) {
  * adds (no FMA) so that a lane gives the same value at every width (bitwise, NaN payloads aside): 16 lanes with
  * AVX-512, 8 with AVX2 (picked at run time), one otherwise; libm's scalar expf before it ran serially while the other
  * thread waited, 184,320 calls in a 4-token verification of SmolLM2 (30 layers x 4 tokens x 1,536 channels;
- * bench/step_source.py times the steps against that source). -g is clamped to [-88.38, 176] and 2^k applied as
+ * bench/kernels/step_source.py times the steps against that source). -g is clamped to [-88.38, 176] and 2^k applied as
  * 2^(k/2) 2^(k - k/2), so that exp(-g) overflows to inf past 88.7 as libm's does: silu(g) -> -0 for large negative g,
  * NaN for g = -inf (as PyTorch gives), inf u for g = +inf; NaN in g propagates. */
 #define SILU_STEP(V, VI, SET1, ADD, SUB, MUL, DIV, MIN, MAX, FLOOR, CVT, ADDI, SUBI, SRAI, SLLI, CAST)          \

@@ -3,7 +3,7 @@
  * A decode step of SmolLM2 runs 61 RMSNorms and 60 RoPE rotations; in PyTorch each is 6-8 small ops
  * (pow, mean, add, rsqrt, mul, mul; neg, two slices, cat, mul, mul, add) of a few microseconds' dispatch apiece.
  * One call each made a decode step 1.16x faster at 256 tokens of context and 1.08x at 8,000, a 7-token block
- * 1.20x / 1.13x, on this project's CPU (bench/norm_rope.py). These are the same formulas as transformers'
+ * 1.20x / 1.13x, on this project's CPU (bench/kernels/norm_rope.py). These are the same formulas as transformers'
  * LlamaRMSNorm and apply_rotary_pos_emb:
  *
  *     RMSNorm (Zhang & Sennrich, arXiv 1910.07467):  y = w * (x / sqrt(mean(x^2) + eps))

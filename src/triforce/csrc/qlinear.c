@@ -5,7 +5,7 @@
  * every int8 weight matrix, so it is bound by the bytes of the weights: one byte per weight, a quarter of fp32's.
  * Over SmolLM2's 135 MB of int8 weights, read from memory as a decode step reads them, PyTorch's
  * aten._weight_int8pack_mm (bf16 activations) ran at 10.7 GB/s for one row and 4.3 GB/s for seven on this project's
- * 2-core machine, against 25 GB/s for MKL's fp32 GEMV (bench/qlinear.py); this kernel streams each weight row once
+ * 2-core machine, against 25 GB/s for MKL's fp32 GEMV (bench/kernels/qlinear.py); this kernel streams each weight row once
  * for all M activation rows, prefetches a few rows ahead, dequantises 16 weights per AVX-512 vector
  * (int8 -> int32 -> fp32) and accumulates in fp32 (the scheme of gpt-fast's and torchao's int8 weight-only matmul: one scale per output
  * channel, applied after the dot product):
@@ -106,7 +106,7 @@ LINEAR_FN(triforce_int8_linear, int8_t, block_i8)
  * A verification block (gamma + 1 rows) or a batched decode step (one row per sequence) reads every weight matrix
  * once for a few rows, so it should cost what a one-row product costs: the bytes of the weights. oneDNN's packed
  * product read SmolLM2's matrices at 9-15 GB/s for 4-7 rows on this project's CPU, against about 20 GB/s for one row
- * (bench/qlinear.py). Here the output columns are split into blocks of 4 vectors (64 floats; 2 where a matrix has
+ * (bench/kernels/qlinear.py). Here the output columns are split into blocks of 4 vectors (64 floats; 2 where a matrix has
  * too few blocks for the threads); a block's accumulators for 7 rows stay in registers while the rows i of its
  * weights stream past, each vector of weights loaded once for all 7 rows, every x[m, i] broadcast. More rows take
  * further passes over a tile of F_TILE weight rows while it is still in L1, the accumulators kept in y between
@@ -178,7 +178,7 @@ int triforce_f32_linear(const float* x, const float* w, float* y, int M, int in,
 /* The int8 kernel on 8 lanes: 1 output x 4 rows per inner step (the dequantised weight vector reused for 4 rows),
  * the weight rows PREFETCH_ROWS ahead prefetched; each output is 8 lanes along i, then the lanes summed in one fixed
  * order, then the last in % 8 inputs in order: the same whatever M and the other rows. On an AVX2 EPYC over
- * SmolLM2's weights (bench/qlinear.py), 1 output per step read them at 7.4 / 7.0 / 3.4 / 3.2 GB/s for 1 / 2 / 5 / 7
+ * SmolLM2's weights (bench/kernels/qlinear.py), 1 output per step read them at 7.4 / 7.0 / 3.4 / 3.2 GB/s for 1 / 2 / 5 / 7
  * rows where 2 outputs per step read 7.9 / 6.4 / 2.9 / 2.5 (aten's bf16 int8 product: 6.4 / 5.5 / 1.9 / 1.9). */
 #ifndef OUT_BLOCK
 #define OUT_BLOCK 1
@@ -273,7 +273,7 @@ int triforce_int8_linear(const float* x, const int8_t* w, const float* scale, fl
  * (16 accumulators: the compiler takes the two weight vectors as memory operands of the FMAs, which the loads from L1
  * afford), the rows split evenly over the passes (a pass of one row would wait on its FMA chains' latency); later
  * passes over a tile of F_TILE weight rows find it in L1. As in the AVX-512 build, no horizontal sums: y[m, o] is one
- * chain of FMAs over i in a lane, whatever M. Over SmolLM2's matrices on an AVX2 EPYC (bench/qlinear.py), 8 rows per
+ * chain of FMAs over i in a lane, whatever M. Over SmolLM2's matrices on an AVX2 EPYC (bench/kernels/qlinear.py), 8 rows per
  * pass read the weights at 10.4 GB/s for 7 rows where 6 rows per pass (4 + 3, 128-row tiles) read them at 7.0, and
  * 32-row tiles beat 128-row ones for 8 rows (9.7 against 7.3 GB/s). One row read 11.2 GB/s against MKL's GEMV's
  * 14.3, so this build leaves decode steps to MKL (kernels.f32_one_row_pays). */

@@ -3,7 +3,7 @@
  * Every tier turns its logits into the distribution its tokens are drawn from at every step (triforce/sampling.py:
  * temperature, top-k, then top-p as transformers' TopPLogitsWarper, Holtzman et al., arXiv 1904.09751), and draws
  * from it by inversion. Over SmolLM2's 49,152 tokens PyTorch's topk, cumsum, scatter and checks cost 0.30 ms of a
- * retrieval step inside a generation (bench/step_overhead.py), about a tenth of the step; these two functions do the
+ * retrieval step inside a generation (bench/analysis/step_overhead.py), about a tenth of the step; these two functions do the
  * same work in one pass each over the row (the softmax stays PyTorch's):
  *
  * triforce_top_p: a token stays iff the mass of the tokens ranked above it is < top_p (the most likely always
@@ -15,7 +15,7 @@
  * rounded to fp32 at each step, minus the candidate's probability, compared in fp32), so both keep the same tokens,
  * up to the choice among exactly equal probabilities at the boundary. A row whose nucleus is larger than max_kept is
  * left to the caller's full sort: its boundary sits in a long sum of small probabilities, which transformers'
- * warper accumulates in ascending order (rare at T = 0.6 and top-p 0.9: bench/nucleus.py reports the sizes).
+ * warper accumulates in ascending order (rare at T = 0.6 and top-p 0.9: bench/kernels/nucleus.py reports the sizes).
  *
  * triforce_sample: token i of a row with weights w (non-negative, any positive finite sum) is drawn when
  * u * c[V-1] falls in [c[i-1], c[i]), c the fp64 cumulative sums in index order and u in [0, 1): probability

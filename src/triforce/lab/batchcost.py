@@ -2,7 +2,7 @@
 Breaking the Latency-Throughput Tradeoff for Long Context Generation with Speculative Decoding", arXiv 2408.11049,
 Sec. 3): at long context each sequence's KV cache is read once per step while the weights are read once for the
 whole batch, so decoding stays memory-bound up to large batches and speculation pays more as the batch grows.
-``bench/batching_model.py`` tabulates it for this project's machines."""
+``bench/analysis/batching_model.py`` tabulates it for this project's machines."""
 
 from __future__ import annotations
 

@@ -71,8 +71,8 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
     step draws its token the same way with no drafts): work over the whole vocabulary (49,152 tokens for SmolLM2)
     that the forward alone leaves out. Its cost depends on the distributions: random tokens over random KV give
     flat ones, whose nucleus is not among the 128 most likely tokens, so top-p sorts the whole vocabulary (the slow
-    path ``bench/nucleus.py`` times); real text's nuclei are small. ``selection_logits`` (:func:`text_logits` of the
-    prompt) gives real ones.
+    path ``bench/kernels/nucleus.py`` times); real text's nuclei are small. ``selection_logits``
+    (:func:`text_logits` of the prompt) gives real ones.
 
     What is timed (seconds per call; the block sizes are the ones ``tiers.py`` feeds in steady state):
 
@@ -127,8 +127,8 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
     Raises:
         ValueError: a parameter out of range (named in the message), raised before any allocation.
 
-    Memory is not checked here (a context whose caches do not fit fails in the allocator); ``bench/cost_model.py``
-    checks the largest context with :func:`triforce.memory.check_fits` first.
+    Memory is not checked here (a context whose caches do not fit fails in the allocator);
+    ``bench/analysis/cost_model.py`` checks the largest context with :func:`triforce.memory.check_fits` first.
     """
     if not isinstance(target, Transformer):
         raise ValueError(f"target must be a triforce Transformer, got {type(target).__name__}")
