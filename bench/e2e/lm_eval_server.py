@@ -69,7 +69,8 @@ def build_items(text: str, tokenizer, n: int, seed: int) -> list[dict]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help="model folder or GGUF file (default: the embedded SmolLM2-135M-Instruct); a GGUF "
+                   "file's tokenizer is saved to a folder for the harness, and transformers dequantizes it")
     p.add_argument("--book", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared",
                                                   "data", "books", "pg1342.txt"))
     p.add_argument("--items", type=positive_int, default=100)
@@ -86,7 +87,10 @@ def main() -> int:
     from triforce.prompts import strip_gutenberg
 
     folder = args.model or str(default_model_dir())
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    gguf = os.path.basename(folder) if folder.endswith(".gguf") else None
+    if gguf:
+        folder = os.path.dirname(os.path.abspath(folder))
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
     with open(args.book, encoding="utf-8") as f:
         items = build_items(strip_gutenberg(f.read()), tokenizer, args.items, args.seed)
     tmp = tempfile.mkdtemp(prefix="triforce_lm_eval_")
@@ -96,6 +100,10 @@ def main() -> int:
     with open(os.path.join(tmp, "book_cloze.yaml"), "w", encoding="utf-8") as f:
         f.write(TASK_YAML.format(data=data))
     tasks = TaskManager(include_path=tmp)
+    tokenizer_folder = folder
+    if gguf:  # the harness's tokenizer= takes a folder
+        tokenizer_folder = os.path.join(tmp, "tokenizer")
+        tokenizer.save_pretrained(tokenizer_folder)
 
     def evaluate(model: str, model_args: str) -> dict:
         out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["book_cloze"], task_manager=tasks,
@@ -108,16 +116,16 @@ def main() -> int:
     server = Server(server_args, 1, "/tmp/triforce_lm_eval_server.log")
     try:
         ours = evaluate("local-completions", f"model={server.model_id},base_url={server.url}/v1/completions,"
-                                             f"tokenizer_backend=huggingface,tokenizer={folder},num_concurrent=1,"
+                                             f"tokenizer_backend=huggingface,tokenizer={tokenizer_folder},num_concurrent=1,"
                                              "max_retries=1,tokenized_requests=True")
     finally:
         server.close()
-    hf = evaluate("hf", f"pretrained={folder},dtype=float32,device=cpu")
+    hf = evaluate("hf", f"pretrained={folder},dtype=float32,device=cpu" + (f",gguf_file={gguf}" if gguf else ""))
     pick = [max(range(len(x)), key=x.__getitem__) for x in ours["logliks"]]
     pick_hf = [max(range(len(x)), key=x.__getitem__) for x in hf["logliks"]]
     diff = max(abs(a - b) for xs, ys in zip(ours["logliks"], hf["logliks"]) for a, b in zip(xs, ys))
     emit_json({"task": "book_cloze", "book": os.path.basename(args.book), "items": len(items), "choices": 4,
-               "model": folder, "triforce_serve_acc": ours["acc"], "transformers_acc": hf["acc"],
+               "model": args.model or folder, "triforce_serve_acc": ours["acc"], "transformers_acc": hf["acc"],
                "items_choosing_differently": sum(a != b for a, b in zip(pick, pick_hf)),
                "max_abs_loglikelihood_difference": diff, "lm_eval_version": lm_eval.__version__}, args.out)
     return 0
