@@ -11,39 +11,30 @@ hierarchy only changes how many tokens each verification emits, never their dist
     the prompt length is at least :data:`RETRIEVAL_MIN_KV_SHARE` of the target's weight bytes under greedy decoding,
     :data:`RETRIEVAL_MIN_KV_SHARE_SAMPLING` under sampling, with a budget of :data:`RETRIEVAL_BUDGET_SHARE` of the
     prompt (:data:`RETRIEVAL_BUDGET_SHARE_SAMPLING` under sampling). Below the threshold its step reads nearly as many
-    bytes as the target's own decode step, and under sampling its proposals are accepted less often. Measured on this
-    project's CPU (SmolLM2, T = 0.6, docs/history.md): at 8K tokens, where the KV cache is 0.69x the weights,
-    ``auto`` with a 1,000-slot retrieval tier ran at 1.18-1.43x plain decoding on three books, and the retrieval tier
-    alone at 1.39x with 1,000 slots and 1.34x with 4,096 (``bench/results/budget_sweep``, ``speed_default``); at 4K (0.34x) it
-    ran at 0.83-0.91x before the decode step of the int8 tier ran in one kernel call (``decode_step.decode_layers``),
-    and at 1.44-1.59x with it on three books (``bench/results/speed_decode_step_2026-12-03``), so 4K now takes the
-    tier; 1K (0.09x) was not measured again with it and decodes plainly;
+    bytes as the target's own decode step, and under sampling its proposals are accepted less often;
   - either way only where its step reads at most :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE` (greedy) or
     :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING` of what the verifier's decode step reads: with a GGUF model's
     block codes (``blockcodes.py``) the verifier reads a fifth of its fp32 weights' bytes, so the tier pays later; and
     it then reads the target's own codes rather than an int8 copy (fewer bytes), multiplied by int8-quantized
     activations (``--lower-weights codes``: integer dot products, as llama.cpp's, where the verifier's exact fp32
-    products are bound by dequantizing the codes: a retrieval step at 8K tokens 13.6 ms instead of 19.1,
-    ``bench/kernels/tier_latency.py`` under ``OMP_WAIT_POLICY=PASSIVE``);
+    products are bound by dequantizing the codes);
   - the same tier also goes under the target, whatever the KV share, when the step is bound by the weights' bytes:
     on a CPU, a target whose layers hold at least :data:`WEIGHT_BOUND_LAYER_BYTES` each, so that a step's fixed
     per-layer costs are small next to the bytes the int8 copy saves. Its budget is then the largest
     (``max_budget``): the KV cache is small, and the whole prompt in the retrieval cache makes the tier the target's
     own int8 copy, accepted most often (self-speculation by quantization, as QuantSpec, arXiv 2502.10424, with
-    int8 weights). Measured on this project's CPU (Qwen2.5-Coder-1.5B, 254 MB of fp32 weights per layer, 3,000
-    tokens, T = 0.6): 3.22x plain decoding (acceptance 0.93); SmolLM2-135M (18 MB per layer) ran the same tier at
-    0.86x at 1K tokens (``speed_default/pg1342_1000_t06.json``). A draft model the user named that reads
-    at least as many bytes per step as the int8 copy has no place under it and is left out (the reason says so);
+    int8 weights). A draft model the user named that reads at least as many bytes per step as the int8 copy has no
+    place under it and is left out (the reason says so);
   - under sampling, on a CPU, that tier (with nothing below it) verifies at most :data:`RETRIEVAL_GAMMA2_SAMPLING`
     proposals at a time: a verification's attention is bound by the CPU's arithmetic past about 4 tokens, so a
     shorter block pays unless nearly every proposal is accepted;
   - the bottom tier is the one the user named (a draft model, ``ngram``, or ``self``: the target's int4 copy over
     a StreamingLLM cache; ``self`` drafts directly for the target). Without one: the model-free n-gram drafter under
     greedy decoding (it costs no forward, and greedy text repeats itself); under sampling nothing below the
-    retrieval tier, and plain decoding for short prompts. Measured on this project's CPU (SmolLM2, 2 threads,
-    docs/history.md): under sampling the n-gram drafter's exact-match proposals are rarely accepted on prose
-    (0.02-0.05 at T = 0.6), and the ``self`` tier was 0.71-1.12x plain decoding at 1K tokens and 0.97-1.16x at
-    8K on three books, because a verification pass costs about twice a decode step on this CPU.
+    retrieval tier (the n-gram drafter's exact-match proposals are rarely accepted on sampled prose), and plain
+    decoding for short prompts.
+
+  The measurements behind each threshold: docs/auto.md.
 
 * :class:`SpeedGovernor` watches, while generating, the tokens each speculative step emits against the tokens it
   must emit to beat plain decoding (its time over a decode step's, both from the quiet samples of this request), and
@@ -71,13 +62,14 @@ from .kernels import status as attention_kernel_status
 from .sampling import SamplingParams
 from .steptimes import StepTimes
 
-#: a retrieval tier goes into the hierarchy when the full KV cache is at least this share of the weights' bytes
+#: a retrieval tier goes into the hierarchy when the full KV cache is at least this share of the weights' bytes:
+#: below it the tier's step reads nearly as much as the verifier's (docs/auto.md, "The KV share")
 RETRIEVAL_MIN_KV_SHARE = 0.25
-#: the same under sampling, where fewer proposals are accepted (module docstring: measured at 0.69 and 0.34)
+#: the same under sampling, where fewer proposals are accepted (docs/auto.md, "The KV share")
 RETRIEVAL_MIN_KV_SHARE_SAMPLING = 0.3
 #: retrieval budget of the auto plan: this share of the prompt, between the bounds below (paper: 4096 of 120K)
 RETRIEVAL_BUDGET_SHARE = 1 / 4
-#: the same under sampling: a smaller cache, since each proposal's step reads it (module docstring)
+#: the same under sampling: a smaller cache, since each proposal's step reads it (docs/auto.md, "The KV share")
 RETRIEVAL_BUDGET_SHARE_SAMPLING = 1 / 8
 RETRIEVAL_BUDGET_BOUNDS = (256, 4096)
 #: ... and only where its step reads at most this share of the bytes of the verifier's decode step (weights as the
@@ -90,26 +82,27 @@ RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING = 0.35
 #: (docs/auto.md)
 RETRIEVAL_GAMMA2_SAMPLING = 3
 #: on a CPU, the int8 retrieval tier goes under a target with at least this many weight bytes per layer whatever
-#: the KV share (module docstring: 254 MB per layer paid 3.22x, 18 MB did not pay)
+#: the KV share: there the bytes it saves outweigh a step's per-layer costs (docs/auto.md)
 WEIGHT_BOUND_LAYER_BYTES = 64 * 2**20
 #: with measured step times (``plan_hierarchy``'s ``measure``), a retrieval tier goes in where it is predicted at
 #: least this much faster than plain decoding (the governor bypasses it if it then does not pay)
 RETRIEVAL_MIN_PREDICTED_SPEEDUP = 1.05
 #: the acceptance rate (each proposal, independently) the prediction assumes under greedy decoding, and under
-#: sampling: priors from the measured runs (16K-32K Qwen2.5-1.5B at 1/8 of the context, 8K SmolLM2; docs/auto.md)
+#: sampling: priors from the measured runs (docs/auto.md)
 ACCEPTANCE_PRIOR = 0.92
 ACCEPTANCE_PRIOR_SAMPLING = 0.88
-#: SpeedGovernor: a step's cost is this quantile of its times (the lower quartile: the machine's quiet phases)
+#: SpeedGovernor: a step's cost is this quantile of its times (the lower quartile: the machine's quiet phases;
+#: docs/auto.md, "The governor")
 COST_QUANTILE = 0.25
 
 
 def bf16_cache_reads_fast(device_type: str) -> bool:
     """Whether a bf16 cache of a tier below the verifier is read at full speed on ``device_type`` (``"cpu"``,
     ``"cuda"``): on a CPU where ``csrc/attention.c`` and the one-call decode step (``csrc/decode_step.c``, which runs
-    the tier's blocks of several tokens over the cache) run (the kernel's bf16 path: a retrieval step of SmolLM2 at 8K tokens
-    over 1,000 slots 4.45 ms against 5.06 with an fp32 cache, bench/results/bf16_retrieval_2026-12-05/). Without
-    the kernel PyTorch's SDPA reads a bf16 cache more slowly than the kernel an fp32 one, so :func:`plan_hierarchy`
-    keeps the full cache's dtype there. Raises nothing (it loads the kernels if nobody has yet)."""
+    the tier's blocks of several tokens over the cache) run (the kernel's bf16 path; docs/auto.md, "A bf16 cache for
+    the tier"). Without the kernel PyTorch's SDPA reads a bf16 cache more slowly than the kernel an fp32 one, so
+    :func:`plan_hierarchy` keeps the full cache's dtype there. Raises nothing (it loads the kernels if nobody has
+    yet)."""
     return (device_type == "cpu" and attention_kernel_status().startswith("on")
             and decode_step_status().startswith("on"))
 
@@ -299,9 +292,8 @@ class SpeedGovernor:
     tokens per step are kept apart because they vary for different reasons:
 
     * ``c`` is a ratio of two costs, each taken as the lower quartile of its samples (:data:`COST_QUANTILE`: the
-      speculative steps' times in the window, the decode steps' times per token): this machine runs in phases (the
-      speculative steps of one request at 8K took 122 to 212 ms, in stretches of several slow steps,
-      ``bench/results/governor_trace_8000_2026-12-04.json``). Assuming a slow phase slows both kinds of step
+      speculative steps' times in the window, the decode steps' times per token): a machine runs in phases of
+      several slow steps (docs/auto.md, "The governor"). Assuming a slow phase slows both kinds of step
       alike (not measured: the two were never timed in the same phase), the quiet samples of each, not a mean or a
       median over steps timed in different phases, give the ratio. Where a step's cost varies with what it drafts
       (three tiers: the middle tier's own speculation), the lower quartile is a cheaper step than the mean, and the
@@ -310,11 +302,8 @@ class SpeedGovernor:
       bypassed only when the mean over the window is below ``c`` by :attr:`confidence` standard errors, so that a
       stretch of low acceptance inside a run that pays is not a bypass.
 
-    Replayed on 12 recorded requests (``bench/analysis/governor_trace.py``: SmolLM2 at 8K tokens, ``retrieval:6``, T = 0.6,
-    three books; the tier emitted 4.4-5.9 tokens per step against a break-even of 4.1-4.9), this rule bypassed 1
-    request (at its 14th timed step; 4.43 tokens per step against 4.11 over the whole request), the rule it replaces
-    (each window's time per token against the median of the 3 probe decode steps) 4. With every speculative step
-    made 1.3x slower it bypassed 7 (the other rule 11), 1.6x slower all 12, each at its first check.
+    Replayed on recorded requests this rule bypassed fewer of those that paid than a rule on each window's time
+    per token against a probe's decode steps, and more of those made slower (docs/auto.md, "The governor").
 
     The first :attr:`probe` steps decode without drafting to time a decode step (more decode samples join while the
     drafters are bypassed). Then the drafters run; the first :attr:`warmup` speculative steps after each (re)start

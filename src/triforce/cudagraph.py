@@ -1,11 +1,10 @@
 """Fixed-shape forwards replayed as CUDA graphs: the retrieval and draft tiers' steps and blocks on a GPU.
 
-On an H200 a Llama-2-7B forward of one token spent about 18 ms launching its kernels one by one from Python, whatever
-the cache (the retrieval tier's step over 4,096 slots cost 18.8-23.8 ms, the full cache's decode step over 32K-120K
-tokens 17.8-30.7 ms; ``bench/gpu/gpu_check.py --stages latency``, bench/results/gpu_h200_2026-12-04/): the middle tier
-cost as much as the verifier, so TriForce could not pay there. A forward whose shapes and buffers stay the same from
-step to step can be captured once (``torch.cuda.CUDAGraph``) and replayed with one launch, as the TriForce reference
-code captures its draft and retrieval forwards and gpt-fast does through ``torch.compile``'s reduce-overhead mode.
+On a GPU a 7B model's forward of one token spends most of its time launching its kernels one by one from Python,
+whatever the cache, so the middle tier costs as much as the verifier and TriForce cannot pay (docs/performance.md,
+"GPU: one H200"). A forward whose shapes and buffers stay the same from step to step can be captured once
+(``torch.cuda.CUDAGraph``) and replayed with one launch, as the TriForce reference code captures its draft and
+retrieval forwards and gpt-fast does through ``torch.compile``'s reduce-overhead mode.
 
 Which forwards: those whose cache gives a key (:meth:`~triforce.caches.KVCache.graph_key`) after ``begin_forward``,
 promising that every ``attend`` of that forward reads and writes only tensors that keep their storage (its KV buffers

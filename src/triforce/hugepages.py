@@ -5,9 +5,8 @@ one TLB entry covers 4 KiB, so the step walks page tables all along its stream (
 them). With ``THP_MEM_ALLOC_ENABLE=1`` PyTorch's CPU allocator (c10's ``alloc_cpu``) aligns every allocation of
 2 MiB or more to 2 MiB and advises ``MADV_HUGEPAGE``, so where the kernel's transparent huge pages are on for
 ``madvise`` (``/sys/kernel/mm/transparent_hugepage/enabled``: ``[madvise]`` or ``[always]``) it backs those
-buffers with 2 MiB pages. On this project's AVX-512 EPYC it made plain decoding of SmolLM2 2-4% faster at 1K and
-8K tokens and ``auto`` at 8K 4% faster, each against 4 KiB pages in the same run (docs/history.md, "2026-12-04,
-AVX-512"; ``bench/e2e/worker_order.py``). So triforce sets it unless the user chose.
+buffers with 2 MiB pages: decoding a few per cent faster (docs/usage.md, "Tuning"). So triforce sets it unless the
+user chose.
 
 c10 reads the variable once, at the process's first CPU allocation: :func:`configure_huge_pages` must run before
 any tensor is made. ``import triforce`` calls it first thing (``import torch`` alone allocates nothing), which

@@ -34,9 +34,7 @@ def release_free_memory() -> bool:
 
     Why: a KV cache of a few hundred tokens is a few MB per tensor, under glibc's mmap threshold (dynamic, up to
     32 MiB), so it lives in the heap, and after requests of mixed lengths come and go the heap keeps their freed
-    pages: measured (``bench/kernels/kv_layout.py``, 200 caches of 512-8,192 tokens, up to 8 live), resident memory ran
-    up to 267 MiB over the live caches (1.11x at the peak) and kept 267 MiB after all were freed, against exactly
-    the live bytes at the peak and 0 MiB kept when this runs after each departure (about 0.2 ms a call). The
+    pages, hundreds of MiB, until this runs (docs/performance.md, "Figures behind the code's constants"). The
     server calls it when a request ends.
     """
     if not _LIBC:

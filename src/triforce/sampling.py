@@ -6,8 +6,7 @@ transformers' logits warpers do) in fp32. Greedy decoding (temperature 0) is the
 argmax (first index on ties), so the rejection rule reduces to "accept iff the draft equals the argmax".
 
 The nucleus selection and the inverse-CDF draw run in ``csrc/sampling.c`` where it builds (one pass over the row
-each instead of PyTorch's topk, cumsum, scatter and checks: inside a generation at 8K tokens, a retrieval step of
-SmolLM2 spent 0.21 ms around its forward with it and 0.51 ms with PyTorch's ops, ``bench/analysis/step_overhead.py``),
+each instead of PyTorch's topk, cumsum, scatter and checks; its time: docs/performance.md, "Kernels (EPYC)"),
 PyTorch's ops otherwise (``TRIFORCE_SAMPLING_KERNEL=0``, no compiler, no AVX2): the same rule, the same support,
 probabilities equal up to the rounding of the renormalisation.
 """
@@ -114,12 +113,10 @@ def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     among the :data:`NUCLEUS_CANDIDATES` most likely tokens: ``csrc/sampling.c`` finds it in one pass over the row
     (ties ranked by the lower index; the mass above each candidate rounded as the PyTorch path rounds it, so both keep
     the same tokens), or else ``torch.topk`` finds those candidates; only rows whose nucleus is larger sort their
-    whole vocabulary, each row on its own (the result of a row does not depend on the rows beside it). Over
-    SmolLM2's 49,152 logits on this project's AVX-512 EPYC, a full sort took 3.2 ms for one row (12.9 ms for a 7-row
-    verification block), the candidates through ``torch.topk`` 0.14 ms (0.47), the kernel 0.05 ms (0.21)
-    (``bench/kernels/nucleus.py``, ``bench/results/nucleus_kernel_2026-12-05.json``). Rounding at
-    the boundary may differ from transformers' in the last bit of the cumulative mass; every tier applies this same
-    function, so the verified distribution is the one it defines.
+    whole vocabulary, each row on its own (the result of a row does not depend on the rows beside it); the three
+    paths' times: docs/performance.md, "Kernels (EPYC)". Rounding at the boundary may differ from transformers' in
+    the last bit of the cumulative mass; every tier applies this same function, so the verified distribution is the
+    one it defines.
 
     Args:
         logits: (..., V) fp32, already divided by the temperature (and top-k masked with -inf).
@@ -177,10 +174,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     Token i is drawn when ``u * c[V-1]`` falls in ``[c[i-1], c[i])``, with ``c`` the row's cumulative sums (fp64)
     and ``u`` one uniform in [0, 1) from ``generator``: exactly probability ``probs[i] / sum(probs)``, and never a
     token of probability 0 (its interval is empty). Equivalent in distribution to ``torch.multinomial(probs, 1)``,
-    which on this project's AVX-512 EPYC took 0.77 ms for a nucleus row over a 49,152-token vocabulary, this draw in
-    PyTorch's ops 0.073 ms and in ``csrc/sampling.c`` (runs of zero weights skipped; the same token for the same
-    uniform) 0.010 ms, and 5.3, 0.35 and 0.063 ms for a 7-row verification block (``bench/kernels/nucleus.py``,
-    ``bench/results/nucleus_kernel_2026-12-05.json``); the draws for a given seed differ from multinomial's.
+    and faster (docs/performance.md, "Kernels (EPYC)"); ``csrc/sampling.c`` skips runs of zero weights and draws the
+    same token for the same uniform as PyTorch's ops. The draws for a given seed differ from multinomial's.
 
     Args:
         probs: (N, V) non-negative weights (fp32), each row with a positive sum (normalised or not).

@@ -48,11 +48,9 @@ def lower_right_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_k
     The full KV cache's boolean (T, n_keys) mask rules out SDPA's flash kernel on CUDA and makes the others read a
     mask; the lower-right causal bias (``torch.nn.attention.bias.causal_lower_right``: the same visibility, nothing
     materialised; the bottom-right aligned causal mask flash-attn uses since its version 2.1, FlashAttention-2:
-    Dao, arXiv 2307.08691) lets SDPA run its flash or memory-efficient kernel with the causal structure built in.
-    On an H200 in bf16, for 7 queries of Llama-2-7B's 32 heads of 128 over 32K-120K keys, one layer's attention
-    with the bias ran 4.2-5.1x faster than with the boolean mask, outputs within 2.5e-4 (``bench/gpu/gpu_check.py
-    --stages attention``, an earlier version that called SDPA with the bias directly;
-    bench/results/gpu_h200_2026-12-04/). This function itself has not run on a GPU yet.
+    Dao, arXiv 2307.08691) lets SDPA run its flash or memory-efficient kernel with the causal structure built in
+    (faster on a GPU, measured by an earlier version: docs/performance.md, "GPU: one H200"). This function itself
+    has not run on a GPU yet.
 
     Args:
         q: (B, nh, T, hs) queries (after RoPE).

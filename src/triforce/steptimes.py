@@ -8,10 +8,9 @@ round costs ``gamma`` retrieval steps and one verification of ``gamma + 1`` toke
 
     tokens(alpha, gamma) * decode / (gamma * lower + verify)
 
-(:meth:`StepTimes.predicted_speedup`). Bytes alone mispredict both ends: on a 135M model a tier reading a third of
-the verifier's bytes cost 0.65 of its step (per-layer work), and on a 1.5B model at 16K-32K tokens a verification of
-4 tokens cost 1.3 decode steps (its attention bound by arithmetic) while a retrieval step cost 0.45-0.57 of one,
-0.49-0.65 of its bytes (docs/auto.md, docs/long_documents.md). So the times are measured, with caches of the
+(:meth:`StepTimes.predicted_speedup`). Bytes alone mispredict both ends: on a small model a step is bound by
+per-layer work, and at long contexts a verification's attention by arithmetic (docs/auto.md,
+docs/long_documents.md). So the times are measured, with caches of the
 request's length holding zeros (a step's time does not depend on the values it reads), once per engine and shape.
 """
 
@@ -119,8 +118,8 @@ def time_interleaved(calls: dict[str, Callable[[], None]], reps: int, device: to
                      progress: Callable[[int], None] | None = None) -> dict[str, list[float]]:
     """Wall seconds of each call, ``reps`` times, interleaved: one untimed warm-up of each, then each repetition runs
     every call once in an order rotated from one repetition to the next, so that a slow phase of the machine slows
-    every kind alike (a verifier timed in one phase and its tier in another predicted 1.03x and 1.24x for the same
-    hierarchy, bench/results/speed_break_even_2026-12-04). CUDA work is synchronised around each call.
+    every kind alike (docs/performance.md: timed apart, the same hierarchy was predicted at different speedups).
+    CUDA work is synchronised around each call.
 
     Returns:
         ``{name: [seconds of each repetition]}``. Raises what the calls raise.

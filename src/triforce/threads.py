@@ -3,20 +3,17 @@
 torch's CPU kernels run on OpenMP (libgomp in the PyPI wheels). By default a libgomp thread that reaches the end of
 a parallel region spins for about 3 ms (``GOMP_SPINCOUNT`` 300,000) before it sleeps. When another program keeps a
 core busy, the spinning threads steal that core's time from the thread that still has work, and every parallel
-region waits for its slowest thread: decoding at 2 threads next to one CPU-bound process ran 4x slower than at
-1 thread (issue 16). With ``OMP_WAIT_POLICY=PASSIVE`` an idle thread sleeps at once, so a busy core costs at most
-its share of the work, but then every one of the hundreds of small parallel regions of a decode step pays a
-wake-up: on an idle machine a SmolLM2 decode step at 1K tokens took 55 ms at 2 threads, slower than 1 thread (52 ms),
-against 31 ms with libgomp's spinning. So triforce sets a short spin instead, ``GOMP_SPINCOUNT`` 10,000 (about
-0.1 ms): as fast as the default on an idle machine (31.4 ms) while a waiting thread gives its core back 30 times
-sooner (``bench/kernels/wait_policy.sh``). libgomp reads the variable once, when torch loads it, so
-:func:`configure_openmp` must run before ``import torch``: ``import triforce`` does it first thing, which covers the
-``triforce`` command and Python programs that import triforce before torch.
+region waits for its slowest thread. With ``OMP_WAIT_POLICY=PASSIVE`` an idle thread sleeps at once, but then every
+one of the hundreds of small parallel regions of a decode step pays a wake-up, slower than one thread on an idle
+machine. So triforce sets a short spin instead, ``GOMP_SPINCOUNT`` 10,000 (about 0.1 ms): as fast as the default on
+an idle machine while a waiting thread gives its core back sooner (docs/usage.md, "Tuning"). libgomp reads the
+variable once, when torch loads it, so :func:`configure_openmp` must run before ``import torch``: ``import
+triforce`` does it first thing, which covers the ``triforce`` command and Python programs that import triforce
+before torch.
 
 Even so, a thread on a core another program keeps busy holds up every parallel region, so the default thread count
 (``--threads`` not given, ``TriForce.load(threads="auto")``) counts the cores other programs leave idle while the
-model loads (:class:`IdleCPUProbe`): one thread per idle physical core, at least one. Measurements: docs/history.md,
-"Threads on a shared machine" (``bench/e2e/threads.py``).
+model loads (:class:`IdleCPUProbe`): one thread per idle physical core, at least one (docs/usage.md, "Tuning").
 """
 
 from __future__ import annotations

@@ -330,11 +330,9 @@ class RetrievalTier(ModelTier):
     cache: RetrievalCache
     ACCEPTANCE_WINDOW = 16
     #: after a bypass of at most this many committed tokens the tier catches up by feeding them (its next step is a
-    #: pass over them) instead of re-selecting its chunks: at 8K tokens on this project's CPU a re-selection took
-    #: 73.6 ms, a pass of SmolLM2's retrieval tier (its codes, 1,000 slots) 8.8 ms over 1 token, 18.3 over 5, 28.3
-    #: over 9 and 75.1 over 17 (``bench/kernels/resync.py``, ``bench/results/cost_model_2026-12-04/resync.json``). ``auto``
-    #: starts every request with 4 plain tokens, after which this re-selected chunks chosen 4 tokens before; a real
-    #: bypass lasts 16 tokens or more.
+    #: pass over them) instead of re-selecting its chunks: a pass over 8 tokens costs less than a re-selection, one
+    #: over 16 about as much (docs/performance.md, "Figures behind the code's constants"). ``auto`` starts every
+    #: request with 4 plain tokens; a real bypass lasts 16 tokens or more.
     CATCH_UP_TOKENS = 8
 
     def __init__(self, *args, full: FullKVCache, lookahead: int, rebuild_every: int | None = None,

@@ -61,9 +61,8 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
     the cache is rolled back to n (``cache.rollback``), so every repetition sees the same context. The forwards are
     interleaved: each repetition runs every kind once, in an order rotated from one repetition to the next, after
     one untimed warm-up of each, so background load affects all kinds alike (the lower tiers' copy of the weights,
-    ``lower``, is timed in the same loop, not in a second call: on a machine that runs in slow and fast phases, a
-    verifier timed in one phase and its retrieval tier in another predicted 1.03x and 1.24x for the same hierarchy
-    and book, bench/results/speed_break_even_2026-12-04). Medians over ``reps``.
+    ``lower``, is timed in the same loop, not in a second call: a machine runs in slow and fast phases;
+    docs/performance.md). Medians over ``reps``.
 
     With ``sampling``, each timed call is a step as ``tiers.py`` runs it: the forward, then the token selection on
     its logits (:func:`~triforce.sampling.logits_to_probs` over every row and
@@ -299,8 +298,8 @@ def accepted_length_distribution(alpha: float, gamma: int, counts: list[int] | N
     ``alpha^j (1 - alpha)`` for j < gamma and ``alpha^gamma`` for j = gamma. With ``counts`` (``counts[j]`` =
     verifications observed accepting exactly j, ``TierStats.accepted_lengths``): their frequencies, runs longer than
     ``gamma`` counted at ``gamma``. Acceptance on real text comes in runs (a verifier that accepts one token tends to
-    accept the next), which the independent model underestimates: 3.5 tokens per verification predicted against 5.4
-    measured at alpha = 0.75, gamma = 6 (docs/history.md).
+    accept the next), which the independent model underestimates (3.5 tokens per verification predicted against 5.4
+    measured: docs/history.md, "Side by side: `triforce bench`").
 
     Returns:
         gamma + 1 probabilities summing to 1.

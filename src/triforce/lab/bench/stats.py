@@ -137,11 +137,12 @@ def with_empty_proposals(lengths: dict[str, list[int]], acceptance: dict[str, di
     An n-gram drafter without a match proposes no token; its tier then runs a one-token forward that emits one
     token, which its stats count in ``forward_passes`` but not in ``verifications`` (``tiers.py``). The cost model
     takes the drafter to propose gamma tokens at every step, so it left those forwards out and over-predicted
-    ``ngram:4,retrieval:6`` by 14-30% (docs/history.md, "2026-12-04, AVX-512"). Counted as a proposal rejected at
-    its first token (one forward, one token emitted), they cost exactly what they cost where the tier's decode and
-    pass latency are the same per-forward average, as ``predicted_from_run`` takes them (``step_seconds``). Only for
-    a tier below the target: the target's forwards also hold ``auto``'s plain decode steps. A tier's one-token steps
-    at the end of a truncated block are counted too (the stats do not tell them apart; at most one per block above).
+    ``ngram:4,retrieval:6`` (docs/performance.md, "Figures behind the code's constants"). Counted as a proposal
+    rejected at its first token (one forward, one token emitted), they cost exactly what they cost where the tier's
+    decode and pass latency are the same per-forward average, as ``predicted_from_run`` takes them
+    (``step_seconds``). Only for a tier below the target: the target's forwards also hold ``auto``'s plain decode
+    steps. A tier's one-token steps at the end of a truncated block are counted too (the stats do not tell them
+    apart; at most one per block above).
 
     Args:
         lengths: tier name -> run-length histogram (counts of 0 .. gamma accepted tokens per verification).
