@@ -308,7 +308,8 @@ def test_ragged_forward_of_a_coded_model_runs_in_one_call_bitwise_as_each_block_
     over decode tokens and verification blocks of several sequences runs every layer in one call too
     (``decode_layers_ragged``), and each block's logits, cached keys and values and recorded queries are bitwise
     what the one-call forward of that block alone gives (row-invariant products; each sequence's attention its own
-    call). Past 64 rows, or with a block the one-call path does not take (a prefill chunk), the layers run in Python."""
+    call). Past 64 rows, in calls of whole blocks of at most 64 rows, each row still bitwise its block's alone
+    (issue 47: batch invariance)."""
     from test_blockcodes import gguf_like
     from tiny import hf_model, ours
     from triforce import decode_step
@@ -345,6 +346,7 @@ def test_ragged_forward_of_a_coded_model_runs_in_one_call_bitwise_as_each_block_
         if ca.record_queries:
             assert all(torch.equal(qa, qb) for qa, qb in zip(ca.queries, cb.queries))
     ran.clear()
-    many, _ = sequences([(10, 16, False)] * 4 + [(10, 1, False)])  # 65 rows: the layers in Python
-    target.forward_ragged(many)
-    assert ran == []
+    many, alone = sequences([(10, 16, False)] * 4 + [(10, 1, False)])  # 65 rows: two calls, 64 and 1
+    out = target.forward_ragged(many)
+    assert ran == [True, True]
+    assert all(torch.equal(a, b) for (a, _), b in zip(alone, out))

@@ -3,9 +3,9 @@
 Speculative decoding assumes verifying gamma + 1 tokens costs about one decode step (Leviathan et al. 2023,
 Sec. 3.4). This script times the embedded SmolLM2's forward over T tokens at a fixed context (caches filled with
 random KV, no prefill; rolled back after each forward), for T in ``--rows``, with the ways the projections can
-run: ``ours`` (the default: ``kernels.f32_linear`` for 2-64 rows, and for one row where
-``kernels.f32_one_row_pays()``, MKL's product otherwise), ``ours_one_row`` (the same with one row on our kernel
-whatever the build, to A/B that choice in one run), ``onednn`` (weights
+run: ``ours`` (the default, the verifier's exactness rule, ``triforce/exact.py``: ``kernels.f32_linear`` for every
+row count of a decode step or block), ``ours_one_row`` (the rule off: our kernel for 2-64 rows and one row, whatever
+the build, to A/B that choice in one run), ``onednn`` (weights
 prepacked for oneDNN, ``--packed-weights on`` before our kernel) and ``mkl`` (MKL's product over the (in, out)
 weights for every row count), interleaved over ``--reps`` (medians), each against the one-token decode step of
 ``mkl`` (what autoregressive decoding runs; ``ours`` runs the same code for one row), and the logits' largest
@@ -36,7 +36,7 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from triforce import kernels, model as model_module
+    from triforce import exact, kernels
     from triforce.caches import FullKVCache
     from triforce.loading import load_model
     from triforce.lab.synthetic import fill_random_kv
@@ -46,7 +46,7 @@ def main() -> int:
     if not packed.pack_weights():
         print("oneDNN linear kernels unavailable here: nothing to compare", file=sys.stderr)
         return 1
-    ours = kernels.f32_linear
+    ours = exact.f32_linear
     default_one_row = kernels.f32_one_row_pays()  # the build's choice for decode steps (or $TRIFORCE_ONE_ROW_KERNEL)
     # kind -> (model, what model.Linear calls for 2..64 rows, whether one row takes it too)
     variants = {"ours": (plain, ours, default_one_row), "ours_one_row": (plain, ours, True),
@@ -58,12 +58,13 @@ def main() -> int:
 
     def forward(kind: str, ids: torch.Tensor) -> torch.Tensor:
         model, linear, one_row = variants[kind]
-        model_module.f32_linear = linear  # what model.Linear calls for 2-64 rows (None: PyTorch's product)
+        exact.f32_linear = linear  # what model.Linear calls for 2-64 rows (None: PyTorch's product)
+        exact.ROW_INVARIANT = kind == "ours"  # the others time the paths the exactness rule replaced
         kernels._linear.one_row = one_row  # what kernels.f32_one_row_pays answers
         try:
             return model(ids, torch.arange(n, n + ids.shape[1]), cache, num_logits=ids.shape[1])
         finally:
-            model_module.f32_linear, kernels._linear.one_row = ours, default_one_row
+            exact.f32_linear, exact.ROW_INVARIANT, kernels._linear.one_row = ours, True, default_one_row
             cache.rollback(n)
 
     diffs = {}

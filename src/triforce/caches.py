@@ -32,6 +32,7 @@ import torch
 
 from .config import ModelConfig
 from .defaults import DTYPE_ALIASES
+from .exact import EXACT_MAX_BLOCK, rowwise_attention
 from .kernels import gqa_attention_kernel
 from .sdpa import gqa_attention, lower_right_attention
 
@@ -74,6 +75,13 @@ class KVCache(ABC):
     @abstractmethod
     def end_forward(self) -> None:
         """Finish the forward: the cache now holds the block's tokens too."""
+
+    def exact_rows(self, t: int) -> bool:
+        """Whether a forward of ``t`` tokens through this cache is the verifier's decode step or verification block,
+        whose rows must not depend on the forward they share (issue 47): the model then runs it inside
+        :func:`triforce.exact.exact_forward`. False (the default): a lower tier's cache, whose rounding changes no
+        token."""
+        return False
 
     def one_query_rows(self) -> tuple[torch.Tensor, torch.Tensor, int, int, int | None] | None:
         """Where the forward begun by :meth:`begin_forward` may run every layer in one kernel call, or None.
@@ -160,6 +168,11 @@ class RaggedCache(KVCache):
         for cache in self.caches:
             cache.end_forward()
 
+    def exact_rows(self, t: int) -> bool:
+        """Whether any sequence's block keeps the rule (``t``, the sum, is not used: each cache judges its own
+        block; ``exact.split_exact`` gives such blocks forwards of their own)."""
+        return any(cache.exact_rows(n) for cache, n in zip(self.caches, self.lengths))
+
     def segment_rows(self) -> list[tuple] | None:
         """Per sequence, ``(k, v, slot, n_keys, queries)`` of its cache's :meth:`~KVCache.one_query_rows` and
         :meth:`~KVCache.query_buffer`, for every layer of the forward in one call
@@ -174,13 +187,14 @@ class RaggedCache(KVCache):
 
 
 #: longest block (tokens per forward) the full KV cache attends with ``kernels.gqa_attention_kernel`` instead of SDPA
-#: (where the kernel is available): decode steps and verification blocks; longer blocks (prefill) use SDPA, whose
-#: matrix-product tiling wins there. A row's result does not depend on the block it is in (same chunks, same order of
-#: operations), so a verification computes the logits a decode step would. Measured
-#: (``bench/kernels/attention_kernel.py``, docs/history.md): 1.37-1.49x SDPA for SmolLM2's decode steps, 0.96-1.16x
-#: for its 7-token blocks; on Qwen2.5's shape (2 KV heads, head dim 128) 0.94-1.02x for decode steps and 0.84-0.89x
-#: for 7-token blocks.
-KERNEL_MAX_BLOCK = 16
+#: (where the kernel is available): decode steps and verification blocks (:data:`~triforce.exact.EXACT_MAX_BLOCK`);
+#: longer blocks (prefill) use SDPA, whose matrix-product tiling wins there. A row's result does not depend on the
+#: block it is in (same chunks, same order of operations), so a verification computes the logits a decode step would.
+#: Measured (``bench/kernels/attention_kernel.py``, docs/history.md): 1.37-1.49x SDPA for SmolLM2's decode steps,
+#: 0.96-1.16x for its 7-token blocks; on Qwen2.5's shape (2 KV heads, head dim 128) 0.94-1.02x for decode steps and
+#: 0.84-0.89x for 7-token blocks; SmolLM2 at 8K, 17-64 tokens: 0.5-0.74x SDPA's time (docs/performance.md,
+#: "Exactness paths: what they cost").
+KERNEL_MAX_BLOCK = EXACT_MAX_BLOCK
 
 
 def _causal_offset_mask(start: int, t: int, total: int, device: torch.device) -> torch.Tensor:
@@ -292,6 +306,11 @@ class FullKVCache(KVCache):
         buf = (layer - self.on_chip_layers) % 2
         return self._buf_k[buf], self._buf_v[buf]
 
+    def exact_rows(self, t: int) -> bool:
+        """True for blocks of at most :data:`KERNEL_MAX_BLOCK` tokens on the CPU: the verifier's decode steps and
+        verification blocks (prefill chunks are longer)."""
+        return t <= self.kernel_max_block and self.device.type == "cpu"
+
     def one_query_rows(self):
         if self._t > self.kernel_max_block or self.offload or self.k.shape[1] != 1:
             return None  # a decode step or a verification block of one sequence, every layer in memory
@@ -320,6 +339,8 @@ class FullKVCache(KVCache):
         # flash kernels with a lower-right causal bias instead of the boolean mask
         out = gqa_attention_kernel(q, keys, values, s + t) if t <= self.kernel_max_block else None
         out = lower_right_attention(q, keys, values, s + t) if out is None else out
+        if out is None and q.dtype == torch.float32 and self.exact_rows(t):  # the kernel off: each row alone
+            out = rowwise_attention(q, keys, values, s + t)
         return out if out is not None else gqa_attention(q, keys[:, :, :s + t], values[:, :, :s + t], self._mask)
 
     def end_forward(self) -> None:

@@ -26,8 +26,11 @@ _decode_step = _Library("decode_step.c", DECODE_STEP_ENV_SWITCH, (), lambda: (DE
                                       + [_I, _F, _I, _P, _P]),
     "triforce_silu_mul": (None, [_P, _P, _P, _I]), "triforce_silu_mul_isa": (_I, [_P, _P, _P, _I, _I])})
 _fn_table = None  # the kernels' addresses in the order csrc/decode_step.c takes them, built on first use
-#: most tokens of one call (csrc/decode_step.c's MAX_T): decode steps and verification blocks (gamma + 1)
-MAX_BLOCK = 16
+#: most tokens of one call (csrc/decode_step.c's MAX_T): decode steps and verification blocks (gamma + 1), up to
+#: :data:`~triforce.exact.EXACT_MAX_BLOCK`, so that the verifier's blocks and its decode steps take the same path
+MAX_BLOCK = 64
+#: most tokens of one call in the retrieval cache's layout (a lower tier's block; longer ones run layer by layer)
+RETRIEVAL_MAX_BLOCK = 16
 #: most rows of one ragged call (csrc/decode_step.c's MAX_RAGGED_T: the products' row limit)
 MAX_RAGGED_ROWS = 64
 #: added to a weight's bits: its block codes multiply int8-quantized activations (csrc/decode_step.c's Q8_ACTIVATIONS)
@@ -305,13 +308,41 @@ class DecodeStep:
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor | None:
         """(1, T, d) fp32 embedded tokens, their (T, hs) rotations and the cache -> (1, T, d) after the last layer,
-        or None (a block the cache offers no rows for, or the kernels do not apply)."""
+        or None (a block the cache offers no rows for, or the kernels do not apply). Several sequences' blocks (a
+        :class:`~triforce.caches.RaggedCache`) run in calls of at most :data:`MAX_RAGGED_ROWS` rows, whole blocks
+        each: every row is bitwise what its sequence gets alone, whatever the batch."""
         segments = getattr(cache, "segment_rows", None)  # a RaggedCache: several sequences' blocks
         if segments is not None:
-            segments = segments() if x.shape[0] == 1 and x.shape[1] <= MAX_RAGGED_ROWS else None
-            return None if segments is None else decode_layers_ragged(self.table, x, segments, cos, sin)
+            segments = segments() if x.shape[0] == 1 else None
+            return None if segments is None else _ragged_in_groups(self.table, x, segments, cos, sin)
         rows = cache.one_query_rows() if x.shape[0] == 1 and x.shape[1] <= MAX_BLOCK else None
-        if rows is None:
+        if rows is None or (rows[4] is not None and x.shape[1] > RETRIEVAL_MAX_BLOCK):
             return None
         k, v, slot, n_keys, shared = rows
         return decode_layers(self.table, x, k, v, slot, n_keys, cos, sin, cache.query_buffer(), shared)
+
+
+def _ragged_in_groups(table: LayerTable, x: torch.Tensor, segments: list[tuple], cos: torch.Tensor,
+                      sin: torch.Tensor) -> torch.Tensor | None:
+    """:func:`decode_layers_ragged` over consecutive groups of whole blocks of at most :data:`MAX_RAGGED_ROWS` rows
+    (one group where they fit): the same rows, bitwise, as one call would give (the products are row-invariant and
+    each block's attention is its own). None where a call gives None (the caller then runs the layers in Python,
+    which writes every cache row again)."""
+    lengths = [n_keys - slot for _, _, slot, n_keys, _ in segments]
+    if sum(lengths) <= MAX_RAGGED_ROWS:
+        return decode_layers_ragged(table, x, segments, cos, sin)
+    groups, start = [[]], 0  # each: (segment index, first row)
+    for i, t in enumerate(lengths):
+        if groups[-1] and sum(lengths[j] for j, _ in groups[-1]) + t > MAX_RAGGED_ROWS:
+            groups.append([])
+        groups[-1].append((i, start))
+        start += t
+    outs = []
+    for group in groups:
+        a = group[0][1]
+        b = group[-1][1] + lengths[group[-1][0]]
+        out = decode_layers_ragged(table, x[:, a:b], [segments[i] for i, _ in group], cos[a:b], sin[a:b])
+        if out is None:
+            return None
+        outs.append(out)
+    return torch.cat(outs, dim=1)

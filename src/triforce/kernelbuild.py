@@ -19,14 +19,28 @@ from pathlib import Path
 
 _CSRC = Path(__file__).with_name("csrc")
 _lock = threading.Lock()
+#: environment variable: "AVX2" builds and loads every kernel as on a CPU without AVX-512 (the flags that start with
+#: "avx512" hidden from the choice of builds), so the AVX2 builds run, and are tested, on an AVX-512 machine
+#: (tests/test_exactness.py); unset or empty: this CPU's own flags. Read when a kernel first loads.
+ISA_ENV = "TRIFORCE_KERNEL_ISA"
 
 
 def _cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read), less AVX-512's where
+    :data:`ISA_ENV` is "AVX2".
+
+    Raises:
+        ValueError: :data:`ISA_ENV` set to something other than "AVX2" or "".
+    """
+    isa = os.environ.get(ISA_ENV, "")
+    if isa not in ("", "AVX2"):
+        raise ValueError(f"{ISA_ENV} must be 'AVX2' or unset, got {isa!r}")
     try:
         with open("/proc/cpuinfo") as f:
-            return set(next((line.split(":", 1)[-1] for line in f if line.startswith("flags")), "").split())
+            flags = set(next((line.split(":", 1)[-1] for line in f if line.startswith("flags")), "").split())
     except OSError:
         return set()
+    return {f for f in flags if not f.startswith("avx512")} if isa == "AVX2" else flags
 
 
 def _build(out_dir: Path, source_path: Path, cflags: tuple[str, ...]) -> Path:
@@ -108,6 +122,7 @@ class _Library:
         self.fns: dict | None = None
         self.status = "not loaded"
         self.one_row: bool | None = None  # the linear kernels' decode-step choice, set by f32_one_row_pays
+        self.one_row_exact: bool | None = None  # the verifier's decode steps' one, set by f32_one_row_exact
         self.beats_onednn: bool | None = None  # and their multi-row one, set by f32_beats_onednn
 
     def load(self) -> dict | None:

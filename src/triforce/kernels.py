@@ -31,10 +31,12 @@ slower from 7; docs/history.md); :func:`f32_linear` multiplies fp32 weights stor
 verifier's blocks and batched steps (``bench/kernels/qlinear.py``, docs/history.md). They are built for AVX-512 (F, BW,
 VL) where the CPU has it, and otherwise for AVX2 and FMA (8-lane versions of the same kernels, with the same
 row-independence); where the CPU has neither, or ``TRIFORCE_LINEAR_KERNEL=0`` is set, they return None
-(``linear_status()`` says why). Which product a model's fp32 projection runs is decided per build: with AVX-512 our
-kernel for 2-64 rows and for decode steps (:func:`f32_one_row_pays`), with AVX2 oneDNN's product over packed weights
-where the model has them (:func:`f32_beats_onednn`), else our kernel for 2-64 rows, and MKL's GEMV for one row; a
-GGUF model's projections with exact block codes read those instead (:mod:`triforce.blockcodes`, ``csrc/blockcodes.c``).
+(``linear_status()`` says why). The verifier's decode steps and blocks run every fp32 product on our kernel, with
+either build, any number of rows and any width, so that a row rounds alike wherever it is (:mod:`triforce.exact`,
+:func:`f32_one_row_exact`); elsewhere the product is decided per build: with AVX-512 our kernel for 2-64 rows and
+for one row (:func:`f32_one_row_pays`), with AVX2 oneDNN's product over packed weights where the model has them
+(:func:`f32_beats_onednn`), else our kernel for 2-64 rows, and MKL's GEMV for one row; a GGUF model's projections
+with exact block codes read those instead (:mod:`triforce.blockcodes`, ``csrc/blockcodes.c``).
 
 A decode step of an int8 lower tier or of a model on block codes runs every layer in one call
 (:func:`triforce.decode_step.decode_layers`, ``csrc/decode_step.c``): the same kernels back to back from C, without a Python call
@@ -58,7 +60,8 @@ ENV_SWITCH = "TRIFORCE_ATTENTION_KERNEL"
 #: environment variable: "0" turns the linear kernels off (PyTorch's products everywhere)
 LINEAR_ENV_SWITCH = "TRIFORCE_LINEAR_KERNEL"
 #: environment variable: where a decode step's one-row products run: "1" our fp32 kernel, "0" MKL's GEMV, unset the
-#: build's default (:func:`f32_one_row_pays`); for A/B runs of the same code (bench/kernels/rows.py, ``triforce bench``)
+#: build's default (:func:`f32_one_row_pays`; the verifier's: :func:`f32_one_row_exact`, which "0" gives up); for A/B
+#: runs of the same code (bench/kernels/rows.py, ``triforce bench``)
 ONE_ROW_ENV_SWITCH = "TRIFORCE_ONE_ROW_KERNEL"
 #: compiler flags; the build is cached per (source, flags, compiler) hash
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
@@ -248,8 +251,8 @@ def f32_one_row_pays() -> bool:
     faster (41.0 against 48.1 ms, ``bench/kernels/rows.py --rows 1 7``) and swept Qwen2.5-1.5B's weights at 29.5 GB/s
     against MKL's 18.5 (``bench/kernels/qlinear.py --shapes qwen2.5-1.5b``; docs/history.md). False with the AVX2 build
     (slower than MKL's GEMV for one row on an AVX2 CPU, ``bench/results/qlinear_avx2_cpu.json``) or without the kernels.
-    ``TRIFORCE_ONE_ROW_KERNEL`` (:data:`ONE_ROW_ENV_SWITCH`) = "1" or "0" overrides the default, for A/B runs. When
-    True, a decode step computes bitwise the logits of its row in a verification block.
+    ``TRIFORCE_ONE_ROW_KERNEL`` (:data:`ONE_ROW_ENV_SWITCH`) = "1" or "0" overrides the default, for A/B runs. The
+    verifier's decode steps follow :func:`f32_one_row_exact` instead (our kernel with either build).
 
     Returns:
         bool; loads the linear kernels and reads the variable on the first call, then answers from the library's
@@ -266,6 +269,27 @@ def f32_one_row_pays() -> bool:
         loaded = _linear.load() is not None
         pays = _linear.one_row = loaded and (choice == "1" or (choice == "" and _linear.status.endswith("AVX-512)")))
     return pays
+
+
+def f32_one_row_exact() -> bool:
+    """Whether the verifier's one-row fp32 products (its decode steps, inside :func:`triforce.exact.exact_forward`)
+    run on :func:`f32_linear`, the kernel its verification blocks run on, so that the two round alike: True wherever
+    the linear kernels are on, with either build (on an AVX2 CPU MKL's GEMV is faster for one row,
+    :func:`f32_one_row_pays`, and the tiers below the verifier keep it), unless ``TRIFORCE_ONE_ROW_KERNEL`` is "0"
+    (the A/B switch, which then gives up the rule).
+
+    Returns:
+        bool; decided on the first call (loads the kernels, reads the variable), then one attribute read.
+
+    Raises:
+        ValueError: ``TRIFORCE_ONE_ROW_KERNEL`` set to something other than "0" or "1" (on the first call).
+    """
+    exact = _linear.one_row_exact  # None until decided
+    if exact is None:
+        f32_one_row_pays()  # checks the variable
+        exact = _linear.one_row_exact = (_linear.load() is not None
+                                         and os.environ.get(ONE_ROW_ENV_SWITCH, "") != "0")
+    return exact
 
 
 def f32_beats_onednn() -> bool:
@@ -334,16 +358,17 @@ def f32_linear(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor | None:
 
     Args:
         x: (M, in) fp32 activations, 1 <= M <= :data:`LINEAR_MAX_ROWS`.
-        w_t: (in, out) fp32 weights, contiguous, out a multiple of 16.
+        w_t: (in, out) fp32 weights, contiguous, any out >= 1: the columns past the last multiple of 16 (an LM head
+            over a 32,001-token vocabulary) are one ``fmaf`` chain each, bitwise what a vector lane computes, so they
+            keep the row-independence too.
 
     Returns:
-        (M, out) fp32, or None when the kernel does not apply (not CPU, other dtypes or shapes, more rows, out not a
-        multiple of 16, the kernel unavailable): the caller then uses PyTorch's product.
+        (M, out) fp32, or None when the kernel does not apply (not CPU, other dtypes or shapes, more rows, the kernel
+        unavailable): the caller then uses PyTorch's product (:func:`triforce.exact.linear_forward` chunks more rows).
     """
     if (x.dim() != 2 or w_t.dim() != 2 or x.device.type != "cpu" or w_t.device.type != "cpu"
             or x.dtype != torch.float32 or w_t.dtype != torch.float32 or x.shape[1] != w_t.shape[0]
-            or not 1 <= x.shape[0] <= LINEAR_MAX_ROWS or w_t.shape[1] % 16 or w_t.shape[1] == 0
-            or not w_t.is_contiguous()):
+            or not 1 <= x.shape[0] <= LINEAR_MAX_ROWS or w_t.shape[1] == 0 or not w_t.is_contiguous()):
         return None
     fns = _linear.load()
     if fns is None:

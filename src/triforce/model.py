@@ -17,13 +17,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .blockcodes import (BlockCodes, blockcode_linear, blockcode_linear_q8, blockcode_matmul, concat_outputs,
-                         place_stored)
+from .blockcodes import BlockCodes, concat_outputs, place_stored
 from .caches import KVCache, RaggedCache
 from .config import ModelConfig
 from .cudagraph import graphs_apply, run_graphed
 from .defaults import DEFAULTS
-from .kernels import LINEAR_MAX_ROWS, f32_beats_onednn, f32_linear, f32_one_row_pays, rms_norm
+from .exact import exact_forward, linear_forward, split_exact
+from .kernels import rms_norm
 from .rope import RotaryEmbedding, apply_rope
 
 
@@ -48,28 +48,7 @@ class Linear(nn.Module):
         self.q8 = False  # multiply the codes by int8-quantized activations (a copy for the tiers below the verifier)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        rows = x.numel() // x.shape[-1]
-        y = None  # our kernels' product where one applies (each gives None where it does not)
-        if self.codes is not None and rows <= LINEAR_MAX_ROWS:  # the same fp32 weights, a fifth of the bytes
-            if self.q8:  # integer dot products (a lower tier's copy; None where the codes do not allow them)
-                y = blockcode_linear_q8(x.reshape(-1, x.shape[-1]), self.codes)
-            if y is None:
-                y = blockcode_linear(x.reshape(-1, x.shape[-1]), self.codes)
-        # a verification block or a batched step (and a decode step where the kernel beats MKL's GEMV): our kernel,
-        # unless oneDNN's product over packed weights is faster on this CPU (the AVX2 build)
-        if y is None and self.weight_t is None:  # codes only (a GGUF file read as stored): dequantized tiles
-            y = blockcode_matmul(x.reshape(-1, x.shape[-1]), self.codes)
-        if y is None and ((1 < rows <= LINEAR_MAX_ROWS and (self.packed is None or f32_beats_onednn()))
-                          or (rows == 1 and f32_one_row_pays())):
-            y = f32_linear(x.reshape(-1, x.shape[-1]), self.weight_t)
-        if y is not None:
-            y = y.reshape(*x.shape[:-1], -1)
-            return y + self.bias if self.bias is not None else y
-        if self.packed is not None and x.numel() > x.shape[-1]:  # several rows: a verification block or prefill
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], "")
-            return y.reshape(*x.shape[:-1], -1)
-        y = x @ self.weight_t
-        return y + self.bias if self.bias is not None else y
+        return linear_forward(self, x)  # the path this forward's rows need (exact.py)
 
 
 class RMSNorm(nn.Module):
@@ -255,26 +234,28 @@ class Transformer(nn.Module):
         CUDA graph captures, ``cudagraph.py``); same arguments and result."""
         x = self.embed(input_ids)  # (B, T, d)
         cos, sin = self.rope.cos_sin(positions, x.dtype)  # (T, hs) each
-        y = self.decode_step(x, cos, sin, cache) if self.decode_step is not None else None
-        if y is not None:  # every layer in one call (csrc/decode_step.c: int8 lower tiers' decode steps)
-            x = y
-        else:
-            for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, cache, i)
-        if rows is not None:
-            x = x.index_select(1, rows)
-        elif num_logits is not None:
-            x = x[:, -num_logits:]
-        return self.lm_head(self.norm(x)).float()
+        with exact_forward(cache.exact_rows(positions.numel())):  # the verifier's rows: row-invariant paths
+            y = self.decode_step(x, cos, sin, cache) if self.decode_step is not None else None
+            if y is not None:  # every layer in one call (csrc/decode_step.c: int8 lower tiers' decode steps)
+                x = y
+            else:
+                for i, layer in enumerate(self.layers):
+                    x = layer(x, cos, sin, cache, i)
+            if rows is not None:
+                x = x.index_select(1, rows)
+            elif num_logits is not None:
+                x = x[:, -num_logits:]
+            return self.lm_head(self.norm(x)).float()
 
     def forward_ragged(self, blocks: list[tuple[torch.Tensor, torch.Tensor, KVCache, int | None]]) -> list[torch.Tensor]:
         """One forward over the blocks of several sequences, each with its own cache (continuous batching).
 
         The blocks are laid one after another on the time axis, (1, sum T_i): the projections, MLPs and LM head
         read the weights once for every row, and each sequence attends over its own cache
-        (:class:`~triforce.caches.RaggedCache`). Each block's logits are those :meth:`forward` gives it alone, up to
-        the rounding of the matrix products over more rows (the same bound as a verification block against a
-        decode step).
+        (:class:`~triforce.caches.RaggedCache`). The verifier's blocks (decode steps and verification blocks of its
+        full cache) get bitwise the logits :meth:`forward` gives each alone: they run on row-invariant paths, in a
+        forward apart from any prefill chunk (``exact.py``); other blocks, up to the rounding of the products over
+        more rows.
 
         Args:
             blocks: ``(input_ids (1, T_i) int64, positions (T_i,) int64, cache, num_logits or None)`` per sequence,
@@ -291,6 +272,10 @@ class Transformer(nn.Module):
             if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] != pos.numel():
                 raise ValueError(f"blocks: input_ids must be (1, T) with T = len(positions), got "
                                  f"{tuple(ids.shape)} for {pos.numel()} positions")
+        return split_exact(blocks, self._ragged)  # the verifier's blocks in forwards apart from prefill chunks
+
+    def _ragged(self, blocks: list[tuple]) -> list[torch.Tensor]:
+        """:meth:`forward_ragged` of blocks that all keep the rule, or none does (``exact.split_exact``)."""
         if len(blocks) == 1:
             ids, pos, cache, n = blocks[0]
             return [self(ids, pos, cache, num_logits=n)]
@@ -428,13 +413,13 @@ class Transformer(nn.Module):
         return count
 
     def pack_weights(self) -> bool:
-        """Add a oneDNN-prepacked copy of every projection, used for products of several rows on the CPU.
+        """Add a oneDNN-prepacked copy of every projection, for products of several rows on the CPU outside the
+        verifier's decode steps and blocks, which keep our kernel (``exact.py``): prefill, a lower tier's blocks.
 
         A speculative verification multiplies gamma + 1 rows by each weight matrix. On this project's CPU a 7-token
         forward of SmolLM2 at 8K costs 2.3x a decode step with MKL's general matrix product, and 1.6x with oneDNN
         and weights reordered for its kernels (``torch.ops.mkldnn``, what ``torch.compile``'s CPU freezing uses;
-        ``bench/kernels/rows.py``). One-row decode steps keep the (in, out) layout. Costs one more copy
-        of the weights in memory.
+        ``bench/kernels/rows.py``). One-row decode steps keep the (in, out) layout. Costs one more copy of the weights.
 
         Returns:
             True when packed; False (nothing changed) off the CPU, for dtypes other than fp32, or where oneDNN's

@@ -204,7 +204,7 @@ static int project(void* const* fns, int bits, const void* w, const void* s, con
  * tokens instead of T decode steps that would each read the weights (a retrieval tier verifying an n-gram drafter's
  * block, or catching up with the tokens a verification accepted).
  * Returns 0, -1 for a block it does not take, or the first kernel's nonzero return code. */
-#define MAX_T 16
+#define MAX_T 64  /* a verification block up to gamma 63 (triforce/exact.py EXACT_MAX_BLOCK) in one call */
 /* most rows of one ragged call (csrc/blockcodes.c's and csrc/qlinear.c's MAX_ROWS) */
 #define MAX_RAGGED_T 64
 

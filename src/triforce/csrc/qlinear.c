@@ -19,10 +19,25 @@
  * precondition below before calling.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 
 #define MAX_ROWS 64  /* the most activation rows per call: a batch of 8 sequences verifying 7 tokens each is 56 */
+
+/* The fp32 product's last out % 16 columns (an output width that is not a multiple of 16: an LM head over a 32,001-
+ * token vocabulary), y[m, o] for o0 <= o < out: one fmaf chain over i = 0 .. in-1 per output, from +0, which is what a
+ * vector lane of the column blocks computes (a fused multiply-add rounds once, in a lane as in fmaf), so these columns
+ * too are bitwise the same whatever M and the other rows. Strided reads of at most 15 columns: negligible beside the
+ * other columns' product. */
+static void f32_tail_columns(const float* x, const float* w, float* y, int M, int in, int out, int o0) {
+    for (int m = 0; m < M; ++m)
+        for (int o = o0; o < out; ++o) {
+            float acc = 0.f;
+            for (int i = 0; i < in; ++i) acc = fmaf(x[(int64_t)m * in + i], w[(int64_t)i * out + o], acc);
+            y[(int64_t)m * out + o] = acc;
+        }
+}
 
 #ifdef __AVX512F__
 
@@ -144,16 +159,17 @@ static inline __attribute__((always_inline)) void colblock_f32(const float* x, c
 #define F_CASE(NV, MM) case MM: colblock_f32(xm, MM, in, i0, i1, ahead, w, out, o0, NV, ym); break;
 #define F_CASES(NV) F_CASE(NV, 1) F_CASE(NV, 2) F_CASE(NV, 3) F_CASE(NV, 4) F_CASE(NV, 5) F_CASE(NV, 6) F_CASE(NV, 7)
 
-/* x: (M, in) fp32 contiguous, w: (in, out) fp32 contiguous, y: (M, out) fp32; out a multiple of 16.
- * Returns 0, or -1 for arguments outside what the kernel handles (nothing written). */
+/* x: (M, in) fp32 contiguous, w: (in, out) fp32 contiguous, y: (M, out) fp32; the columns past the last multiple of
+ * 16 by f32_tail_columns. Returns 0, or -1 for arguments outside what the kernel handles (nothing written). */
 int triforce_f32_linear(const float* x, const float* w, float* y, int M, int in, int out, int nthreads) {
-    if (M < 1 || M > MAX_ROWS || in < 1 || out < 16 || out % 16 || nthreads < 1)
+    if (M < 1 || M > MAX_ROWS || in < 1 || out < 1 || nthreads < 1)
         return -1;
-    const int width = out / 64 >= 4 * nthreads ? 64 : 32;  /* floats per column block */
-    const int blocks = (out + width - 1) / width, tile = M <= F_ROWS ? in : F_TILE;
+    const int out16 = out - out % 16;  /* the columns of whole vectors; out stays the stride of w and y */
+    const int width = out16 / 64 >= 4 * nthreads ? 64 : 32;  /* floats per column block */
+    const int blocks = (out16 + width - 1) / width, tile = M <= F_ROWS ? in : F_TILE;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int b = 0; b < blocks; ++b) {
-        const int o0 = b * width, nv = (out - o0 < width ? out - o0 : width) / 16;
+        const int o0 = b * width, nv = (out16 - o0 < width ? out16 - o0 : width) / 16;
         for (int i0 = 0; i0 < in; i0 += tile) {
             const int i1 = in - i0 < tile ? in : i0 + tile;
             for (int m0 = 0; m0 < M; m0 += F_ROWS) {
@@ -170,6 +186,7 @@ int triforce_f32_linear(const float* x, const float* w, float* y, int M, int in,
             }
         }
     }
+    if (out16 < out) f32_tail_columns(x, w, y, M, in, out, out16);
     return 0;
 }
 
@@ -309,10 +326,10 @@ static inline __attribute__((always_inline)) void colblock_f32(const float* x, c
 
 #define F_CASE(MM) case MM: colblock_f32(xm, MM, in, i0, i1, ahead, w, out, o0, ym); break;
 
-/* x: (M, in) fp32 contiguous, w: (in, out) fp32 contiguous, y: (M, out) fp32; out a multiple of 16.
- * Returns 0, or -1 for arguments outside what the kernel handles (nothing written). */
+/* x: (M, in) fp32 contiguous, w: (in, out) fp32 contiguous, y: (M, out) fp32; the columns past the last multiple of
+ * 16 by f32_tail_columns. Returns 0, or -1 for arguments outside what the kernel handles (nothing written). */
 int triforce_f32_linear(const float* x, const float* w, float* y, int M, int in, int out, int nthreads) {
-    if (M < 1 || M > MAX_ROWS || in < 1 || out < 16 || out % 16 || nthreads < 1)
+    if (M < 1 || M > MAX_ROWS || in < 1 || out < 1 || nthreads < 1)
         return -1;
     const int blocks = out / 16, passes = (M + F_ROWS - 1) / F_ROWS, tile = passes == 1 ? in : F_TILE;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -331,6 +348,7 @@ int triforce_f32_linear(const float* x, const float* w, float* y, int M, int in,
             }
         }
     }
+    if (out % 16) f32_tail_columns(x, w, y, M, in, out, out - out % 16);
     return 0;
 }
 

@@ -1,0 +1,191 @@
+"""One rule on every path (issue 47): a verifier row's value does not depend on how many tokens, rows or requests
+share its forward, nor on which of our paths computes it.
+
+Greedy equality of every speculative mode with autoregressive decoding needs a decode step (1 row) and its row of a
+verification block (k rows) to round alike, and batch invariance needs a request's rows to round alike alone and
+beside others. Our kernels compute each row in an order that does not depend on the other rows (``csrc/qlinear.c``:
+one chain of FMAs per output; ``csrc/attention.c``: the same key chunks and order per query row, whatever the block;
+``csrc/blockcodes.c``: bitwise ``qlinear.c`` over the dequantized weights), while PyTorch's products and SDPA pick
+their kernels by shape (MKL's GEMV for one row, GEMM or oneDNN for several). So a forward whose cache says it holds
+the verifier's decode steps or verification blocks (:meth:`~triforce.caches.KVCache.exact_rows`: the full KV cache,
+blocks of at most :data:`EXACT_MAX_BLOCK` tokens, on the CPU) runs inside :func:`exact_forward`, and there
+
+* every fp32 product runs on our kernel whatever its rows: more than ``kernels.LINEAR_MAX_ROWS`` rows in chunks of
+  that many (each row's value is the same in any chunk), any output width (the kernel's tail columns), on the
+  AVX-512 and the AVX2 build alike, one row included (MKL's GEMV only with ``TRIFORCE_ONE_ROW_KERNEL=0``, an A/B
+  switch that gives up the rule); where the kernel is off or unavailable, each row is its own PyTorch product, the
+  call a decode step makes (:func:`linear_forward`);
+* the full cache attends with ``csrc/attention.c`` (one call for the whole block), or, where that kernel is off,
+  each row with its own SDPA call over the keys it sees, the call a decode step makes (:func:`rowwise_attention`);
+* a model on block codes runs its layers in ``csrc/decode_step.c`` in pieces of at most 16 tokens and calls of at
+  most 64 rows (``decode_step.DecodeStep``);
+* a batch's forward holds either such blocks only or none (:func:`split_exact`): a prefill chunk that shares a round
+  with decode steps runs as a forward of its own.
+
+Prefill chunks longer than :data:`EXACT_MAX_BLOCK` tokens and the tiers below the verifier keep the fastest paths
+(their rounding changes no token: the verifier decides every token). Measured costs: docs/performance.md,
+"Exactness paths: what they cost"; the claim's scope and its tests: docs/architecture.md, "The exactness rule".
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+
+from .blockcodes import blockcode_linear, blockcode_linear_q8, blockcode_matmul
+from .kernels import (LINEAR_MAX_ROWS, ONE_ROW_ENV_SWITCH, f32_beats_onednn, f32_linear, f32_one_row_exact,
+                      f32_one_row_pays)
+from .sdpa import gqa_attention
+
+#: longest block of one sequence (tokens in one forward) that runs on the row-invariant paths: decode steps and
+#: verification blocks up to gamma 63 (``scheduling.SHORT_FORWARD_ROWS``); longer blocks are prefill chunks, which
+#: keep SDPA and PyTorch's products (measured: the attention kernel took 0.74x SDPA's time for a 64-token block of
+#: SmolLM2 at 8K on this project's AVX-512 machine, docs/performance.md)
+EXACT_MAX_BLOCK = 64
+
+#: False turns the rule off, so that every forward takes the fastest paths by shape as before issue 47: for A/B
+#: timings only (``bench/kernels/rows.py``); speculative modes then match autoregressive decoding in distribution
+#: but may differ from it by a greedy near-tie
+ROW_INVARIANT = True
+
+_state = threading.local()
+
+
+@contextmanager
+def exact_forward(on: bool):
+    """Run the enclosed forward with :func:`exact_rows` answering ``on`` (restored after, nested or not; per thread).
+
+    Args:
+        on: whether the forward's rows must be row-invariant (the verifier's decode steps and blocks); ignored
+            (False) while :data:`ROW_INVARIANT` is False.
+    """
+    before = getattr(_state, "on", False)
+    _state.on = bool(on) and ROW_INVARIANT
+    try:
+        yield
+    finally:
+        _state.on = before
+
+
+def exact_rows() -> bool:
+    """Whether the forward running in this thread must keep the rule (inside :func:`exact_forward`)."""
+    return getattr(_state, "on", False)
+
+
+def _chunks(fn: Callable, x: torch.Tensor, w) -> torch.Tensor | None:
+    """``fn(x, w)`` over chunks of at most :data:`~triforce.kernels.LINEAR_MAX_ROWS` rows of ``x`` (M, in),
+    concatenated; None where ``fn`` gives None for one (the kernel does not apply)."""
+    if x.shape[0] <= LINEAR_MAX_ROWS:
+        return fn(x, w)
+    parts = []
+    for i in range(0, x.shape[0], LINEAR_MAX_ROWS):
+        part = fn(x[i:i + LINEAR_MAX_ROWS], w)
+        if part is None:
+            return None
+        parts.append(part)
+    return torch.cat(parts)
+
+
+def _rowwise(fn: Callable, x: torch.Tensor, w) -> torch.Tensor:
+    """``fn`` on each row of ``x`` (M, in) alone, as a fresh (1, in) tensor (what a decode step passes), stacked."""
+    return torch.cat([fn(x[i:i + 1].clone(), w) for i in range(x.shape[0])])
+
+
+def linear_forward(lin, x: torch.Tensor) -> torch.Tensor:
+    """What :class:`~triforce.model.Linear` computes, ``y = x W + b``, on the path this forward's rows need.
+
+    Inside :func:`exact_forward` on the CPU in fp32 (module docstring): block codes or our fp32 kernel for any
+    number of rows, in chunks of ``LINEAR_MAX_ROWS``; where neither kernel applies, one PyTorch product per row.
+    Elsewhere the fastest path by rows: block codes (up to ``LINEAR_MAX_ROWS`` rows, else dequantized tiles), our
+    fp32 kernel for 2-64 rows unless oneDNN's packed product is faster on this build
+    (:func:`~triforce.kernels.f32_beats_onednn`) and for one row where :func:`~triforce.kernels.f32_one_row_pays`,
+    oneDNN over packed weights, else MKL.
+
+    Args:
+        lin: a :class:`~triforce.model.Linear`: ``weight_t`` (in, out) or None (codes only), ``bias`` (out,) or
+            None, ``codes`` (:class:`~triforce.blockcodes.BlockCodes`) or None, ``q8``, ``packed`` (oneDNN's copy)
+            or None.
+        x: (..., in) activations.
+
+    Returns:
+        (..., out), x's dtype (fp32 from the kernels).
+    """
+    rows = x.numel() // x.shape[-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    exact = exact_rows() and x.device.type == "cpu" and x.dtype == torch.float32 and rows > 0
+    y = None  # our kernels' product where one applies (each gives None where it does not)
+    if lin.codes is not None and (rows <= LINEAR_MAX_ROWS or exact):  # the same fp32 weights, a fifth of the bytes
+        if lin.q8:  # integer dot products (a lower tier's copy; None where the codes do not allow them)
+            y = _chunks(blockcode_linear_q8, x2, lin.codes)
+        if y is None:
+            y = _chunks(blockcode_linear, x2, lin.codes)
+    if y is None and exact:
+        if lin.weight_t is None:  # codes only, their kernel off: the dequantized tiles' product, a row at a time
+            y = _rowwise(blockcode_matmul, x2, lin.codes)
+        elif rows > 1 or f32_one_row_exact():
+            y = _chunks(f32_linear, x2, lin.weight_t)
+        # the kernel off: each row as a decode step computes it (unless the A/B switch sends one row to MKL's GEMV)
+        if y is None and not (rows == 1 and os.environ.get(ONE_ROW_ENV_SWITCH) == "0"):
+            y = _rowwise(torch.matmul, x2, lin.weight_t)
+    if y is None and lin.weight_t is None:  # codes only (a GGUF file read as stored): dequantized tiles
+        y = blockcode_matmul(x2, lin.codes)
+    if y is None and ((1 < rows <= LINEAR_MAX_ROWS and (lin.packed is None or f32_beats_onednn()))
+                      or (rows == 1 and f32_one_row_pays())):
+        y = f32_linear(x2, lin.weight_t)
+    if y is not None:
+        y = y.reshape(*x.shape[:-1], -1)
+        return y + lin.bias if lin.bias is not None else y
+    if lin.packed is not None and rows > 1:  # several rows: prefill
+        y = torch.ops.mkldnn._linear_pointwise(x2, lin.packed, lin.bias, "none", [], "")
+        return y.reshape(*x.shape[:-1], -1)
+    y = x @ lin.weight_t
+    return y + lin.bias if lin.bias is not None else y
+
+
+def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """The full cache's causal attention of a block that ends the sequence, each query row by its own SDPA call: row
+    i (position n_keys - T + i) over keys [0, n_keys - T + i], the call a decode step at that position makes (where
+    ``csrc/attention.c`` is off, so that a decode step and its row of a block round alike; T SDPA calls, each
+    reading the keys it sees).
+
+    Args:
+        q: (B, nh, T, hs) queries after RoPE.
+        k, v: (B, nkv, capacity, hs) one layer's cache, capacity >= n_keys >= T.
+        n_keys: the cache length after this block's tokens were written.
+
+    Returns:
+        (B, nh, T, hs), q's dtype.
+    """
+    t = q.shape[2]
+    start = n_keys - t
+    return torch.cat([gqa_attention(q[:, :, i:i + 1].contiguous(), k[:, :, :start + i + 1], v[:, :, :start + i + 1],
+                                    None) for i in range(t)], dim=2)
+
+
+def split_exact(blocks: list[tuple], run: Callable[[list[tuple]], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """A ragged forward's blocks run as one forward, or as two where they mix blocks whose cache keeps the rule
+    (:meth:`~triforce.caches.KVCache.exact_rows`: the verifier's decode steps and verification blocks) with others
+    (prefill chunks, a lower tier's blocks on the same model): each then runs on its own paths, at the cost of one
+    more pass over the weights.
+
+    Args:
+        blocks: ``(input_ids (1, T_i), positions (T_i,), cache, num_logits)`` per sequence
+            (:meth:`~triforce.model.Transformer.forward_ragged`'s argument).
+        run: the ragged forward of blocks that all keep the rule or none does, called once per group.
+
+    Returns:
+        per block, in order, its logits, (1, num_logits or T_i, V).
+    """
+    flags = [cache.exact_rows(pos.numel()) for _, pos, cache, _ in blocks]
+    if all(flags) or not any(flags):
+        return run(blocks)
+    out: list = [None] * len(blocks)
+    for want in (True, False):
+        index = [i for i, flag in enumerate(flags) if flag == want]
+        for i, logits in zip(index, run([blocks[i] for i in index])):
+            out[i] = logits
+    return out

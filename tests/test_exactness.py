@@ -1,0 +1,231 @@
+"""Exact on every path (issue 47): near-tie models, whose two best tokens differ by about 1e-6 at every position, run
+through every path the verifier can take, with each build forced.
+
+The tiny models of ``tiny.py`` have sharp logits, so rounding cannot flip their argmax; here the LM head's columns
+come in pairs, column 2j + 1 = column 2j + 1e-6 r_j (r_j a random unit vector), so the best two logits at every
+position are a pair about 1e-6 apart: any difference in rounding between a decode step and its row of a block, or
+between a request alone and in a batch, flips greedy tokens (a difference of 2.4e-7 in the logits flipped 2-11 of
+17-32 argmaxes in the runs that shaped these tests). Checked on each build: ``native`` (this CPU's best),
+``avx2`` (``TRIFORCE_KERNEL_ISA=AVX2``: the AVX2 builds on an AVX-512 machine) and ``off`` (every kernel switched
+off: PyTorch's ops, each row of a verifier block computed by the call its decode step makes). A build is chosen
+when the kernels first load, so each runs in a subprocess that computes every check once (:func:`_checks`) and
+prints the results; the tests assert on them.
+
+* (a) a decode step's logits are bitwise its row of a block of 1-32 tokens, for vocabularies of 96, 97 and 101 (the
+  LM head's width not a multiple of 16) and for a model on GGUF block codes; each block of a ragged forward of up
+  to 128 rows (8 sequences' 16-token blocks) is bitwise the block alone;
+* (b) every speculative mode gives the autoregressive tokens, with verification blocks of 5, 17 and 32 tokens;
+* (c) ``TriForce.generate(prompts=[...])`` gives each of 8 requests (prompts of 3-62 tokens, several modes) its
+  tokens alone beside 1, 3 and 7 others.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: environment of each forced build (a build is chosen when the kernels first load: each runs in a subprocess)
+OFF = {name: "0" for name in ("TRIFORCE_ATTENTION_KERNEL", "TRIFORCE_LINEAR_KERNEL", "TRIFORCE_NORM_ROPE_KERNEL",
+                              "TRIFORCE_DECODE_STEP_KERNEL", "TRIFORCE_SAMPLING_KERNEL", "TRIFORCE_BLOCK_CODES")}
+BUILDS = {"native": {}, "avx2": {"TRIFORCE_KERNEL_ISA": "AVX2"}, "off": OFF}
+#: the gap between the two tokens of a pair of LM-head columns, before the final norm's scale
+GAP = 1e-6
+VOCABS = (96, 101)  # a multiple of 16 and not
+#: the MLP's width: its down projection sums 512 inputs, where MKL's product of more than 64 rows blocks the sum
+#: differently from one row (up to 384 inputs it summed them in order, as our kernel does, on this project's CPU)
+INTER = 512
+GREEDY_NEW = 16
+
+
+def near_tie(model, seed: int = 0):
+    """Pair the columns of ``model``'s LM head in place, (d, V) ``weight_t``: column 2j + 1 = column 2j + GAP r_j."""
+    w = model.lm_head.weight_t.data
+    pairs = w.shape[1] // 2
+    r = torch.randn(w.shape[0], pairs, generator=torch.Generator().manual_seed(seed))
+    w[:, 1:2 * pairs:2] = w[:, 0:2 * pairs:2] + GAP * r / r.norm(dim=0, keepdim=True)
+    return model
+
+
+def _models(vocab: int, seed: int = 0):
+    from tiny import pair
+
+    target, draft = pair(seed=seed, vocab=vocab, intermediate_size=INTER)
+    return near_tie(target, seed), near_tie(draft, seed + 1)
+
+
+def _ids(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _rows_differing(model, prompt: int, t: int, seed: int) -> int:
+    """Rows of a t-token block (after a prompt) whose logits differ from the same tokens' decode steps."""
+    from triforce.caches import FullKVCache
+
+    ids = torch.tensor([_ids(prompt + t, model.cfg.vocab_size, seed)])
+    block, steps = FullKVCache(model.cfg, prompt + t + 1), FullKVCache(model.cfg, prompt + t + 1)
+    for cache in (block, steps):
+        model(ids[:, :prompt], torch.arange(prompt), cache)
+    whole = model(ids[:, prompt:], torch.arange(prompt, prompt + t), block)[0]
+    one = torch.cat([model(ids[:, prompt + i:prompt + i + 1], torch.tensor([prompt + i]), steps)[0] for i in range(t)])
+    return int((whole != one).any(dim=1).sum())
+
+
+def _ragged_blocks_differing(model, seqs: int, t: int) -> int:
+    """Blocks of a ragged forward of ``seqs`` sequences' t-token blocks whose logits differ from the block alone."""
+    from triforce.caches import FullKVCache
+
+    blocks, alone = [], []
+    for i in range(seqs):
+        n = 5 + 3 * i  # other prompt lengths
+        ids = torch.tensor([_ids(n + t, model.cfg.vocab_size, 100 + i)])
+        caches = [FullKVCache(model.cfg, n + t + 1) for _ in range(2)]
+        for cache in caches:
+            model(ids[:, :n], torch.arange(n), cache)
+        pos = torch.arange(n, n + t)
+        alone.append(model(ids[:, n:], pos, caches[0], num_logits=t))
+        blocks.append((ids[:, n:], pos, caches[1], t))
+    return sum(not torch.equal(a, b) for a, b in zip(alone, model.forward_ragged(blocks)))
+
+
+def _check_rows() -> dict:
+    """(a): rows differing per (model, block length), and blocks differing in ragged forwards of 8-128 rows."""
+    from test_blockcodes import gguf_like
+    from tiny import hf_model, ours
+
+    out = {}
+    for vocab in (96, 97, 101):
+        model = near_tie(ours(hf_model(0, vocab=vocab, layers=3, intermediate_size=INTER)))
+        for t in (1, 2, 7, 16, 17, 32) if vocab != 97 else (2, 17):
+            out[f"fp32 V={vocab} T={t}"] = _rows_differing(model, 20, t, seed=t)
+        for seqs, t in ((8, 1), (5, 13), (8, 16)) if vocab != 97 else ((5, 13),):  # 8, 65 and 128 rows
+            out[f"fp32 V={vocab} ragged {seqs}x{t}"] = _ragged_blocks_differing(model, seqs, t)
+    # the LM head's pairs are not block codes: it stays fp32, the layers' projections are codes
+    coded = near_tie(ours(gguf_like(hf_model(5, vocab=96, layers=3, intermediate_size=INTER))))
+    coded.attach_block_codes()  # 12 projections on codes (none with the kernels off): one C call per forward
+    for t in (1, 7, 17, 32):
+        out[f"codes T={t}"] = _rows_differing(coded, 20, t, seed=t)
+    for seqs, t in ((5, 13), (8, 16)):
+        out[f"codes ragged {seqs}x{t}"] = _ragged_blocks_differing(coded, seqs, t)
+    return out
+
+
+def _check_modes() -> dict:
+    """(b): per (vocabulary, setting, prompt), whether the tokens equal the autoregressive ones."""
+    from triforce.engine import Engine, SpeculationConfig
+    from triforce.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0)
+    out = {}
+    for vocab in VOCABS:
+        engine = Engine(*_models(vocab))
+        settings = [("retrieval", 4, dict(budget=16, chunk_size=4, gamma2=4)),
+                    ("triforce", 4, dict(budget=24, chunk_size=4, gamma1=2, gamma2=4)),
+                    ("draft", 16, dict(gamma2=16)),
+                    ("retrieval", 31, dict(budget=72, chunk_size=4, gamma2=31)),
+                    ("triforce", 31, dict(budget=72, chunk_size=8, gamma1=3, gamma2=31, drafter="ngram")),
+                    ("draft", 16, dict(gamma2=16, drafter="self", self_weights="int8"))]
+        for p, n in enumerate((6, 40)):
+            prompt = _ids(n, vocab, 10 + p)
+            ref = engine.generate(prompt, max_new_tokens=GREEDY_NEW, sampling=greedy, spec=SpeculationConfig())[0]
+            for mode, g2, kw in settings:
+                spec = SpeculationConfig(mode=mode, draft_sink=4, draft_window=12, **kw)
+                got = engine.generate(prompt, max_new_tokens=GREEDY_NEW, sampling=greedy, spec=spec)[0]
+                out[f"V={vocab} {mode} {kw.get('drafter', '')} gamma2={g2} prompt={n}"] = got == ref
+    return out
+
+
+def _check_batch() -> dict:
+    """(c): per (vocabulary, request, company), whether the request's tokens equal its tokens alone."""
+    from tiny import char_tokenizer, hf_config
+    from triforce.api import TriForce
+    from triforce.engine import SpeculationConfig
+    from triforce.loading import LoadedModel
+    from triforce.sampling import SamplingParams
+
+    out = {}
+    for vocab in VOCABS:
+        target, draft = _models(vocab, seed=7)
+        tf = TriForce(LoadedModel(target, char_tokenizer(), hf_config(vocab=vocab), "near-tie target"),
+                      LoadedModel(draft, char_tokenizer(), hf_config(vocab=vocab), "near-tie draft"))
+        modes = [dict(mode="autoregressive"), dict(mode="retrieval", budget=24, chunk_size=4, gamma2=6),
+                 dict(mode="triforce", budget=32, chunk_size=4, gamma1=2, gamma2=5), dict(mode="draft", gamma2=7)]
+        lengths = (3, 62, 17, 40, 9, 33, 24, 50)
+        prompts = [_ids(n, vocab, 50 + i) for i, n in enumerate(lengths)]
+        specs = [SpeculationConfig(draft_sink=4, draft_window=12, **modes[i % len(modes)]) for i in range(8)]
+        kw = dict(max_new_tokens=GREEDY_NEW, sampling=SamplingParams(temperature=0))
+        alone = [tf.generate(p, spec=s, **kw).token_ids for p, s in zip(prompts, specs)]
+        for group in ([0, 1], [2, 3, 4, 5], list(range(8))):
+            results = tf.generate(prompts=[prompts[i] for i in group], spec=[specs[i] for i in group],
+                                  max_batch=len(group), **kw)
+            for i, r in zip(group, results):
+                out[f"V={vocab} request {i} ({lengths[i]} tokens) beside {len(group) - 1}"] = r.token_ids == alone[i]
+    return out
+
+
+CHECKS = {"rows": _check_rows, "modes": _check_modes, "batch": _check_batch}
+
+
+def _status() -> dict:
+    from triforce import blockcodes, decode_step, kernels
+
+    return {"attention": kernels.status(), "linear": kernels.linear_status(), "codes": blockcodes.blockcodes_status(),
+            "decode_step": decode_step.decode_step_status()}
+
+
+def _main() -> None:  # the subprocess: every check on the build its environment forces
+    torch.set_num_threads(1)
+    print(json.dumps({"status": _status(), **{name: fn() for name, fn in CHECKS.items()}}))
+
+
+def _cpu_has(*flags: str) -> bool:
+    from triforce.kernelbuild import _cpu_flags
+
+    return set(flags) <= _cpu_flags()
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def build(request):
+    """The results of every check on one build, computed in a subprocess; skips a build this CPU does not have."""
+    name = request.param
+    if name == "avx2" and not (_cpu_has("avx2", "fma") and _cpu_has("avx512f")):
+        pytest.skip("the AVX2 build is this CPU's own (native) or it has no AVX2")
+    env = {**{k: v for k, v in os.environ.items() if k not in OFF and not k.startswith("TRIFORCE_KERNEL_ISA")},
+           **BUILDS[name], "OMP_WAIT_POLICY": "PASSIVE",
+           "PYTHONPATH": os.pathsep.join([HERE, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    run = subprocess.run([sys.executable, "-c", "import test_exactness; test_exactness._main()"], cwd=HERE, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    if name == "avx2":
+        assert all("AVX2" in results["status"][k] for k in ("attention", "linear", "codes")), results["status"]
+    if name == "off":
+        assert all(s.startswith("off") or "off" in s for s in results["status"].values()), results["status"]
+    return name, results
+
+
+def test_a_decode_step_is_bitwise_its_row_of_a_block_and_a_block_its_rows_in_a_batch(build):
+    """(a): 0 rows differ, for every block length (1-32), vocabulary (96, 97, 101), the coded model, and ragged
+    forwards of 8, 65 and 128 rows."""
+    name, results = build
+    differing = {k: v for k, v in results["rows"].items() if v}
+    assert not differing, f"{name} ({results['status']}): {differing}"
+
+
+def test_every_mode_equals_autoregressive_decoding_on_near_ties(build):
+    """(b): retrieval, triforce (draft or n-gram drafter), draft (a model or the target's int8 copy), verification
+    blocks of 5, 17 and 32 tokens, vocabularies 96 and 101: the autoregressive tokens, every prompt."""
+    name, results = build
+    failed = [k for k, same in results["modes"].items() if not same]
+    assert not failed, f"{name} ({results['status']}): {failed}"
+
+
+def test_a_request_gives_its_tokens_alone_and_beside_1_3_and_7_others(build):
+    """(c): batch invariance through ``TriForce.generate(prompts=[...])``: 8 requests (prompts of 3-62 tokens, four
+    modes), each alone and in batches of 2, 4 and 8, vocabularies 96 and 101: 0 differing requests."""
+    name, results = build
+    failed = [k for k, same in results["batch"].items() if not same]
+    assert not failed, f"{name} ({results['status']}): {failed}"
