@@ -11,10 +11,18 @@ import pytest
 import torch
 
 from tiny import hf_model, ours
-from triforce.lab.analyze import (acceptance_points, attention_probs, chunk_ranking, locality_after_prompt,
-                                  prefill_recorded, recovery_at_query, run_acceptance, summarize_acceptance)
-from triforce.retrieval import CHUNK_SCORES, RetrievalCache
 from triforce.cli import main
+from triforce.lab.analyze import (
+    acceptance_points,
+    attention_probs,
+    chunk_ranking,
+    locality_after_prompt,
+    prefill_recorded,
+    recovery_at_query,
+    run_acceptance,
+    summarize_acceptance,
+)
+from triforce.retrieval import CHUNK_SCORES, RetrievalCache
 
 P = 96  # prompt tokens; n = P - 1 keys for the last prompt token's query
 BUDGETS = [8, 16, 32, 64, 4096]

@@ -8,11 +8,24 @@ equals autoregressive decoding token for token, and sampled sequences follow the
 import pytest
 import torch
 
-from test_distribution import N_FEATURE, SETTINGS, chi2_pvalue, empirical, exact_distribution
-from test_distribution import models  # noqa: F401  (fixture)
+from test_distribution import (
+    N_FEATURE,
+    SETTINGS,
+    chi2_pvalue,
+    empirical,
+    exact_distribution,
+    models,  # noqa: F401  (fixture)
+)
 from tiny import hf_model, ours, pair
-from triforce.auto import (RETRIEVAL_BUDGET_BOUNDS, RETRIEVAL_GAMMA2_SAMPLING, RETRIEVAL_MIN_KV_SHARE,
-                           RETRIEVAL_MIN_KV_SHARE_SAMPLING, WEIGHT_BOUND_LAYER_BYTES, SpeedGovernor, plan_hierarchy)
+from triforce.auto import (
+    RETRIEVAL_BUDGET_BOUNDS,
+    RETRIEVAL_GAMMA2_SAMPLING,
+    RETRIEVAL_MIN_KV_SHARE,
+    RETRIEVAL_MIN_KV_SHARE_SAMPLING,
+    WEIGHT_BOUND_LAYER_BYTES,
+    SpeedGovernor,
+    plan_hierarchy,
+)
 from triforce.caches import kv_bytes
 from triforce.engine import Engine, SpeculationConfig
 from triforce.loading import load_model  # noqa: F401  (import check: no cycle through auto)
@@ -552,7 +565,8 @@ def test_plan_weighs_a_retrieval_tier_on_measured_step_times_instead_of_bytes():
                        int8_weight_bytes=1_560_000_000, measure=measured(1, 1, 1))
     assert asked == []
     unmeasured = plan_hierarchy(cfg, w, torch.float32, 16000, None, t06, step_weight_bytes=codes,
-                                int8_weight_bytes=1_560_000_000, measure=lambda *a: None)  # no memory to measure in: the bytes rule
+                                int8_weight_bytes=1_560_000_000,
+                                measure=lambda *a: None)  # no memory to measure in: the bytes rule
     assert unmeasured.tiers == bytes_only.tiers and "x its bytes" in unmeasured.reason
     with pytest.raises(ValueError, match="gamma must be 3"):
         StepTimes(1, 1, 4, ((1.0, 1.0, 1.0),)).predicted_speedup(0.5, 6)
@@ -564,9 +578,9 @@ def test_plan_weighs_a_retrieval_tier_on_measured_step_times_instead_of_bytes():
 
 
 def test_engine_measures_step_times_once_per_shape_and_keeps_no_copy_it_timed_for_nothing():
-    """``Engine.step_times`` times real forwards of a tiny model (positive times), keeps them for contexts within 25% (forks share them), leaves the target's
-    RoPE as it was; a plan that leaves the timed tier out drops the int8 copy made to time it, and greedy ``auto``
-    with measured times equals plain decoding token for token."""
+    """``Engine.step_times`` times real forwards of a tiny model (positive times), keeps them for contexts within 25%
+    (forks share them), leaves the target's RoPE as it was; a plan that leaves the timed tier out drops the int8 copy
+    made to time it, and greedy ``auto`` with measured times equals plain decoding token for token."""
     target = ours(hf_model(seed=16))
     engine = Engine(target)
     rope = target.rope

@@ -1,4 +1,5 @@
-"""`triforce bench`: one end-to-end run on a tiny random model folder, the comparison and metric helpers, bad options."""
+"""`triforce bench`: one end-to-end run on a tiny random model folder, the comparison and metric helpers, bad
+options, where the table and the JSON go."""
 
 import json
 import subprocess
@@ -7,10 +8,10 @@ import sys
 import pytest
 import torch
 
+from triforce.cli import main
 from triforce.cli.bench import add_bench_parser
 from triforce.lab import bench
 from triforce.lab.bench import methods
-from triforce.cli import main
 
 PROMPT = "the quick brown fox jumps over the lazy dog. " * 4
 NEW_TOKENS = 8
@@ -94,11 +95,13 @@ def test_cost_model_prediction_is_reported(bench_result):
     for name in ("retrieval", "draft"):
         pred = methods[name]["predicted"]["prediction"]
         assert pred["chain"] == methods[name]["chain"]
-        assert pred["tiers"][-1]["acceptance"] == pytest.approx(methods[name]["acceptance"]["target"]["acceptance_rate"])
+        acceptance = methods[name]["acceptance"]["target"]["acceptance_rate"]
+        assert pred["tiers"][-1]["acceptance"] == pytest.approx(acceptance)
         assert methods[name]["predicted_speedup_vs_autoregressive"] == pred["speedup"] > 0
         assert methods[name]["measured_over_predicted"] == pytest.approx(
             methods[name]["speedup_vs_autoregressive"] / pred["speedup"], rel=1e-3)
-        assert pred["autoregressive_seconds_per_token"] > 0 and methods[name]["predicted"]["latencies"]["token_selection"] is True
+        assert pred["autoregressive_seconds_per_token"] > 0
+        assert methods[name]["predicted"]["latencies"]["token_selection"] is True
     # from the run's own steps: the retrieval method's target verifications and retrieval steps, the AR decode step
     from triforce.lab.costmodel import predict
 
@@ -180,8 +183,8 @@ def test_an_ngram_drafters_empty_proposals_count_as_one_token_steps():
     c_retrieval = t_r / ((1 + 2 + 3 + 5 + 6) / 10)
     by_hand = d / ((6 * c_retrieval + v_t) / 7)
     assert r["triforce"]["predicted_from_run"]["speedup"] == pytest.approx(by_hand, rel=1e-3)
-    without = costmodel.predict(chain, r["triforce"]["predicted_from_run"]["latencies"], {"retrieval": 0.6, "target": 1.0},
-                                accepted_lengths=lengths)["speedup"]
+    without = costmodel.predict(chain, r["triforce"]["predicted_from_run"]["latencies"],
+                                {"retrieval": 0.6, "target": 1.0}, accepted_lengths=lengths)["speedup"]
     assert without > 1.1 * by_hand  # leaving the 6 one-token forwards out over-predicts (by 16% here)
 
 
@@ -221,7 +224,8 @@ def test_rep_metrics_and_spread_exact_values():
     assert m["mean_time_between_tokens_ms"] == pytest.approx(400 / 3, abs=1e-3)
     assert m["tokens_per_second"] == pytest.approx(7.5, abs=1e-3)
     assert bench.rep_metrics([0.2])["mean_time_between_tokens_ms"] is None
-    assert bench.spread([3.0, 1.0, 2.0, None, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0, "iqr": 3.0}  # quartiles 1.75, 4.75
+    # quartiles 1.75, 4.75
+    assert bench.spread([3.0, 1.0, 2.0, None, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0, "iqr": 3.0}
     assert bench.spread([None])["median"] is None
 
 
@@ -410,3 +414,20 @@ def test_bad_prompt_cache_is_refused_before_the_run(argv, option, capsys):
     assert main(["bench", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and option in err, err
+
+
+def test_bench_table_shows_measured_first_and_labels_the_prediction():
+    from triforce.lab.bench import format_table
+
+    spread = lambda v: {"median": v, "min": v, "max": v, "iqr": 0.0}  # noqa: E731
+    result = {"synthetic": False, "greedy": None,
+              "settings": {"model": "m", "prompt_tokens": 8000, "prompt_source": "pg1342", "new_tokens": 64,
+                           "temperature": 0.6, "top_p": 0.9, "top_k": 0, "dtype": "float32", "threads": 1, "reps": 3},
+              "methods": {"retrieval": {"status": "ok", "mean_time_between_tokens_ms": spread(40.0),
+                                        "tokens_per_second": spread(25.0), "time_to_first_token_s": spread(1.0),
+                                        "speedup_vs_hf_ar": 1.5, "speedup_vs_autoregressive": 1.25,
+                                        "predicted_speedup_vs_autoregressive": 0.8, "peak_memory_bytes": 2**30}}}
+    table = format_table(result)
+    row = next(line for line in table.splitlines() if line.startswith("retrieval"))
+    assert row.endswith("; measured 1.25x vs ar (cost-model prediction 0.80x)")
+    assert "not a measurement" in table

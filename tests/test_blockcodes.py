@@ -142,7 +142,8 @@ def test_every_build_gives_bitwise_the_same_products(fmt, monkeypatch):
     threads = torch.get_num_threads()
     results = {}
     try:
-        for n_in, n_out in ((576, 960), (64, 352)):  # 352 outputs: uneven thread ranges, 8-block spans and a 4-block tail
+        # 352 outputs: uneven thread ranges, 8-block spans and a 4-block tail
+        for n_in, n_out in ((576, 960), (64, 352)):
             w_t = fmt(torch.randn(n_out, n_in) * 0.05).T.contiguous()
             codes = find_block_codes(w_t)
             x = torch.randn(9, n_in)

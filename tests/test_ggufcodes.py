@@ -73,7 +73,6 @@ def test_int8_activation_products_of_every_type_compute_their_definition(qtype, 
     in float64 to fp32 rounding, a row alone = the row in a block, within a few percent of the exact product; the
     types it cannot take (groups of 16: Q6_K) are left to the exact product (None)."""
     from test_blockcodes import q8_dot_reference
-
     from triforce.blockcodes import blockcode_linear_q8
 
     n_out, n_in = 96, 512
@@ -90,21 +89,70 @@ def test_int8_activation_products_of_every_type_compute_their_definition(qtype, 
         assert not codes.q8_dot_ok and blockcode_linear_q8(x, codes) is None
         return
     assert codes.q8_dot_ok
+    # the reference reads fp32 scales: a K-quant's stored pairs as their products (the same weights and scales)
+    as_f32 = codes.promoted(codes.bits, True, codes.group, codes.m is not None) if codes.d_super is not None else codes
     for rows in (1, 2, 4, 7):
         y = blockcode_linear_q8(x[:rows], codes)
-        ref = q8_dot_reference(x[:rows], codes)
+        ref = q8_dot_reference(x[:rows], as_f32)
         assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-6 * scale, (qtype.name, rows)
         assert torch.equal(blockcode_linear_q8(x[rows - 1:rows], codes), y[-1:])
         exact = blockcode_linear(x[:rows], codes)
         assert (y - exact).norm() <= 0.05 * exact.norm(), (qtype.name, rows)
 
 
+#: bytes a weight of each K-quant as BlockCodes keeps it: codes, then per group an int8 scale (and minimum), per 256
+#: inputs an fp16 scale (and minimum), as the file does (Q6_K: groups of 16)
+K_BYTES = {QT.Q4_K: 0.5 + 2 * (1 / 32 + 2 / 256), QT.Q5_K: 1 + 2 * (1 / 32 + 2 / 256), QT.Q6_K: 1 + 1 / 16 + 2 / 256}
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
+def test_k_quant_scales_are_kept_as_the_file_stores_them(qtype, blockcode_build, monkeypatch):
+    """A K-quant's scales as int8 group values and fp16 super-block values in one buffer (the kernel's BC_KS), at the
+    bytes a weight of K_BYTES; their products are the fp32 d sc and -(dmin mc) gguf-py forms, bitwise; the kernel's
+    products and the PyTorch fallback (the kernel off) both give gguf-py's weights."""
+    n_out, n_in = 64, 768
+    raw = random_blocks(qtype, n_out, n_in, seed=int(qtype) + 9)
+    codes = codes_from_gguf(raw, qtype, n_in)
+    assert codes.kernel_bits & blockcodes.BC_KS and codes.d.dtype == torch.int8
+    assert codes.d_super.dtype == torch.float16 and tuple(codes.d_super.shape) == (n_out // 8, n_in // 256, 8)
+    assert codes.nbytes == n_out * n_in * K_BYTES[qtype]
+    # one buffer a pair: the fp16 values right after the int8 ones (the kernel's one pointer)
+    for sub, sup in ((codes.d, codes.d_super), (codes.m, codes.m_super)):
+        if sub is not None:
+            assert sup.data_ptr() == sub.data_ptr() + sub.numel()
+    # the scales: fp16 d (dmin) of each 256 inputs times the group's integer, computed in fp32 as gguf-py does
+    b = raw.reshape(n_out, n_in // 256, -1)
+    if qtype == QT.Q6_K:
+        want_d = (b[..., 208:210].copy().view(np.float16).astype(np.float32)
+                  * b[..., 192:208].copy().view(np.int8).astype(np.float32)).reshape(n_out, -1)
+        want_m = None
+    else:
+        from triforce.ggufcodes import _k_scale_min
+        sc, mn = _k_scale_min(b[..., 4:16])
+        want_d = (b[..., 0:2].copy().view(np.float16).astype(np.float32) * sc.astype(np.float32)).reshape(n_out, -1)
+        want_m = -(b[..., 2:4].copy().view(np.float16).astype(np.float32) * mn.astype(np.float32)).reshape(n_out, -1)
+    d, m = codes.group_scales()
+    as_rows = lambda t: t.permute(0, 2, 1).reshape(n_out, -1)  # noqa: E731  (out / 8, groups, 8) -> (out, groups)
+    assert torch.equal(as_rows(d), torch.from_numpy(want_d))
+    assert (m is None) == (want_m is None) and (m is None or torch.equal(as_rows(m), torch.from_numpy(want_m)))
+    w_t = dense(raw, qtype, n_in).T.contiguous()
+    x = torch.randn(3, n_in, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(blockcode_linear(x, codes), f32_linear(x, w_t))
+    monkeypatch.setattr(blockcodes._blockcodes, "load", lambda: None)  # the kernel off: PyTorch's dequantization
+    assert torch.equal(codes.dequantize(), w_t) and torch.equal(codes.dequantize(2, 5), w_t[:, 16:40])
+
+
 @pytest.mark.parametrize("types", [(QT.Q4_K, QT.Q4_K, QT.Q6_K), (QT.Q5_0, QT.Q5_0, QT.Q8_0), (QT.Q4_1, QT.Q8_0),
-                                   (QT.Q4_K, QT.Q5_0), (QT.Q4_0, QT.Q5_K)], ids=lambda ts: "+".join(t.name for t in ts))
+                                   (QT.Q4_K, QT.Q5_0), (QT.Q4_0, QT.Q5_K), (QT.Q4_K, QT.Q5_K), (QT.Q6_K, QT.Q6_K),
+                                   (QT.Q6_K, QT.Q4_K, QT.Q5_0)], ids=lambda ts: "+".join(t.name for t in ts))
 def test_fused_matrices_of_mixed_types_keep_every_weight(types, blockcode_build):
     n_in, outs = 256, [64, 32, 32][:len(types)]
     parts = [random_blocks(t, o, n_in, seed=i) for i, (t, o) in enumerate(zip(types, outs))]
     fused = concat_outputs([codes_from_gguf(r, t, n_in) for r, t in zip(parts, types)])
+    k_quants = {QT.Q4_K, QT.Q5_K, QT.Q6_K}
+    # K-quants among themselves keep their stored scales; beside the fp16-scale types, their fp32 products
+    assert (fused.d_super is not None) == (set(types) <= k_quants)
+    assert (fused.d.dtype == torch.float32) == (bool(set(types) & k_quants) and not set(types) <= k_quants)
     w_t = torch.cat([dense(r, t, n_in) for r, t in zip(parts, types)]).T.contiguous()
     assert torch.equal(fused.dequantize(), w_t)
     for rows in (1, 5, 12):
@@ -215,7 +263,8 @@ def tiny_qwen_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     write_tiny_gguf(path, "qwen2", {"attn_v.weight": QT.Q6_K, "ffn_down.weight": QT.Q6_K, "output.weight": QT.Q6_K,
                                     "token_embd.weight": QT.Q4_K, "attn_q.weight": QT.Q4_K, "attn_k.weight": QT.Q4_K,
-                                    "ffn_gate.weight": QT.Q4_K, "ffn_up.weight": QT.Q4_K, "attn_output.weight": QT.Q4_K},
+                                    "ffn_gate.weight": QT.Q4_K, "ffn_up.weight": QT.Q4_K,
+                                    "attn_output.weight": QT.Q4_K},
                     seed=7)
     hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     with torch.device("meta"):

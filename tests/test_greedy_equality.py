@@ -24,7 +24,8 @@ def engine():
 
 def _prompts(n, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 96, (int(torch.randint(2, 90, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [torch.randint(3, 96, (int(torch.randint(2, 90, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
 
 
 def _check_modes(engine, prompts, settings_for, new_tokens):
@@ -63,7 +64,8 @@ def test_eos_inside_a_block_ends_generation_there():
     for mode in ["autoregressive"] + MODES:
         for g2 in (3, 6, 8):
             engine = Engine(target, draft, eos_ids=(eos,))
-            spec = SpeculationConfig(mode=mode, budget=16, chunk_size=4, gamma1=2, gamma2=g2, draft_sink=2, draft_window=6)
+            spec = SpeculationConfig(mode=mode, budget=16, chunk_size=4, gamma1=2, gamma2=g2, draft_sink=2,
+                                     draft_window=6)
             out, stats = engine.generate(prompt, max_new_tokens=12, sampling=GREEDY, spec=spec)
             assert out == ref[:first + 1], (mode, g2)
             assert stats.finish_reason == "eos"
@@ -148,7 +150,7 @@ def test_seeded_sampling_is_reproducible(engine):
 def test_smallest_budget_rebuilds_after_the_first_verification(engine):
     """At budget = chunk_size + gamma2 + 2 the cache is re-selected after every verification, the first included
     (regression: that re-selection needed the last prompt token's query, which the first verification had not
-    computed; tests/test_regressions.py has the direct cases)."""
+    computed; tests/test_retrieval_tier.py has the direct cases)."""
     g = torch.Generator().manual_seed(31)
     for chunk, g2 in ((8, 6), (4, 3)):
         with pytest.raises(ValueError, match=f"budget must be >= chunk_size \\+ gamma \\+ 2 = {chunk + g2 + 2}"):
@@ -169,5 +171,6 @@ def test_packed_weights_keep_every_mode_equal_to_autoregressive():
     for prompt in _prompts(6, seed=8):
         ref, _ = engine.generate(prompt, max_new_tokens=20, sampling=GREEDY)
         for mode in MODES:
-            spec = SpeculationConfig(mode=mode, budget=24, chunk_size=4, gamma1=3, gamma2=5, draft_sink=2, draft_window=8)
+            spec = SpeculationConfig(mode=mode, budget=24, chunk_size=4, gamma1=3, gamma2=5, draft_sink=2,
+                                     draft_window=8)
             assert engine.generate(prompt, max_new_tokens=20, sampling=GREEDY, spec=spec)[0] == ref, mode

@@ -91,7 +91,8 @@ def test_public_hooks_replace_private_fields():
 
 
 def test_the_plan_counts_the_draft_cache_in_the_dtype_the_engine_allocates():
-    """bf16 target and draft with an fp32 KV cache: the draft's StreamingLLM cache is fp32, in the plan as in the engine."""
+    """bf16 target and draft with an fp32 KV cache: the draft's StreamingLLM cache is fp32, in the plan as in the
+    engine."""
     from triforce.caches import kv_bytes
     from triforce.sampling import SamplingParams
 

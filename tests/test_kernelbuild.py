@@ -32,10 +32,12 @@ def _counting_cc(tmp_path, refuse_avx512: bool = False, sleep: float = 0.0):
     """A compiler wrapper that logs each call to ``cc.log`` (and refuses ``-mavx512*`` flags if asked)."""
     log, cc = tmp_path / "cc.log", tmp_path / "cc.sh"
     real = shutil.which("cc") or shutil.which("gcc")
+    refuse = ('case "$*" in *-mavx512*) echo "cc: error: unrecognized option -mavx512f" >&2; exit 1;; esac'
+              if refuse_avx512 else '')
     cc.write_text(textwrap.dedent(f"""\
         #!/bin/sh
         echo "$@" >> {log}
-        {'case "$*" in *-mavx512*) echo "cc: error: unrecognized option -mavx512f" >&2; exit 1;; esac' if refuse_avx512 else ''}
+        {refuse}
         sleep {sleep}
         exec {real} "$@"
         """))

@@ -5,7 +5,6 @@ quick guide and the docs' links resolve (issue 48). Static checks: well under a 
 import argparse
 import ast
 import inspect
-import os
 import re
 from pathlib import Path
 
@@ -250,7 +249,8 @@ def test_readme_options_table_matches_the_parser():
             assert re.search(rf"(?<![\w.]){re.escape(shown)}(?![\w.])", meaning), \
                 f"README: {flag} should show its default {shown}: {meaning}"
     generate = {f for f, a in options.items() if f.startswith("--") and f not in ("--help",)}
-    server_only = {"--host", "--port", "--queue-size", "--max-batch", "--prefix-cache-gib", "--request-timeout", "--log-level", "--api-key"}
+    server_only = {"--host", "--port", "--queue-size", "--max-batch", "--prefix-cache-gib", "--request-timeout",
+                   "--log-level", "--api-key"}
     assert generate - server_only - seen == set(), "options missing from README's table"
 
 
@@ -282,10 +282,12 @@ def test_shared_defaults_come_from_one_table():
             assert getattr(spec, name) == DEFAULTS[name], name
     sampling, server = SamplingParams(), ServerDefaults()
     for name in ("temperature", "top_p", "top_k"):
-        assert getattr(sampling, name) == getattr(server, name) == DEFAULTS[name] == options["--" + name.replace("_", "-")].default
+        flag = "--" + name.replace("_", "-")
+        assert getattr(sampling, name) == getattr(server, name) == DEFAULTS[name] == options[flag].default
     assert server.max_tokens == DEFAULTS["max_new_tokens"] and server.queue_size == SERVE_DEFAULTS["queue_size"]
     kw = inspect.signature(plan_hierarchy).parameters
-    for name, key in (("gamma1", "gamma1"), ("gamma2", "gamma2"), ("chunk_size", "chunk_size"), ("max_budget", "budget")):
+    for name, key in (("gamma1", "gamma1"), ("gamma2", "gamma2"), ("chunk_size", "chunk_size"),
+                      ("max_budget", "budget")):
         assert kw[name].default == DEFAULTS[key], name
     for flag, action in options.items():
         dest = action.dest

@@ -107,7 +107,7 @@ def test_retrieval_tier_logits_equal_dense_attention_over_the_selected_positions
         kept = [[[p for p in sel[layer, kv, :budget - n_block].tolist() if p >= 0] for kv in range(2)]
                 for layer in range(2)]
         ref = _run(target, prompt + block, DenseReference(
-            lambda layer, kv, t: range(t + 1) if t < P - 1 else kept[layer][kv] + list(range(P - 1, t + 1))))
+            lambda layer, kv, t: range(t + 1) if t < P - 1 else kept[layer][kv] + list(range(P - 1, t + 1))))  # noqa: B023  (run here)
         assert (logits - ref[-n_block:]).abs().max() <= ATOL
         if budget - n_block < P - 1:  # positions were dropped: the check can tell the caches apart
             assert (logits - dense[-n_block:]).abs().max() > 1e-2

@@ -1,11 +1,11 @@
-"""KV-cache offloading: the streamed path (host storage, double buffers, prefetch) gives exactly the on-device tokens."""
+"""KV-cache offloading: the streamed path (host storage, double buffers, prefetch) gives exactly the on-device
+tokens; validating a request leaves the running one's plan alone."""
 
 import json
 import subprocess
 import sys
 
 import pytest
-import torch
 
 from tiny import pair
 from triforce.engine import Engine, SpeculationConfig
@@ -95,3 +95,33 @@ def test_cli_offload(tiny_folder):
     assert "1 of 3 layers on cpu" in off.stderr
     a, b = json.loads(plain.stdout), json.loads(off.stdout)
     assert a["token_ids"] == b["token_ids"] and b["kv_placement"]["on_chip_layers"] == 1
+
+
+def test_validate_returns_the_plan_and_leaves_a_running_request_alone():
+    """The server validates incoming requests on its event loop while another one runs: validate must not replace
+    the running request's offloading plan (its stats used to report the newcomer's)."""
+    target, _ = pair(seed=0)
+    engine = Engine(target, offload_kv=True, on_chip_layers=1)
+    spec = SpeculationConfig(mode="retrieval", budget=16, chunk_size=4, gamma2=3)
+    prompt_a, prompt_b = list(range(3, 40)), list(range(3, 90)) * 2
+    plan_a = engine.validate(prompt_a, 12, spec)
+    plan_b = engine.validate(prompt_b, 100, spec)
+    assert engine.placement is None  # validating stored nothing
+    assert plan_a.on_chip_layers == plan_b.on_chip_layers == 1 and plan_a.layers == 3
+    assert plan_b.host_bytes > plan_a.host_bytes  # a longer request: a larger cache
+    assert engine.validate(prompt_a, 12, SpeculationConfig()) is not None
+    assert Engine(target).validate(prompt_a, 12, spec) is None  # no offloading, no plan
+    gen = engine.stream(prompt_a, max_new_tokens=12, sampling=SamplingParams(temperature=0), spec=spec)
+    out = [next(gen), next(gen)]
+    assert engine.placement == plan_a
+    assert engine.validate(prompt_b, 100, spec) == plan_b  # another request arrives meanwhile
+    while True:
+        try:
+            out.append(next(gen))
+        except StopIteration as stop:
+            stats = stop.value
+            break
+    assert len(out) == 12
+    placed = dict(stats.kv_placement)
+    assert placed.pop("streamed_bytes") > 0
+    assert placed == plan_a.to_dict()

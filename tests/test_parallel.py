@@ -157,7 +157,77 @@ def test_torchrun_cli_prints_once_and_matches_single_process(tiny_folder):
     single = subprocess.run([sys.executable, "-m", "triforce", *common], capture_output=True, text=True, env=env)
     assert single.returncode == 0, single.stderr
     multi = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(_free_port()), "-m", "triforce",
-                            *common, "--tp", "2", "--threads", "1"], capture_output=True, text=True, env=env, timeout=300)
+                            *common, "--tp", "2", "--threads", "1"], capture_output=True, text=True, env=env,
+                           timeout=300)
     assert multi.returncode == 0, multi.stderr[:3000] + "\n...\n" + multi.stderr[-2000:]  # a rank's own error first
     one, two = json.loads(single.stdout), json.loads(multi.stdout)  # one JSON object: only rank 0 printed
     assert two["token_ids"] == one["token_ids"] and two["text"] == one["text"]
+
+
+def _tp_memory_worker(rank, world, port, folder, prompt, queue):
+    import os
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    from triforce import memory
+    from triforce.loading import load_model
+    from triforce.parallel import init_tensor_parallel
+
+    tp = init_tensor_parallel(world)
+    real = memory.available_bytes
+
+    def attempt(fn):
+        memory.available_bytes = (lambda device: 0) if rank == 1 else real  # rank 1 alone has no free memory
+        try:
+            fn()
+            return "went on"
+        except memory.InsufficientMemoryError as e:
+            return str(e)
+        finally:
+            memory.available_bytes = real
+
+    out = [attempt(lambda: load_model(folder, tp=tp))]
+    engine = Engine(load_model(folder, tp=tp).model)
+    spec = SpeculationConfig(mode="retrieval", budget=16, chunk_size=4, gamma2=3)
+    out.append(attempt(lambda: engine.generate(prompt, max_new_tokens=8, sampling=GREEDY, spec=spec)))
+    out.append(engine.generate(prompt, max_new_tokens=8, sampling=GREEDY, spec=spec)[0])  # still in lockstep
+    queue.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_tensor_parallel_ranks_agree_when_one_lacks_memory(tiny_folder):
+    """A rank that refuses (weights or a request) while the others go on used to leave them waiting forever in the
+    next collective: now every rank raises, the refusing one with its figures, the others naming it."""
+    import queue as queues
+
+    import torch.multiprocessing as mp
+
+    from triforce.loading import load_model
+
+    prompt = list(range(3, 40))
+    ref, _ = Engine(load_model(tiny_folder).model).generate(
+        prompt, max_new_tokens=8, sampling=GREEDY, spec=SpeculationConfig(mode="retrieval", budget=16, chunk_size=4,
+                                                                          gamma2=3))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_tp_memory_worker, args=(r, 2, port, tiny_folder, prompt, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(q.get(timeout=120) for _ in procs)
+    except queues.Empty:
+        pytest.fail("a rank is still waiting: the ranks did not agree on the memory check")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    (load0, gen0, tokens0), (load1, gen1, tokens1) = results[0], results[1]
+    assert load1.startswith("rank 1: model ") and "is free" in load1
+    assert load0 == "rank 1 of 2 refused for lack of memory (its own message says how much); every rank stops"
+    assert gen1.startswith("rank 1: this request needs ") and gen0 == load0
+    assert tokens0 == tokens1 == ref

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from tiny import hf_model, ours, pair
+from triforce import decode_step
 from triforce.caches import FullKVCache
 from triforce.engine import Engine, SpeculationConfig
 from triforce.model import Linear
-from triforce import decode_step
 from triforce.quant import BF16Linear, Int8Linear, lower_precision_copy
 from triforce.retrieval import RetrievalCache
 from triforce.sampling import SamplingParams
@@ -71,7 +71,8 @@ def test_copy_leaves_the_source_model_unchanged(weights):
     assert isinstance(target.lm_head, Linear)  # the source keeps its fp32 layers
 
 
-@pytest.mark.parametrize("weights,kv", [("int8", None), ("bfloat16", "bfloat16"), (None, "float16"), ("int8", "bfloat16")])
+@pytest.mark.parametrize("weights,kv", [("int8", None), ("bfloat16", "bfloat16"), (None, "float16"),
+                                       ("int8", "bfloat16")])
 def test_cheaper_lower_tiers_are_lossless_greedy(weights, kv):
     target, draft = pair(seed=5)
     engine = Engine(target, draft)
@@ -227,3 +228,35 @@ def test_a_verifier_quantized_itself_gets_lower_copies(weights):
     ref, _ = engine.generate(prompt, max_new_tokens=16, sampling=GREEDY)
     spec = SpeculationConfig(mode="retrieval", budget=24, chunk_size=4, gamma2=4, lower_weights=weights)
     assert engine.generate(prompt, max_new_tokens=16, sampling=GREEDY, spec=spec)[0] == ref
+
+
+@pytest.mark.parametrize("weights", ["int8", "bfloat16"])
+def test_lower_precision_copy_of_a_compiled_model_runs_its_own_mlp(monkeypatch, weights):
+    """compile_blocks stores a compiled forward bound to each full-precision MLP; the lower-precision copy used to
+    carry it along, so its MLPs ran the source's weights. torch.compile is replaced by a pass-through that keeps the
+    bound method (what the real one does, without minutes of inductor compilation)."""
+    from triforce.caches import FullKVCache
+    from triforce.quant import lower_precision_copy
+
+    compiled = []
+
+    def fake_compile(fn, **kw):
+        compiled.append((getattr(fn, "__self__", None), kw))
+        return fn
+
+    target, _ = pair(seed=0)
+    plain = lower_precision_copy(target, weights)  # from the uncompiled model: the reference
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    target.compile_blocks("max-autotune")
+    lower = lower_precision_copy(target, weights)
+    for block, source in zip(lower.layers, target.layers):
+        assert block.mlp is not source.mlp and block.mlp.forward.__self__ is block.mlp
+        assert (block.mlp, dict(mode="max-autotune", dynamic=False)) in compiled  # the copy's MLP compiled, same mode
+
+    def logits(model):
+        ids = torch.tensor([list(range(3, 30))])
+        return model(ids, torch.arange(27), FullKVCache(model.cfg, 32))
+
+    ref, full = logits(plain), logits(target)
+    assert torch.equal(logits(lower), ref)
+    assert not torch.allclose(ref, full, atol=1e-4)  # the check can tell the two precisions apart

@@ -6,10 +6,19 @@ import math
 import pytest
 import torch
 
-from test_distribution import N_FEATURE, SETTINGS as DIST_SETTINGS, chi2_pvalue, empirical, exact_distribution
-from test_distribution import models  # noqa: F401  (fixture)
-from test_greedy_equality import GREEDY, _prompts
-from test_greedy_equality import engine  # noqa: F401  (fixture)
+from test_distribution import (
+    N_FEATURE,
+    chi2_pvalue,
+    empirical,
+    exact_distribution,
+    models,  # noqa: F401  (fixture)
+)
+from test_distribution import SETTINGS as DIST_SETTINGS
+from test_greedy_equality import (
+    GREEDY,
+    _prompts,
+    engine,  # noqa: F401  (fixture)
+)
 from tiny import pair
 from triforce.caches import FullKVCache
 from triforce.engine import Engine, SpeculationConfig
@@ -20,8 +29,8 @@ def _filled(seed=0, n=37, L=2, nkv=2, g=3, hs=8):
     """A tiny config and a full cache holding n random post-RoPE keys/values, recording queries of a 5-token block."""
     from triforce.config import ModelConfig
 
-    cfg = ModelConfig(model_type="llama", head_dim=hs, vocab_size=16, hidden_size=nkv * g * hs, intermediate_size=16, num_hidden_layers=L,
-                      num_attention_heads=nkv * g, num_key_value_heads=nkv)
+    cfg = ModelConfig(model_type="llama", head_dim=hs, vocab_size=16, hidden_size=nkv * g * hs, intermediate_size=16,
+                      num_hidden_layers=L, num_attention_heads=nkv * g, num_key_value_heads=nkv)
     gen = torch.Generator().manual_seed(seed)
     full = FullKVCache(cfg, n + 8, record_queries=True)
     full.k[:, :, :, :n] = torch.randn(L, 1, nkv, n, hs, generator=gen) * 2
@@ -40,14 +49,14 @@ def _reference_order(full, query_window, length, chunk, budget, recent):
     nh = full.queries[0].shape[1]
     g = nh // nkv
     out = torch.empty(L, nkv, min(budget, length), dtype=torch.long)
-    for l in range(L):
+    for layer in range(L):
         for kv in range(nkv):
             mass = [0.0] * length
             for h in range(kv * g, kv * g + g):
                 for w in range(query_window):
                     pos = length - query_window + 1 + w
-                    q = full.queries[l][0, h, pos - full.query_start].double()
-                    logits = [float(q @ full.k[l, 0, kv, j].double()) / math.sqrt(hs) if j <= pos else -math.inf
+                    q = full.queries[layer][0, h, pos - full.query_start].double()
+                    logits = [float(q @ full.k[layer, 0, kv, j].double()) / math.sqrt(hs) if j <= pos else -math.inf
                               for j in range(length)]
                     mx = max(logits)
                     e = [math.exp(x - mx) for x in logits]
@@ -58,7 +67,7 @@ def _reference_order(full, query_window, length, chunk, budget, recent):
             for j in range(length):
                 first = j < chunk or j >= length - recent
                 key.append((0 if first else 1, -chunk_score[j // chunk] if not first else 0, j))
-            out[l, kv] = torch.tensor([j for *_, j in sorted(key)][:min(budget, length)])
+            out[layer, kv] = torch.tensor([j for *_, j in sorted(key)][:min(budget, length)])
     return out
 
 
@@ -108,13 +117,13 @@ def test_paper_rule_unchanged_by_the_window_machinery():
     assert cache.recent == 0 and cache.query_window == 1
     cache.build_from_full(n)
     q = full.query_at(n)  # (L, 1, nh, hs)
-    for l in range(2):
+    for layer in range(2):
         for kv in range(2):
-            means = [full.k[l, 0, kv, i:min(i + c, n)].mean(0) for i in range(0, n, c)]
-            sc = [float(sum(q[l, 0, h] @ m for h in range(kv * 3, kv * 3 + 3))) for m in means]
+            means = [full.k[layer, 0, kv, i:min(i + c, n)].mean(0) for i in range(0, n, c)]
+            sc = [float(sum(q[layer, 0, h] @ m for h in range(kv * 3, kv * 3 + 3))) for m in means]
             sc[0] = math.inf
             order = sorted(range(n), key=lambda j: (-sc[j // c], j))[:16]
-            assert cache.selected[l, 0, kv, :16].tolist() == order
+            assert cache.selected[layer, 0, kv, :16].tolist() == order
 
 
 @pytest.mark.parametrize("score", CHUNK_SCORES)

@@ -12,8 +12,12 @@ from triforce.speculative import rejection_sample
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.6, 0.9, 0), (0.3, 0.5, 5), (1.3, 0.95, 20)])
 def test_logits_to_probs_matches_transformers_warpers(temperature, top_p, top_k):
-    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(0)) * 3
     warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])

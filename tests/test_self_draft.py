@@ -8,8 +8,14 @@ enumeration (chi-square, p > 1e-3 with a fixed seed; under the null hypothesis a
 import pytest
 import torch
 
-from test_distribution import N_FEATURE, SETTINGS, chi2_pvalue, empirical, exact_distribution
-from test_distribution import models  # noqa: F401  (fixture)
+from test_distribution import (
+    N_FEATURE,
+    SETTINGS,
+    chi2_pvalue,
+    empirical,
+    exact_distribution,
+    models,  # noqa: F401  (fixture)
+)
 from tiny import hf_model, ours
 from triforce.engine import Engine, SpeculationConfig
 from triforce.model import Linear
@@ -68,7 +74,8 @@ def test_self_tier_equals_autoregressive_greedy(weights):
     engine = Engine(target)
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 96, (int(n),), generator=g).tolist() for n in torch.randint(2, 80, (12,), generator=g)]
-    specs = [SpeculationConfig(mode="draft", drafter="self", gamma2=4, draft_sink=2, draft_window=8, self_weights=weights),
+    specs = [SpeculationConfig(mode="draft", drafter="self", gamma2=4, draft_sink=2, draft_window=8,
+                               self_weights=weights),
              SpeculationConfig(mode="triforce", drafter="self", gamma1=2, gamma2=5, budget=24, chunk_size=4,
                                draft_sink=2, draft_window=8, self_weights=weights, lower_weights="int8"),
              SpeculationConfig(tiers="ngram:3,self:2,retrieval:4", budget=20, chunk_size=4, draft_sink=2,

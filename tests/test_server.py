@@ -286,7 +286,8 @@ def test_logprobs_on_chat_streamed_and_not_equal_the_models(client, ref):
     streamed as in one answer."""
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": "Spell a word."}]
-    expect = ref.generate(chat_ids(ref, messages), max_new_tokens=12, sampling=SamplingParams(temperature=0, logprobs=5))
+    expect = ref.generate(chat_ids(ref, messages), max_new_tokens=12,
+                          sampling=SamplingParams(temperature=0, logprobs=5))
     r = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0, logprobs=True,
                                        top_logprobs=5)
     content = r.choices[0].logprobs.content
@@ -380,7 +381,8 @@ def test_eight_concurrent_clients_get_their_own_answers(server, ref):
     health = httpx.get(server + "/health").json()
     assert health["queue_depth"] == 0 and health["max_batch"] == 8
     # continuous batching: the eight requests shared forwards (more sequences' forwards than forwards)
-    forwards, rows = metric(server, "triforce_forwards_total") - forwards, metric(server, "triforce_forward_sequences_total") - rows
+    forwards = metric(server, "triforce_forwards_total") - forwards
+    rows = metric(server, "triforce_forward_sequences_total") - rows
     assert rows > 1.5 * forwards > 0
 
 
@@ -389,7 +391,8 @@ def test_disconnect_mid_stream_then_next_request_is_prompt(server, client, ref):
     prompt = long_prompt(ref, 300)
     with httpx.Client(timeout=30) as h:
         with h.stream("POST", server + "/v1/completions",
-                      json={"model": model, "prompt": prompt, "max_tokens": 480, "temperature": 0, "stream": True}) as r:
+                      json={"model": model, "prompt": prompt, "max_tokens": 480, "temperature": 0,
+                            "stream": True}) as r:
             assert r.status_code == 200
             seen = 0
             for line in r.iter_lines():
@@ -615,7 +618,8 @@ def test_n_choices_stream_by_index_and_equal_the_non_streamed_answer(client):
 # ------------------------------------------------------------------------------------------------ prefix reuse
 def test_second_chat_turn_reuses_the_prefix_and_matches_a_cold_run(client, ref):
     model = client.models.list().data[0].id
-    turn1 = [{"role": "system", "content": "You answer in one line."}, {"role": "user", "content": "Tell me about foxes."}]
+    turn1 = [{"role": "system", "content": "You answer in one line."},
+             {"role": "user", "content": "Tell me about foxes."}]
     # end turn 1 early with a stop string taken from its greedy output (as an EOS would), so that the second turn
     # (history + answer + new question) still fits in the KV cache sized for turn 1's max_tokens
     full = ref_chat(ref, turn1, 200).text

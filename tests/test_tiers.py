@@ -53,7 +53,7 @@ def test_ngram_stops_after_eos_and_indexes_committed_tokens():
 def test_bad_tiers_are_named():
     for bad in ["ngram", "ngram:0", "foo:3", "draft:2,ngram:3", "retrieval:2,retrieval:3"]:
         with pytest.raises(ValueError, match="tiers"):
-            SpeculationConfig(tiers=bad).chain
+            _ = SpeculationConfig(tiers=bad).chain
 
 
 def _prompts(n, seed):

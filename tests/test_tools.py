@@ -13,7 +13,6 @@ pytest.importorskip("fastapi")
 pytest.importorskip("llguidance")
 
 from test_server import GREEDY, serve_in_thread  # noqa: E402
-
 from triforce import TriForce  # noqa: E402
 from triforce.serve import ServerDefaults, create_app  # noqa: E402
 from triforce.serve.settings import APIError  # noqa: E402
@@ -107,7 +106,6 @@ def test_tags_that_are_tokens_of_their_own_are_named_in_the_grammar():
     """Qwen2.5's ``<tool_call>`` is one added token, which llguidance reads as special: its mask offers that token
     for the quoted text but its matcher then refuses it, so the forced grammar names the token."""
     from tiny import tool_tokenizer
-
     from triforce.grammar import constraint_for, reads_as_special
 
     tok = tool_tokenizer()

@@ -142,6 +142,7 @@ def test_auto_weighs_the_int8_tier_by_its_copys_bytes_not_the_stored_ones(bf16_f
         m for b in copy.layers for m in (b.self_attn.qkv_proj, b.self_attn.o_proj, b.mlp.gate_up_proj, b.mlp.down_proj)]
         for p in (lin.q, lin.scale_f32))
     assert int8_copy_bytes(model) == made == int8_copy_bytes(copy)
-    stored = [model.lm_head] + [
-        m for b in model.layers for m in (b.self_attn.qkv_proj, b.self_attn.o_proj, b.mlp.gate_up_proj, b.mlp.down_proj)]
+    stored = [model.lm_head] + [m for b in model.layers
+                                for m in (b.self_attn.qkv_proj, b.self_attn.o_proj, b.mlp.gate_up_proj,
+                                          b.mlp.down_proj)]
     assert made == sum(lin.codes.nbytes // 2 + 4 * lin.codes.out_features for lin in stored)  # 1 byte against 2

@@ -28,8 +28,8 @@ configure_huge_pages()
 from .api import GenerationResult, TokenEvent, TriForce  # noqa: E402
 from .engine import MODES, Engine, GenerationStats, SpeculationConfig  # noqa: E402
 from .hierarchy import TierSpec  # noqa: E402
-from .plan import RequestPlan  # noqa: E402
 from .loading import LoadedModel, load_model  # noqa: E402
+from .plan import RequestPlan  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
 
 __all__ = ["TriForce", "GenerationResult", "TokenEvent", "Engine", "GenerationStats", "SpeculationConfig", "MODES",

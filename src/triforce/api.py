@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import os
-
 from dataclasses import dataclass
 from typing import Callable, Generator, Sequence
 
@@ -134,16 +133,16 @@ class TriForce:
              rope_scaling: str | None = DEFAULTS["rope_scaling"],
              rope_factor: float | None = DEFAULTS["rope_factor"]) -> "TriForce":
         """Load the target (default: the embedded SmolLM2-135M-Instruct) and an optional draft (a model source,
-        ``"ngram"`` for the model-free drafter or ``"self"`` for the target's own int4 copy); see :func:`load_model`. With ``tp`` (a
-        :class:`~triforce.parallel.TensorParallel`) the target is this rank's shard and the draft is replicated;
-        ``offload_kv`` / ``on_chip_layers`` / ``kv_dtype``: see :class:`~triforce.engine.Engine` (``dtype`` and
-        ``kv_dtype`` take the command line's names, :data:`~triforce.caches.KV_DTYPES`: ``"bf16"`` too); ``quantize="int8"``
-        runs the target itself with weight-only int8 (``quant.py``; it changes the output distribution);
-        ``packed_weights`` adds oneDNN-prepacked weights for multi-token passes on the CPU
-        (:meth:`~triforce.model.Transformer.pack_weights`; one more copy of the weights); None (auto): on a CPU in
-        fp32 where our fp32 kernel for a few rows cannot run and that copy takes at most a quarter of the free
-        memory (:meth:`~triforce.model.Transformer.packing_pays`). ``threads``: CPU threads for torch, for the
-        whole process (``torch.set_num_threads``): an integer, ``"auto"`` (the command line's default: one per
+        ``"ngram"`` for the model-free drafter or ``"self"`` for the target's own int4 copy); see :func:`load_model`.
+        With ``tp`` (a :class:`~triforce.parallel.TensorParallel`) the target is this rank's shard and the draft is
+        replicated; ``offload_kv`` / ``on_chip_layers`` / ``kv_dtype``: see :class:`~triforce.engine.Engine` (``dtype``
+        and ``kv_dtype`` take the command line's names, :data:`~triforce.caches.KV_DTYPES`: ``"bf16"`` too);
+        ``quantize="int8"`` runs the target itself with weight-only int8 (``quant.py``; it changes the output
+        distribution); ``packed_weights`` adds oneDNN-prepacked weights for multi-token passes on the CPU
+        (:meth:`~triforce.model.Transformer.pack_weights`; one more copy of the weights); None (auto): on a CPU in fp32
+        where our fp32 kernel for a few rows cannot run and that copy takes at most a quarter of the free memory
+        (:meth:`~triforce.model.Transformer.packing_pays`). ``threads``: CPU threads for torch, for the whole process
+        (``torch.set_num_threads``): an integer, ``"auto"`` (the command line's default: one per
         physical core that other programs leave idle while the model loads, :mod:`triforce.threads`), or None to
         leave torch's current setting. ``prompt_cache``, ``prompt_cache_max_bytes``,
         ``prompt_cache_min_tokens``: see :class:`TriForce` (checked, and the directory created, before any model loads).
@@ -382,8 +381,9 @@ class TriForce:
             self.engine.validate(ids[:-1], 1, SpeculationConfig(mode="autoregressive"))
         return ids
 
-    def generate(self, prompt: str | Sequence[int] | None = None, *, prompts: Sequence[str | Sequence[int]] | None = None,
-                 max_batch: int = DEFAULTS["max_batch"], **kwargs) -> GenerationResult | list[GenerationResult]:
+    def generate(self, prompt: str | Sequence[int] | None = None, *,
+                 prompts: Sequence[str | Sequence[int]] | None = None, max_batch: int = DEFAULTS["max_batch"],
+                 **kwargs) -> GenerationResult | list[GenerationResult]:
         """Non-streaming :meth:`stream`; with ``prompts``, every prompt generated concurrently in batches.
 
         Args:
@@ -437,7 +437,8 @@ class TriForce:
         from .scheduling import BatchScheduler, Cancelled
 
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError(f"prompts must be a non-empty list of prompts (texts or token-id lists), got {prompts!r:.80}")
+            raise ValueError("prompts must be a non-empty list of prompts (texts or token-id lists), "
+                             f"got {prompts!r:.80}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         n = len(prompts)

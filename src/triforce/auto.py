@@ -56,8 +56,8 @@ import torch
 
 from .caches import kv_bytes
 from .config import ModelConfig
-from .defaults import DEFAULTS
 from .decode_step import decode_step_status
+from .defaults import DEFAULTS
 from .kernels import status as attention_kernel_status
 from .sampling import SamplingParams
 from .steptimes import StepTimes
@@ -172,10 +172,11 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
             where our int8 kernel runs.
         draft_weight_bytes: bytes of the named draft model's weights (``bottom == "draft"``), or None.
         step_weight_bytes: bytes of weights the verifier's decode step reads
-            (:meth:`~triforce.model.Transformer.step_weight_bytes`: block codes where it has them); None: ``weight_bytes``.
-            A retrieval tier whose step would read more than :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE` (greedy) or
-            :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING` of the verifier's step (weights and full KV cache) is
-            left out; where these bytes are fewer than an int8 copy's, the tier reads the target's own weights.
+            (:meth:`~triforce.model.Transformer.step_weight_bytes`: block codes where it has them); None:
+            ``weight_bytes``. A retrieval tier whose step would read more than :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE`
+            (greedy) or :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING` of the verifier's step (weights and full KV
+            cache) is left out; where these bytes are fewer than an int8 copy's, the tier reads the target's own
+            weights.
         adaptive_gamma: gammas may grow to twice their value (``SpeculationConfig.adaptive_gamma``): the budget then
             leaves room for the larger blocks (``SpeculationConfig.reach``).
         lower_kv_bf16: whether a bf16 retrieval cache is read at full speed (:func:`bf16_cache_reads_fast`): then a
@@ -275,7 +276,8 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
         why = (f"{sizes}; {steps} {bound}: no retrieval tier" if too_heavy
                else f"{sizes}: no retrieval tier" + ("" if bottom == "self" else
                     f" (budget {max_budget} < chunk_size + gamma2 + 2 = {room})" if not fits else
-                    f" (below {threshold}{'' if sampling.greedy else ' under sampling'} or the prompt fits the budget)"))
+                    f" (below {threshold}{'' if sampling.greedy else ' under sampling'} or the prompt fits the "
+                    "budget)"))
         why += f"; {who}"
     tier_cache = "bfloat16" if half_cache and (weight_bound or retrieval) else None
     return AutoPlan(tiers=tiers, budget=budget if weight_bound or retrieval else None, lower_weights=lower_weights,

@@ -115,7 +115,8 @@ class ModelConfig:
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         if heads % kv_heads:
-            raise UnsupportedModelError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+            raise UnsupportedModelError(f"num_attention_heads={heads} is not a multiple of "
+                                        f"num_key_value_heads={kv_heads}")
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         sliding = None
         if model_type == "mistral":

@@ -62,7 +62,8 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(self.tokens[start:end], skip_special_tokens=self.skip_special_tokens)
 
     def _advance(self, new_text: str, end: int) -> str:
-        """Give out ``new_text`` (the decode of ``tokens[prefix_offset:end]``) past the prefix; ``read_offset = end``."""
+        """Give out ``new_text`` (the decode of ``tokens[prefix_offset:end]``) past the prefix;
+        ``read_offset = end``."""
         delta = new_text[len(self.prefix_text):]
         self.prefix_offset, self.read_offset = self.read_offset, end
         self.prefix_text = self._decode(self.prefix_offset, self.read_offset)

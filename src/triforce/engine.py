@@ -37,7 +37,6 @@ import torch
 from .auto import SpeedGovernor, bf16_cache_reads_fast, plan_hierarchy
 from .caches import KV_DTYPES, FullKVCache, kv_bytes  # noqa: F401  (KV_DTYPES re-exported)
 from .cudagraph import model_graphs_apply
-from .streaming import StreamingCache
 from .defaults import DEFAULTS, SELF_WEIGHTS  # noqa: F401  (SELF_WEIGHTS re-exported)
 from .errors import ParameterError
 from .hierarchy import DRAFTER_KINDS, MAX_SEED, MODES, TIER_KINDS, SpeculationConfig, _positive_int  # noqa: F401
@@ -52,6 +51,7 @@ from .sampling import SamplingParams
 from .scheduling import others_running
 from .speculative import rejection_sample
 from .steptimes import StepTimes, measure_step_times
+from .streaming import StreamingCache
 from .tiers import ModelTier, RetrievalTier, StreamingTier, VerifyFn
 from .tierstats import GenerationStats  # noqa: F401  (re-exported)
 
@@ -65,19 +65,16 @@ class Engine:
         eos_ids: tokens that end generation.
         reuse_prefix: keep the full KV cache between requests and prefill only what follows the longest common
             prefix of the new prompt with the previous request's tokens (multi-turn chat over a long document).
-        offload_kv: keep the verifier's full KV cache in host memory and stream it to the device layer by layer
-            with one layer of prefetch (:class:`~triforce.caches.FullKVCache`); the retrieval and draft caches stay
-            on the device.
+        offload_kv: keep the verifier's full KV cache in host memory, streamed to the device layer by layer with
+            one layer of prefetch (:class:`~triforce.caches.FullKVCache`); the other caches stay on the device.
         on_chip_layers: with ``offload_kv``, leading layers kept on the device (None: the memory planner chooses
             from free device memory, :func:`~triforce.memory.plan_kv_placement`).
-        kv_dtype: dtype of every KV cache (a name of :data:`~triforce.caches.KV_DTYPES`: ``float32``, ``bfloat16``,
-            ``float16``, or ``fp32``, ``bf16``, ``fp16``; None: the target's dtype). The
-            full cache's dtype is the verifier's, so it changes the output distribution like ``--dtype`` does;
+        kv_dtype: dtype of every KV cache (a name of :data:`~triforce.caches.KV_DTYPES`; None: the target's dtype).
+            The full cache's dtype is the verifier's, so it changes the output distribution like ``--dtype`` does;
             ``SpeculationConfig.lower_kv_dtype`` changes only the lower tiers' caches, at no loss.
 
-    ``tier_verify`` maps a tier name to a replacement verification rule (tests inject broken variants);
-    ``governor_factory(top)`` makes the :class:`~triforce.auto.SpeedGovernor` of an ``auto`` request (tests inject
-    scripted ones).
+    ``tier_verify`` maps a tier name to a replacement verification rule; ``governor_factory(top)`` makes the
+    :class:`~triforce.auto.SpeedGovernor` of an ``auto`` request (tests inject broken or scripted ones).
     """
 
     def __init__(self, target: Transformer, draft: Transformer | None = None, eos_ids: tuple[int, ...] = (),
@@ -94,7 +91,8 @@ class Engine:
         L = target.cfg.num_hidden_layers
         if on_chip_layers is not None and (not offload_kv or isinstance(on_chip_layers, bool)
                                            or not isinstance(on_chip_layers, int) or not 0 <= on_chip_layers <= L):
-            raise ValueError(f"on_chip_layers must be an integer in [0, {L}] and needs offload_kv, got {on_chip_layers!r}")
+            raise ValueError(f"on_chip_layers must be an integer in [0, {L}] and needs offload_kv, "
+                             f"got {on_chip_layers!r}")
         self.offload_kv, self.on_chip_layers = offload_kv, on_chip_layers
         self.placement: KVPlacement | None = None  # the offloading plan of the request running (or the last one)
         self.eos_ids, self.last_stats = tuple(eos_ids), None  # last_stats: the last request's GenerationStats
@@ -102,9 +100,9 @@ class Engine:
         # prefix reuse: the verifier's full cache and the tokens it holds, kept from the previous request
         self._full: FullKVCache | None = None
         self._full_tokens: list[int] = []
-        self._retrieval: RetrievalCache | None = None  # the last request's retrieval cache (RetrievalCache.reset_or_new)
+        self._retrieval: RetrievalCache | None = None  # the last request's (RetrievalCache.reset_or_new)
         self.tier_verify: dict[str, VerifyFn] = {}  # per-tier override of the verification rule (tests)
-        self.governor_factory: Callable = SpeedGovernor  # mode auto: decides when to bypass the drafters (tests swap it)
+        self.governor_factory: Callable = SpeedGovernor  # mode auto: when to bypass the drafters (tests swap it)
         self.measured_steps: dict | None = {}  # mode auto: StepTimes by shape (step_times); None: plan on bytes
 
     # ------------------------------------------------------------------ public hooks (benchmarks, tests, server)
@@ -142,8 +140,7 @@ class Engine:
         self._full, self._full_tokens = cache, list(tokens)
 
     def forget_prefix(self) -> None:
-        """Drop the kept full KV cache (and the retrieval cache kept with it): the next request prefills its whole
-        prompt (and allocates anew)."""
+        """Drop the kept full KV cache and retrieval cache: the next request prefills its whole prompt anew."""
         self._full, self._full_tokens, self._retrieval = None, [], None
 
     def lower_model(self, model: Transformer, weights: str | None) -> Transformer:
@@ -178,15 +175,16 @@ class Engine:
 
     def step_times(self, context: int, budget: int, gamma: int, lower_weights: str, lower_kv: torch.dtype,
                    chunk_size: int = DEFAULTS["chunk_size"]) -> StepTimes | None:
-        """A retrieval tier's :class:`~triforce.steptimes.StepTimes` at ``context`` tokens, for ``auto``'s plan: measured
-        once per shape (contexts within 25% of each other share one) and kept in :attr:`measured_steps` (forks share it);
-        None where the measurement's caches would take more than half the free memory, or while other generations
-        of a batch run (measuring would stall them: ``auto`` then plans on bytes and a later request measures)."""
+        """A retrieval tier's :class:`~triforce.steptimes.StepTimes` at ``context`` tokens, for ``auto``'s plan:
+        measured once per shape (contexts within 25% share one), kept in :attr:`measured_steps` (forks share it);
+        None where its caches would take over half the free memory, or while other generations of a batch run
+        (measuring would stall them: ``auto`` then plans on bytes and a later request measures)."""
         key = (round(math.log(context, 1.25)), budget, gamma, lower_weights, lower_kv)
         if key not in self.measured_steps:
             if others_running():
                 return None
-            scratch = kv_bytes(self.target.cfg, context + gamma + 1, self.kv_dtype) + kv_bytes(self.target.cfg, budget, lower_kv)
+            cfg = self.target.cfg
+            scratch = kv_bytes(cfg, context + gamma + 1, self.kv_dtype) + kv_bytes(cfg, budget, lower_kv)
             if 2 * scratch > available_bytes(self.target.device):
                 return None
             lower = self.lower_model(self.target, lower_weights)
@@ -206,7 +204,8 @@ class Engine:
                               sampling, gamma1=spec.gamma1, gamma2=spec.gamma2, chunk_size=spec.chunk_size,
                               max_budget=spec.budget, device_type=self.target.device.type,
                               draft_weight_bytes=self.draft.weight_bytes() if self.draft is not None else None,
-                              step_weight_bytes=self.target.step_weight_bytes(), int8_weight_bytes=int8_copy_bytes(self.target),
+                              step_weight_bytes=self.target.step_weight_bytes(),
+                              int8_weight_bytes=int8_copy_bytes(self.target),
                               lower_kv_bf16=bf16_cache_reads_fast(self.target.device.type),
                               lower_kv_dtype=KV_DTYPES.get(spec.lower_kv_dtype), adaptive_gamma=spec.adaptive_gamma,
                               measure=measure)
@@ -241,8 +240,9 @@ class Engine:
         cfg.check_length(size_request(len(prompt_ids), max_new_tokens, spec)[0])  # before any allocation or placement
         context = cfg.max_position_embeddings
         if cfg.rope_type != "dynamic" and len(prompt_ids) >= context:
-            raise ParameterError(f"`max_prompt_tokens`: the prompt has {len(prompt_ids)} tokens, the model's context {context}: "
-                                 f"keep the first N with `max_prompt_tokens` N (at most {context} less the new tokens)")
+            raise ParameterError(f"`max_prompt_tokens`: the prompt has {len(prompt_ids)} tokens, the model's context "
+                                 f"{context}: keep the first N with `max_prompt_tokens` N (at most {context} less the "
+                                 "new tokens)")
         if cfg.rope_type != "dynamic" and len(prompt_ids) + max_new_tokens > context:
             raise ValueError(f"max_new_tokens={max_new_tokens} with a prompt of {len(prompt_ids)} tokens exceeds the "
                              f"model's context of {context} tokens (max_position_embeddings)")
@@ -266,7 +266,8 @@ class Engine:
 
     # ------------------------------------------------------------------ hierarchy
     def build_hierarchy(self, prompt_tokens: int, max_new_tokens: int, sampling: SamplingParams,
-                        spec: SpeculationConfig, generator: torch.Generator, plan: RequestPlan | None = None) -> ModelTier:
+                        spec: SpeculationConfig, generator: torch.Generator,
+                        plan: RequestPlan | None = None) -> ModelTier:
         """Allocate the caches of ``plan`` and chain the tiers of ``spec``; returns the top (verifier) tier.
 
         Args:
@@ -326,11 +327,10 @@ class Engine:
                     previous, self.target.cfg, full, spec.budget, spec.chunk_size, spec.chunk_score,
                     dtype=KV_DTYPES[spec.lower_kv_dtype] if spec.lower_kv_dtype else None)
                 refeed = max(refeed, cache.query_window)  # the prompt's last forward records its query window
-                node = RetrievalTier("retrieval", self.lower_model(self.target, spec.lower_weights), cache, drafter=drafter, gamma=gamma, full=full,
-                                     lookahead=spec.reach(index) + 1,
+                node = RetrievalTier("retrieval", self.lower_model(self.target, spec.lower_weights), cache,
+                                     drafter=drafter, gamma=gamma, full=full, lookahead=spec.reach(index) + 1,
                                      rebuild_every=spec.rebuild_every, rebuild_below=spec.rebuild_below,
-                                     verify_fn=verify, **adaptive,
-                                     **common)
+                                     verify_fn=verify, **adaptive, **common)
             drafter, gamma = node, proposes
         top = ModelTier("target", self.target, full, drafter=drafter, gamma=gamma,
                         is_top=True, verify_fn=self.tier_verify.get("target", rejection_sample),
@@ -389,13 +389,14 @@ class Engine:
                 raise ParameterError(f"batched generation: the {name}'s RoPE is dynamic NTK, whose frequencies depend "
                                      "on each request's length; generate one prompt at a time (`max_batch` 1)")
         other = copy.copy(self)
-        other._full, other._full_tokens, other.placement, other.last_stats, other._retrieval = None, [], None, None, None
+        other._full, other._full_tokens, other._retrieval = None, [], None
+        other.placement = other.last_stats = None
         return other
 
     # ------------------------------------------------------------------ generation
-    def stream(self, prompt_ids: list[int], max_new_tokens: int = DEFAULTS["max_new_tokens"], sampling: SamplingParams = SamplingParams(),
-               spec: SpeculationConfig = SpeculationConfig(), seed: int | None = None,
-               prefill_progress: Callable[[int], None] | None = None,
+    def stream(self, prompt_ids: list[int], max_new_tokens: int = DEFAULTS["max_new_tokens"],
+               sampling: SamplingParams = SamplingParams(), spec: SpeculationConfig = SpeculationConfig(),
+               seed: int | None = None, prefill_progress: Callable[[int], None] | None = None,
                constraint=None) -> Generator[int, None, GenerationStats]:
         """Generate, yielding each token id as the verifier accepts it; returns the stats.
 
@@ -467,7 +468,8 @@ class Engine:
             t_prefill = t_prefill if generated or finish != "interrupted" else t_end  # interrupted in prefill
             for tier_stats in top.all_stats():  # nothing past the output (stop string mid-block) is counted
                 tier_stats.discount_past(len(seq))
-            stats = self._stats(top, spec, len(prompt_ids), generated, finish, t_prefill - t_start, t_end - t_prefill, seed)
+            stats = self._stats(top, spec, len(prompt_ids), generated, finish, t_prefill - t_start,
+                                t_end - t_prefill, seed)
             if auto is not None:
                 stats.mode = "auto"
                 stats.auto = dict(hierarchy=auto.tiers or "autoregressive", budget=auto.budget, reason=auto.reason,

@@ -168,7 +168,7 @@ class SpeculationConfig:
         _positive_int("ngram_min", self.ngram_min)
         if self.chunk_score not in CHUNK_SCORES:
             raise ValueError(f"chunk_score must be one of {', '.join(CHUNK_SCORES)}, got {self.chunk_score!r}")
-        chain = self.chain  # parses and checks `tiers`
+        _ = self.chain  # parses and checks `tiers`
         _positive_int("gamma1", self.gamma1)
         _positive_int("gamma2", self.gamma2)
         _positive_int("chunk_size", self.chunk_size)
@@ -183,7 +183,8 @@ class SpeculationConfig:
         if self.stop_below is not None and not (isinstance(self.stop_below, (int, float)) and 0 < self.stop_below < 1):
             raise ValueError(f"stop_below must be in (0, 1), got {self.stop_below!r}")
         if self.lower_weights not in (None, *LOWER_WEIGHTS):
-            raise ValueError(f"lower_weights must be None or one of {', '.join(LOWER_WEIGHTS)}, got {self.lower_weights!r}")
+            raise ValueError(f"lower_weights must be None or one of {', '.join(LOWER_WEIGHTS)}, "
+                             f"got {self.lower_weights!r}")
         if self.lower_kv_dtype is not None and (not isinstance(self.lower_kv_dtype, str)
                                                 or self.lower_kv_dtype not in DTYPE_ALIASES):
             raise ParameterError(f"`lower_kv_dtype` must be None or one of {', '.join(DTYPE_ALIASES)}, "
@@ -221,8 +222,8 @@ class SpeculationConfig:
         for entry in str(self.tiers).split(","):
             kind, _, gamma = entry.strip().partition(":")
             if kind not in TIER_KINDS or not (gamma.strip().isascii() and gamma.strip().isdigit()) or int(gamma) < 1:
-                raise ValueError(f"tiers entries must be KIND:GAMMA with KIND in {', '.join(TIER_KINDS)} and GAMMA >= 1, "
-                                 f"bottom first (e.g. self:4,retrieval:6); got {entry.strip()!r}")
+                raise ValueError(f"tiers entries must be KIND:GAMMA with KIND in {', '.join(TIER_KINDS)} and "
+                                 f"GAMMA >= 1, bottom first (e.g. self:4,retrieval:6); got {entry.strip()!r}")
             chain.append((kind, int(gamma)))
         kinds = [k for k, _ in chain]
         if "ngram" in kinds[1:] or len(set(kinds)) != len(kinds):

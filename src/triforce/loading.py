@@ -22,11 +22,18 @@ from typing import Any
 import torch
 
 from .caches import KV_DTYPES
-from .config import (ModelConfig, ModelLoadError, UnsupportedModelError, check_architecture,  # noqa: F401  (re-exported)
-                     check_rope_scaling, with_rope_scaling)
+from .config import (  # noqa: F401  (re-exported)
+    ModelConfig,
+    ModelLoadError,
+    UnsupportedModelError,
+    check_architecture,
+    check_rope_scaling,
+    with_rope_scaling,
+)
 from .gguf import read_gguf
 from .memory import check_fits
 from .model import Transformer
+
 
 @dataclass
 class LoadedModel:
@@ -186,8 +193,8 @@ def _read_gguf_as(path: Path, dtype: torch.dtype, device: torch.device, tp, rope
 
 
 def _scaled(cfg: ModelConfig, rope: tuple[str, float] | None) -> ModelConfig:
-    """``cfg`` under the RoPE scaling override ``(rope_scaling, rope_factor)`` (:func:`~triforce.config.with_rope_scaling`;
-    None: ``cfg`` itself)."""
+    """``cfg`` under the RoPE scaling override ``(rope_scaling, rope_factor)``
+    (:func:`~triforce.config.with_rope_scaling`; None: ``cfg`` itself)."""
     return cfg if rope is None else with_rope_scaling(cfg, *rope)
 
 
@@ -254,14 +261,15 @@ def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype
         else:
             ggufs = sorted(path.glob("*.gguf"))
             if len(ggufs) != 1:
-                raise ModelLoadError(f"folder {path} has no config.json and {len(ggufs)} GGUF files; expected a Hugging "
-                                     "Face folder (config.json + safetensors) or exactly one .gguf file")
+                raise ModelLoadError(f"folder {path} has no config.json and {len(ggufs)} GGUF files; expected a "
+                                     "Hugging Face folder (config.json + safetensors) or exactly one .gguf file")
             hf_config, state, tokenizer = _read_gguf_as(ggufs[0], torch_dtype, device, tp, rope)
     elif _looks_like_hub_id(source):
         try:
             from huggingface_hub import snapshot_download
 
-            folder = snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
+            folder = snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model",
+                                                               "*.txt"])
         except Exception as e:  # network errors, unknown repo, gated repo
             raise ModelLoadError(f"could not fetch {source!r} from the Hugging Face hub ({type(e).__name__}); "
                                  "pass a local folder or GGUF file instead") from e
@@ -270,7 +278,7 @@ def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype
         raise ModelLoadError(f"model {source!r} not found: pass a local Hugging Face folder, a .gguf file, or a hub "
                              "id like 'org/name'")
     cfg = _scaled(ModelConfig.from_hf(hf_config), rope)
-    model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=device if tp is None else tp.device, tp=tp,
-                                        consume=True)
+    model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=device if tp is None else tp.device,
+                                        tp=tp, consume=True)
     model.attach_block_codes()  # a GGUF model's exact 4/8-bit codes: the same fp32 products from fewer bytes
     return LoadedModel(model, tokenizer, hf_config, source)

@@ -4,9 +4,9 @@ What is reported is the target model's own distribution: ``log_softmax`` of the 
 temperature 1, before temperature, top-k and top-p (vLLM's default ``raw_logprobs``; OpenAI's ``logprobs`` do not
 change with the temperature either), so a harness scoring continuations gets the model's log-likelihoods whatever
 the request samples with. Every emitted token is decided by the verifier over the full KV cache (TriForce,
-arXiv 2404.11912, Sec. 4), and the rows of a verification block are the rows a decode step would compute (on the
-kernel paths, docs/architecture.md, "The exactness rule"), so the values are the ones plain autoregressive decoding reports, in every
-mode: the speculation below the verifier never enters them.
+arXiv 2404.11912, Sec. 4), and the rows of a verification block are the rows a decode step would compute (on the kernel
+paths, docs/architecture.md, "The exactness rule"), so the values are the ones plain autoregressive decoding reports, in
+every mode: the speculation below the verifier never enters them.
 
 Prompt log-probabilities (``echo`` on ``/v1/completions``, lm-evaluation-harness's loglikelihood requests) come from
 one extra pass of the target over the prompt (:func:`prompt_logprobs`): the prefill of a generation keeps only its

@@ -121,7 +121,8 @@ class KVPlacement:
 
     def summary(self) -> str:
         """One line for start-up: how many layers sit where, and the bytes."""
-        how = "chosen from " + fmt_bytes(self.free_device_bytes) + " free" if self.free_device_bytes is not None else "as given"
+        free = self.free_device_bytes
+        how = "chosen from " + fmt_bytes(free) + " free" if free is not None else "as given"
         return (f"full KV cache offloaded: {self.on_chip_layers} of {self.layers} layers on {self.device} "
                 f"({fmt_bytes(self.device_bytes)} with stream buffers), {self.layers - self.on_chip_layers} streamed "
                 f"from host memory ({fmt_bytes(self.host_bytes)}) with one-layer prefetch; {how}")

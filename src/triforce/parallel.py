@@ -55,7 +55,8 @@ def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
                                intermediate_size=cfg.intermediate_size // tp)
 
 
-def shard_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor], rank: int, tp: int) -> dict[str, torch.Tensor]:
+def shard_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor], rank: int,
+                     tp: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s slice of a Hugging Face Llama state dict (weights (out, in), names as in LlamaForCausalLM).
 
     Column-parallel (split by output rows of the HF weight): q/k/v projections by heads, gate/up by channels, with
@@ -114,7 +115,8 @@ class TensorParallel:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def broadcast_decision(self, n_accepted: torch.Tensor, next_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def broadcast_decision(self, n_accepted: torch.Tensor,
+                           next_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank 0's verification outcome on every rank: ``n_accepted`` (B,) and ``next_token`` (B,) int64."""
         import torch.distributed as dist
 
@@ -173,8 +175,8 @@ def agree_on_fit(tp: TensorParallel | None, check: Callable[[], T]) -> T:
         raise InsufficientMemoryError(f"rank {tp.rank}: {error.template}") from error
     ranks = refused.nonzero().flatten().tolist()
     if ranks:
-        raise InsufficientMemoryError(f"rank {', '.join(map(str, ranks))} of {tp.world_size} refused for lack of memory "
-                                      "(its own message says how much); every rank stops")
+        raise InsufficientMemoryError(f"rank {', '.join(map(str, ranks))} of {tp.world_size} refused for lack of "
+                                      "memory (its own message says how much); every rank stops")
     return result
 
 

@@ -57,7 +57,8 @@ def model_key(source: str, cfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch
     from . import __version__
 
     path = Path(source).expanduser()
-    files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.suffix in (".json", ".safetensors", ".gguf"))
+    kept = (".json", ".safetensors", ".gguf")
+    files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.suffix in kept)
     stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.is_file()]
     blob = json.dumps([str(path.resolve()) if path.exists() else source, stamp, repr(cfg), str(dtype), str(kv_dtype),
                        __version__, FORMAT_VERSION])

@@ -122,7 +122,8 @@ def encode_prompt_cut(tokenizer: Any, text: str, chat: bool = False, system: str
         if not isinstance(max_prompt_tokens, int) or isinstance(max_prompt_tokens, bool) or max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {max_prompt_tokens!r}")
         if context_length is not None and max_prompt_tokens > context_length:
-            raise ValueError(f"max_prompt_tokens={max_prompt_tokens} exceeds the model's context of {context_length} tokens")
+            raise ValueError(f"max_prompt_tokens={max_prompt_tokens} exceeds the model's context of {context_length} "
+                             "tokens")
     if system is not None and not chat:
         raise ParameterError("`system` is only used with `chat`")
     if chat and not getattr(tokenizer, "chat_template", None):

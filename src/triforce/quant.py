@@ -33,9 +33,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .defaults import LOWER_WEIGHTS
-from .decode_step import DecodeStep
 from .blockcodes import dense_weight_t
+from .decode_step import DecodeStep
+from .defaults import LOWER_WEIGHTS
 from .kernels import int8_linear
 from .model import Linear, Transformer, compile_forward
 
@@ -161,7 +161,8 @@ class BF16Linear(nn.Module):
 
     def __init__(self, linear: Linear) -> None:
         super().__init__()
-        self.weight = nn.Parameter(dense_weight_t(linear).detach().T.to(torch.bfloat16).contiguous(), requires_grad=False)
+        self.weight = nn.Parameter(dense_weight_t(linear).detach().T.to(torch.bfloat16).contiguous(),
+                                   requires_grad=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from .caches import CacheError, FullKVCache, KVCache
-from .cudagraph import MAX_GRAPH_TOKENS
-from .sdpa import gqa_attention
-from .kernels import gqa_attention_kernel, merge_attention
 from .config import ModelConfig
+from .cudagraph import MAX_GRAPH_TOKENS
+from .kernels import gqa_attention_kernel, merge_attention
+from .sdpa import gqa_attention
 
 CHUNK_SCORES = ("mean", "max", "bound", "attn")
 #: recent prompt positions the ``attn`` rule always keeps (ranked right after chunk 0), StreamingLLM/Quest style
@@ -110,8 +110,9 @@ class RetrievalCache(KVCache):
               per-channel key minima and maxima (Quest, Tang et al., arXiv 2406.10774);
             * ``attn``: the attention mass the chunk holds, summed over the group's query heads (each head's softmax
               normalised on its own, :func:`attention_mass_scores`) and over a window of up to ``ATTN_QUERY_WINDOW``
-              recorded queries; the last min(``ATTN_RECENT``, budget // 4) positions are always kept (after chunk 0). Built for GQA
-              models with wide groups and q/k biases (Qwen2.5, Llama-3): see docs/acceptance.md for the measurements.
+              recorded queries; the last min(``ATTN_RECENT``, budget // 4) positions are always kept (after chunk 0).
+              Built for GQA models with wide groups and q/k biases (Qwen2.5, Llama-3): see docs/acceptance.md for the
+              measurements.
 
             With a window of queries (see :meth:`build`), ``mean``/``max``/``bound`` sum the score over the window.
         recent: positions [length - recent, length) are always kept, ranked right after chunk 0 (None:
@@ -244,7 +245,8 @@ class RetrievalCache(KVCache):
             self.selected[layer:layer + 1, ..., :m] = order
             idx = order[..., None].expand(1, B, nkv, m, hs)
             self.k[layer:layer + 1, :, :, :m] = torch.gather(keys, 3, idx)
-            self.v[layer:layer + 1, :, :, :m] = torch.gather(self.full.v[layer:layer + 1, :, :, :length].to(dev), 3, idx)
+            values = self.full.v[layer:layer + 1, :, :, :length].to(dev)
+            self.v[layer:layer + 1, :, :, :m] = torch.gather(values, 3, idx)
         self.n_selected = m
         self.build_len = self.length = self.synced = length
         self.builds += 1

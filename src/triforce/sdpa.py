@@ -31,7 +31,8 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     g = nh // nkv
     qg = q.reshape(b, nkv, g * t, hs)  # (B, nkv, g*T, hs): the g heads of one KV head stacked along time
     if mask is not None:
-        mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], g, *mask.shape[-2:]).reshape(*mask.shape[:-2], g * t, mask.shape[-1])
+        mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], g, *mask.shape[-2:])
+        mask = mask.reshape(*mask.shape[:-3], g * t, mask.shape[-1])
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
     return out.view(b, nh, t, hs)
 
@@ -70,4 +71,5 @@ def lower_right_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_k
         return None
     from torch.nn.attention.bias import causal_lower_right
 
-    return F.scaled_dot_product_attention(q, k[:, :, :n_keys], v[:, :, :n_keys], attn_mask=causal_lower_right(t, n_keys))
+    return F.scaled_dot_product_attention(q, k[:, :, :n_keys], v[:, :, :n_keys],
+                                          attn_mask=causal_lower_right(t, n_keys))

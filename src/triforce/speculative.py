@@ -54,7 +54,8 @@ def rejection_sample(
         ValueError: inconsistent shapes.
     """
     b, k = draft_tokens.shape
-    if draft_probs.shape[:2] != (b, k) or target_probs.shape[:2] != (b, k + 1) or draft_probs.shape[-1] != target_probs.shape[-1]:
+    if (draft_probs.shape[:2] != (b, k) or target_probs.shape[:2] != (b, k + 1)
+            or draft_probs.shape[-1] != target_probs.shape[-1]):
         raise ValueError(f"shapes: draft_tokens {tuple(draft_tokens.shape)}, draft_probs {tuple(draft_probs.shape)}, "
                          f"target_probs {tuple(target_probs.shape)}; expected (B,k), (B,k,V), (B,k+1,V)")
     rows = torch.arange(b, device=draft_tokens.device)

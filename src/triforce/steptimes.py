@@ -85,7 +85,8 @@ class StepTimes:
     def describe(self) -> str:
         """One phrase with the median times in ms, for a plan's reason."""
         return (f"measured at {self.context} tokens: decode step {1000 * self.decode:.1f} ms, verification of "
-                f"{self.block} {1000 * self.verify:.1f} ms, {self.budget}-slot retrieval step {1000 * self.lower:.1f} ms")
+                f"{self.block} {1000 * self.verify:.1f} ms, {self.budget}-slot retrieval step "
+                f"{1000 * self.lower:.1f} ms")
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -162,9 +163,9 @@ def forward_call(model: Transformer, cache, start: int, t: int,
 def measure_step_times(target: Transformer, lower: Transformer, context: int, budget: int, gamma: int,
                        chunk_size: int, kv_dtype: torch.dtype, lower_kv: torch.dtype, reps: int = 7) -> StepTimes:
     """Time the verifier's decode step and its verification of ``gamma + 1`` tokens over a full KV cache of
-    ``context`` tokens, and the retrieval tier's step (``lower``, 1 token) over a ``budget``-slot retrieval cache
-    built from it, the three in each of ``reps`` interleaved repetitions (:func:`time_interleaved`). The caches hold zeros and are freed before returning; the
-    target's RoPE is left as it was.
+    ``context`` tokens, and the retrieval tier's step (``lower``, 1 token) over a ``budget``-slot retrieval cache built
+    from it, the three in each of ``reps`` interleaved repetitions (:func:`time_interleaved`). The caches hold zeros and
+    are freed before returning; the target's RoPE is left as it was.
 
     Args:
         target: the verifier; lower: the copy of it the tier runs (``Engine.lower_model``; the target itself too).

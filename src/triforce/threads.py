@@ -26,7 +26,8 @@ import time
 WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
-#: libgomp spin count triforce sets (iterations a waiting OpenMP thread spins before it sleeps; libgomp's default 300,000)
+#: libgomp spin count triforce sets (iterations a waiting OpenMP thread spins before it sleeps; libgomp's default
+#: 300,000)
 SPIN_COUNT = "10000"
 
 

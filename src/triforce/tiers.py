@@ -39,12 +39,12 @@ import torch
 
 from .caches import CacheError, FullKVCache, KVCache
 from .logprobs import TokenLogprob, token_logprobs
-from .streaming import StreamingCache
-from .retrieval import RetrievalCache
 from .model import Transformer
+from .retrieval import RetrievalCache
 from .sampling import SamplingParams, logits_to_probs
 from .scheduling import prefill_chunk, run_forward
 from .speculative import rejection_sample
+from .streaming import StreamingCache
 from .tierstats import TierStats
 
 
@@ -343,8 +343,9 @@ class RetrievalTier(ModelTier):
         self._recent: list[tuple[int, int]] = []  # (accepted, proposed) of recent verifications by the tier above
         self._query: tuple[int, torch.Tensor] | None = None  # (position, query) of the last selection
         if self.cache.budget - self.cache.chunk_size < lookahead + 1:  # see SpeculationConfig's check
-            raise ValueError(f"budget must be at least chunk_size + gamma + 2 = {self.cache.chunk_size + lookahead + 1} "
-                             f"so generated tokens fit beside chunk 0, got {self.cache.budget}")
+            smallest = self.cache.chunk_size + lookahead + 1
+            raise ValueError(f"budget must be at least chunk_size + gamma + 2 = {smallest} so generated tokens fit "
+                             f"beside chunk 0, got {self.cache.budget}")
 
     def prefill(self, prompt: list[int], progress: Callable[[int], None] | None = None) -> None:
         """Select chunks among positions [0, P-1) with the last prompt token's query (position P-1)."""

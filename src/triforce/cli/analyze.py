@@ -42,7 +42,8 @@ def add_analyze_parser(subparsers: Any) -> argparse.ArgumentParser:
     a = p.add_argument_group("analyses")
     a.add_argument("--analyses", nargs="+", choices=ANALYSES, default=list(ANALYSES), help="which analyses (all)")
     a.add_argument("--budgets", type=int, nargs="+", default=list(d["budgets"]),
-                   help=f"retrieval budgets: recovery, locality and the acceptance budget sweep ({_spaced(d['budgets'])})")
+                   help="retrieval budgets: recovery, locality and the acceptance budget sweep "
+                        f"({_spaced(d['budgets'])})")
     add_options(a, ("chunk_size",), "analyze",
                 chunk_size="chunk size of recovery and locality, and the acceptance sweeps' base ({default})")
     add_options(a, ("chunk_score",), "analyze",

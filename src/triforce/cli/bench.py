@@ -41,7 +41,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--prompt-tokens", type=int, default=d["prompt_tokens"],
                    help=f"keep the first N prompt tokens ({d['prompt_tokens']})")
     g = p.add_argument_group("generation")
-    g.add_argument("--new-tokens", type=int, default=d["new_tokens"], help=f"tokens generated per run ({d['new_tokens']})")
+    g.add_argument("--new-tokens", type=int, default=d["new_tokens"],
+                   help=f"tokens generated per run ({d['new_tokens']})")
     add_options(g, ("temperature", "top_p", "top_k"), "bench")
     add_options(g, ("seed",), "bench", seed="repetition r of every method uses seed + r ({default})")
     add_options(m, ("packed_weights",), "bench",
@@ -62,7 +63,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     r = p.add_argument_group("run")
     r.add_argument("--methods", help="comma-separated, among " + ", ".join(METHOD_NAMES) + " (default: every one "
                                      "that can run)")
-    r.add_argument("--reps", type=int, default=d["reps"], help=f"timed repetitions per method, interleaved ({d['reps']})")
+    r.add_argument("--reps", type=int, default=d["reps"],
+                   help=f"timed repetitions per method, interleaved ({d['reps']})")
     r.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH; '-': to stdout, and the table to "
                                                   "stderr (default: no JSON)")
     r.add_argument("--png", metavar="PATH", help="write a chart (needs matplotlib, checked before the run: pip install "

@@ -31,8 +31,10 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
                                                             "--prompt-file: cut the document so the question stays)")
     add_prompt_cache_args(src)
     add_generation_args(gen)
-    gen.set_defaults(max_new_tokens=None)  # not given: the default, lowered to what the context leaves (_fit_new_tokens)
-    gen.add_argument("--json", action="store_true", help="print one JSON object (schema: docs/usage.md) instead of text")
+    # --max-new-tokens not given: the default, lowered to what the context leaves (_fit_new_tokens)
+    gen.set_defaults(max_new_tokens=None)
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object (schema: docs/usage.md) instead of text")
     gen.add_argument("--logprobs", type=int, metavar="N", help="with --json: each generated token's log-probability "
                                                                "under the target model and its N (0-20) most likely "
                                                                "alternatives, field logprobs")
@@ -122,7 +124,8 @@ def load_from_args(args: argparse.Namespace, tp=None):
 
     tf = TriForce.load(args.model, args.draft, dtype=args.dtype, device=args.device, tp=tp,
                        offload_kv=args.offload_kv, on_chip_layers=args.on_chip_layers, kv_dtype=args.kv_dtype,
-                       quantize=args.quantize, packed_weights={"auto": None, "on": True, "off": False}[args.packed_weights],
+                       quantize=args.quantize,
+                       packed_weights={"auto": None, "on": True, "off": False}[args.packed_weights],
                        threads="auto" if args.threads is None else args.threads,
                        prompt_cache=getattr(args, "prompt_cache", None),
                        prompt_cache_max_bytes=None if getattr(args, "prompt_cache_max_gib", None) is None
@@ -155,7 +158,8 @@ def _read_prompt(args: argparse.Namespace) -> tuple[str, str | None]:
     from ..prompts import normalize_newlines, strip_gutenberg
 
     if args.prompt is None and args.prompt_file is None:
-        raise CLIError("give --prompt TEXT, --prompt-file PATH ('-' reads stdin), or both (a question about a document)")
+        raise CLIError("give --prompt TEXT, --prompt-file PATH ('-' reads stdin), or both (a question about a "
+                       "document)")
     if args.prompt is not None and not args.prompt.strip() and args.prompt_file is not None:
         raise CLIError("--prompt: the question about --prompt-file is empty")
     document = None
@@ -302,7 +306,8 @@ def _generate(args: argparse.Namespace, out) -> int:
     import torch
 
     from ..blockcodes import blockcodes_status
-    from ..kernels import linear_status, norm_rope_status, status as kernel_status
+    from ..kernels import linear_status, norm_rope_status
+    from ..kernels import status as kernel_status
     from ..sampling import sampling_status
 
     threads = torch.get_num_threads()
@@ -321,8 +326,8 @@ def _generate(args: argparse.Namespace, out) -> int:
         if cut is not None:
             print(f"triforce: {cut.summary()}", file=sys.stderr)
         if s.prompt_cache and s.prompt_cache["loaded_tokens"]:
-            print(f"triforce: {s.prompt_cache['loaded_tokens']} prompt tokens loaded from {s.prompt_cache['loaded_from']}",
-                  file=sys.stderr)
+            print(f"triforce: {s.prompt_cache['loaded_tokens']} prompt tokens loaded from "
+                  f"{s.prompt_cache['loaded_from']}", file=sys.stderr)
         if s.prompt_cache and s.prompt_cache["stored"]:
             print(f"triforce: prompt cache written to {s.prompt_cache['stored']} "
                   f"({fmt_bytes(os.path.getsize(s.prompt_cache['stored']))})", file=sys.stderr)

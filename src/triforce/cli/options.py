@@ -13,8 +13,17 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..defaults import (COMPILE_MODES, CUDA_GRAPHS, DEFAULTS, DTYPE_ALIASES, LOWER_WEIGHTS, PACKED_WEIGHTS,
-                        ROPE_SCALINGS, SELF_WEIGHTS, default)
+from ..defaults import (
+    COMPILE_MODES,
+    CUDA_GRAPHS,
+    DEFAULTS,
+    DTYPE_ALIASES,
+    LOWER_WEIGHTS,
+    PACKED_WEIGHTS,
+    ROPE_SCALINGS,
+    SELF_WEIGHTS,
+    default,
+)
 from ..hierarchy import MODES, SpeculationConfig
 from ..retrieval import CHUNK_SCORES
 from .common import CLIError
@@ -195,10 +204,11 @@ def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpeculationConf
     wanted = {"ngram": "ngram", "self": "self"}.get(args.draft, "draft")
     if args.draft is not None and wanted not in kinds and not spec.chooses_per_request:
         how = (f"add {wanted}:GAMMA at the bottom of --tiers" if args.tiers else
-               "--mode auto, --mode triforce (drafter -> retrieval -> target) and --mode draft (drafter -> target) use it")
+               "--mode auto, --mode triforce (drafter -> retrieval -> target) and --mode draft (drafter -> target) "
+               "use it")
         what = {"ngram": "n-gram", "self": "self"}.get(wanted, "draft-model")
-        raise CLIError(f"--draft {args.draft}: not used by {spec.name}, whose tiers ({' -> '.join(kinds + ['target'])}) "
-                       f"have no {what} tier; {how}, or drop --draft")
+        raise CLIError(f"--draft {args.draft}: not used by {spec.name}, whose tiers "
+                       f"({' -> '.join(kinds + ['target'])}) have no {what} tier; {how}, or drop --draft")
     given = [n for n in names if getattr(args, n) != default(n)]
     unused = spec.unused_options(given)
     if unused:  # refused before anything loads: the user would believe the option took effect

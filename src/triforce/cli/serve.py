@@ -20,17 +20,19 @@ from .options import add_generation_args, spec_from_args
 
 def add_serve_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand (the generation options plus ``--host``, ``--port``, ``--queue-size``,
-    ``--max-batch``, ``--prefix-cache-gib``, ``--prompt-cache``, ``--prompt-cache-max-gib``, ``--request-timeout``, ``--log-level``, ``--api-key``) to ``subparsers``; returns its parser. Dispatch to
-    :func:`cmd_serve`."""
+    ``--max-batch``, ``--prefix-cache-gib``, ``--prompt-cache``, ``--prompt-cache-max-gib``, ``--request-timeout``,
+    ``--log-level``, ``--api-key``) to ``subparsers``; returns its parser. Dispatch to :func:`cmd_serve`."""
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
-                              description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, "
-                                          "/health, /metrics); concurrent requests are decoded together (continuous batching, --max-batch). The "
-                                          "sampling options are the defaults of requests that omit them.")
+                              description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
+                                          "/v1/models, /health, /metrics); concurrent requests are decoded together "
+                                          "(continuous batching, --max-batch). The sampling options are the defaults "
+                                          "of requests that omit them.")
     add_generation_args(p)
     d = SERVE_DEFAULTS
     s = p.add_argument_group("server")
     s.add_argument("--host", default=d["host"], help=f"address to listen on (default {d['host']})")
-    s.add_argument("--port", type=int, default=d["port"], help=f"port (default {d['port']}; 0 = any free port, printed)")
+    s.add_argument("--port", type=int, default=d["port"],
+                   help=f"port (default {d['port']}; 0 = any free port, printed)")
     s.add_argument("--queue-size", type=int, default=d["queue_size"],
                    help=f"requests that may wait for the engine besides the running one; more get 503 (default "
                         f"{d['queue_size']})")

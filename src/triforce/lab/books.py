@@ -21,7 +21,8 @@ def resolve_book(name: str, books_dir: str | os.PathLike = BOOKS_DIR) -> Path:
     """The file of a book given as a path, or as a name in ``books_dir`` (``pg1342`` or ``pg1342.txt``).
 
     Raises:
-        FileNotFoundError: neither ``name`` nor ``books_dir/name[.txt]`` is a file (the places tried are in the message).
+        FileNotFoundError: neither ``name`` nor ``books_dir/name[.txt]`` is a file (the places tried are in the
+            message).
     """
     tried = [Path(name), Path(books_dir) / name, Path(books_dir) / f"{name}.txt"]
     for p in tried:

@@ -23,14 +23,14 @@ from typing import Callable
 import torch
 
 from ..caches import FullKVCache, kv_bytes
-from ..streaming import StreamingCache
-from ..retrieval import RetrievalCache
 from ..defaults import DEFAULTS
 from ..model import Transformer
 from ..ngram import NGramDrafter
+from ..retrieval import RetrievalCache
 from ..sampling import SamplingParams, logits_to_probs
 from ..speculative import rejection_sample
 from ..steptimes import expected_tokens, time_interleaved
+from ..streaming import StreamingCache
 from .synthetic import fill_random_kv
 
 #: what :func:`measure_tier_latencies` times, in seconds (medians); see its docstring.
@@ -177,9 +177,10 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
                                     lower_kv or draft.dtype, draft.device)
             fill_random_kv(stream, n, seed + 2)
 
+        # the closures below read this context's `n`: they are timed and dropped before the next one (B023)
         def ids(t: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
             tok = torch.tensor([[rng.randrange(vocab) for _ in range(t)]], dtype=torch.long, device=dev)
-            return tok, torch.arange(n, n + t, device=dev)
+            return tok, torch.arange(n, n + t, device=dev)  # noqa: B023
 
         def forward(model: Transformer, cache, t: int) -> Callable[[], None]:
             def run() -> None:
@@ -191,7 +192,7 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
                         next_row[0] += t
                         logits = selection_logits[rows][:, :model.cfg.vocab_size]
                     _select_tokens(logits, sampling, generator)
-                cache.rollback(n)
+                cache.rollback(n)  # noqa: B023
             return run
 
         low = lower if lower is not None else target
@@ -371,8 +372,8 @@ def predict(chain: list[tuple[str, int]], latencies: dict, acceptance: dict[str,
     for i, entry in enumerate(chain):
         if len(entry) != 2 or entry[0] not in ("ngram", "self", "draft", "retrieval") or isinstance(entry[1], bool) \
                 or not isinstance(entry[1], int) or entry[1] < 1:
-            raise ValueError(f"chain entries must be (kind, gamma) with kind in ngram, self, draft, retrieval and gamma "
-                             f"an integer >= 1, got {entry!r}")
+            raise ValueError("chain entries must be (kind, gamma) with kind in ngram, self, draft, retrieval and "
+                             f"gamma an integer >= 1, got {entry!r}")
         if entry[0] == "ngram" and i:
             raise ValueError("chain: ngram can only be the bottom tier")
     if len({k for k, _ in chain}) != len(chain):
@@ -387,8 +388,8 @@ def predict(chain: list[tuple[str, int]], latencies: dict, acceptance: dict[str,
     for name in (names if chain else []):
         a = acceptance.get(name)
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
-            raise ValueError(f"acceptance[{name!r}] must be a rate in [0, 1] (the {name} tier verifies the tier below), "
-                             f"got {a!r}")
+            raise ValueError(f"acceptance[{name!r}] must be a rate in [0, 1] (the {name} tier verifies the tier "
+                             f"below), got {a!r}")
         alphas[name] = float(a)
     out = {"chain": [list(e) for e in chain], "autoregressive_seconds_per_token": ar}
     if not chain:
@@ -442,7 +443,7 @@ def predict(chain: list[tuple[str, int]], latencies: dict, acceptance: dict[str,
 
 def _engine_q(name: str, g: int, dist: list[float], below: Callable[[int], float],
               pass_cost: Callable[[str, int], float], decode: float) -> Callable[[int], float]:
-    """Q(n): expected cost of tier ``name`` proposing n tokens through ``tiers.py``'s step loop (see :func:`predict`)."""
+    """Q(n): expected cost of tier ``name`` proposing n tokens through ``tiers.py``'s step loop (:func:`predict`)."""
     memo: dict[int, float] = {0: 0.0}
 
     def q(n: int) -> float:
@@ -461,5 +462,5 @@ def _engine_q(name: str, g: int, dist: list[float], below: Callable[[int], float
     return q
 
 
-__all__ = ["LATENCY_KEYS", "VERIFIER_NAMES", "accepted_length_distribution", "expected_tokens", "measure_tier_latencies",
-           "predict", "text_logits"]
+__all__ = ["LATENCY_KEYS", "VERIFIER_NAMES", "accepted_length_distribution", "expected_tokens",
+           "measure_tier_latencies", "predict", "text_logits"]

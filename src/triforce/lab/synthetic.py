@@ -33,11 +33,11 @@ from types import SimpleNamespace
 import torch
 
 from ..caches import FullKVCache
-from ..streaming import StreamingCache
-from ..retrieval import RetrievalCache
 from ..config import ModelConfig
 from ..model import Transformer
+from ..retrieval import RetrievalCache
 from ..rope import RotaryEmbedding
+from ..streaming import StreamingCache
 
 SYNTHETIC_SHAPES: dict[str, dict] = {
     "llama2-7b": {

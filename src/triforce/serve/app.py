@@ -18,8 +18,17 @@ from ..hierarchy import MAX_SEED
 from .logprob_fields import chat_logprobs, completion_logprobs
 from .metrics import ServerMetrics
 from .schema import GenerationRequest, parse_json_body, parse_request
-from .settings import (API_KEY_ENV, DISCONNECT_POLL_SECONDS, ENDPOINTS, MAX_BODY_BYTES, OPEN_PATHS, APIError,
-                       ServerDefaults, _invalid, model_id_for)
+from .settings import (
+    API_KEY_ENV,
+    DISCONNECT_POLL_SECONDS,
+    ENDPOINTS,
+    MAX_BODY_BYTES,
+    OPEN_PATHS,
+    APIError,
+    ServerDefaults,
+    _invalid,
+    model_id_for,
+)
 from .tools import ToolCallParser
 from .worker import GenerationWorker, _Job, check_with_engine
 

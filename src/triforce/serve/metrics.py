@@ -15,9 +15,9 @@ class ServerMetrics:
     ``triforce_time_to_first_token_seconds`` (histogram, from arrival), ``triforce_time_between_tokens_seconds``
     (histogram, between a request's consecutive tokens), ``triforce_tier_proposed_tokens_total{tier}`` and
     ``triforce_tier_accepted_tokens_total{tier}`` (their ratio is a tier's acceptance),
-    ``triforce_forwards_total`` and ``triforce_forward_sequences_total`` (batched forwards, and the sequences'
-    forwards they held), ``triforce_generations_ended_early_total{reason}`` (``disconnect``, ``timeout``). Tokens/s is the rate of
-    ``triforce_generated_tokens_total``; p50/p99 come from the histograms (``histogram_quantile``).
+    ``triforce_forwards_total`` and ``triforce_forward_sequences_total`` (batched forwards, and the sequences' forwards
+    they held), ``triforce_generations_ended_early_total{reason}`` (``disconnect``, ``timeout``). Tokens/s is the rate
+    of ``triforce_generated_tokens_total``; p50/p99 come from the histograms (``histogram_quantile``).
     """
 
     def __init__(self) -> None:

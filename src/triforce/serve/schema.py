@@ -318,8 +318,8 @@ def parse_request(body: dict, kind: str, tf: "TriForce", defaults: ServerDefault
         raise _invalid(f"n must be an integer in [1, {MAX_CHOICES}] (choices to generate), got {json.dumps(n)[:40]}",
                        param="n")
     if n > 1 and echo:
-        raise _invalid("echo with n > 1 is not supported: ask for the prompt's log-probabilities in a request of its own",
-                       param="n", code="unsupported_parameter")
+        raise _invalid("echo with n > 1 is not supported: ask for the prompt's log-probabilities in a request of "
+                       "its own", param="n", code="unsupported_parameter")
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < (0 if echo else 1)):
         raise _invalid(f"{max_name} must be an integer >= {0 if echo else 1}"
                        f"{'' if echo else ' (0 only with echo on /v1/completions)'}, got {json.dumps(max_tokens)[:40]}",
@@ -413,8 +413,9 @@ def _logprobs_options(body: dict, kind: str) -> tuple[int | None, bool]:
 
 
 def _response_format(value: Any) -> dict | None:
-    """``response_format`` checked and its grammar compiled once (:func:`~triforce.grammar.grammar_from_response_format`,
-    no tokenizer needed); the worker builds each choice's matcher from it. None for text.
+    """``response_format`` checked and its grammar compiled once
+    (:func:`~triforce.grammar.grammar_from_response_format`, no tokenizer needed); the worker builds each choice's
+    matcher from it. None for text.
 
     Raises:
         APIError: 400 naming ``response_format``: malformed, a grammar that does not compile, or llguidance missing.

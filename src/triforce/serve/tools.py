@@ -54,10 +54,10 @@ class ToolSpec:
 
     def response_format(self, tags_are_tokens: bool = False) -> dict | None:
         """The grammar of a forced choice as a ``response_format`` (``{"type": "lark", ...}``): one call, or
-        ``parallel`` calls separated by newlines (and one more newline allowed before the end), each ``<tool_call>\\n{"name": F, "arguments": A}\\n</tool_call>``
-        with A matching F's ``parameters`` schema; None for ``auto`` (the model may answer in text). Where the
-        tags are tokens of their own (Qwen2.5's added tokens, which llguidance reads as special),
-        the grammar names those tokens, as the model writes them (``tags_are_tokens``:
+        ``parallel`` calls separated by newlines (and one more newline allowed before the end), each
+        ``<tool_call>\\n{"name": F, "arguments": A}\\n</tool_call>`` with A matching F's ``parameters`` schema; None for
+        ``auto`` (the model may answer in text). Where the tags are tokens of their own (Qwen2.5's added tokens, which
+        llguidance reads as special), the grammar names those tokens, as the model writes them (``tags_are_tokens``:
         :func:`~triforce.grammar.reads_as_special` of both tags)."""
         if self.choice == "auto":
             return None

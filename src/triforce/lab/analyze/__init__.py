@@ -23,8 +23,9 @@ Definitions shared by the first two (the same as ``bench/acceptance/recovery.py`
 * recovery of a query head = sum of its softmax over the kept keys; reported values are means over query heads
   (and layers, where said).
 
-The ``triforce analyze`` subcommand (parser: ``triforce.cli.analyze``; :func:`~triforce.lab.analyze.run.cmd_analyze`) runs the three on a model and
-books and writes ``recovery.json/.png``, ``locality.json/.png`` and ``acceptance.json/.png``.
+The ``triforce analyze`` subcommand (parser: ``triforce.cli.analyze``; :func:`~triforce.lab.analyze.run.cmd_analyze`)
+runs the three on a model and books and writes ``recovery.json/.png``, ``locality.json/.png`` and
+``acceptance.json/.png``.
 
 Modules: ``attention`` (prefill with recorded queries, attention probabilities, chunk rankings, recovery and
 locality), ``acceptance`` (the acceptance sweeps), ``summaries`` (means over books, tables), ``plots`` (PNG charts),
@@ -32,8 +33,15 @@ locality), ``acceptance`` (the acceptance sweeps), ``summaries`` (means over boo
 """
 
 from .acceptance import acceptance_points, run_acceptance
-from .attention import (ANALYSES, ORACLE, attention_probs, chunk_ranking, locality_after_prompt, prefill_recorded,
-                        recovery_at_query)
+from .attention import (
+                        ANALYSES,
+                        ORACLE,
+                        attention_probs,
+                        chunk_ranking,
+                        locality_after_prompt,
+                        prefill_recorded,
+                        recovery_at_query,
+)
 from .summaries import summarize_acceptance, summarize_locality, summarize_recovery
 
 __all__ = ["acceptance_points", "run_acceptance", "ANALYSES", "ORACLE", "attention_probs", "chunk_ranking",

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-
-
 from ...defaults import DEFAULTS
 from .attention import ACCEPTANCE_FACTORS
 

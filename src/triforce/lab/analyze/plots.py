@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-
-
 from .attention import ACCEPTANCE_FACTORS, ORACLE
 
 

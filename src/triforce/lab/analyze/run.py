@@ -15,13 +15,18 @@ import torch
 
 from ...model import Transformer
 from ...retrieval import CHUNK_SCORES
-
 from ..books import BOOKS_DIR, book_prompt, resolve_book
 from .acceptance import acceptance_points, run_acceptance
 from .attention import ANALYSES, ORACLE, locality_after_prompt, prefill_recorded, recovery_at_query
 from .plots import PlotUnavailable, plot_acceptance, plot_locality, plot_recovery
-from .summaries import (acceptance_table, locality_table, recovery_table, summarize_acceptance, summarize_locality,
-                        summarize_recovery)
+from .summaries import (
+    acceptance_table,
+    locality_table,
+    recovery_table,
+    summarize_acceptance,
+    summarize_locality,
+    summarize_recovery,
+)
 
 
 class AnalyzeError(ValueError):
@@ -77,7 +82,8 @@ def check_analyze_args(args: argparse.Namespace) -> tuple[list[Path], list[dict]
     except ValueError as e:
         raise AnalyzeError("--" + str(e)) from e
     if args.prompt_tokens < 2:
-        raise AnalyzeError(f"--prompt-tokens must be an integer >= 2 (a query and at least one key), got {args.prompt_tokens}")
+        raise AnalyzeError("--prompt-tokens must be an integer >= 2 (a query and at least one key), "
+                           f"got {args.prompt_tokens}")
     if args.new_tokens < 1:
         raise AnalyzeError(f"--new-tokens must be an integer >= 1, got {args.new_tokens}")
     if args.chunk_size < 1:
@@ -176,13 +182,13 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     context = cfg.max_position_embeddings
     if cfg.rope_type != "dynamic":
         if "locality" in args.analyses and args.prompt_tokens + args.new_tokens > context:
-            raise AnalyzeError(f"--prompt-tokens {args.prompt_tokens} + --new-tokens {args.new_tokens} exceeds the model's "
-                           f"context of {context} tokens")
+            raise AnalyzeError(f"--prompt-tokens {args.prompt_tokens} + --new-tokens {args.new_tokens} exceeds the "
+                               f"model's context of {context} tokens")
         if args.prompt_tokens > context:
             raise AnalyzeError(f"--prompt-tokens {args.prompt_tokens} exceeds the model's context of {context} tokens")
         if points and max(args.lengths) + args.acceptance_tokens > context:
-            raise AnalyzeError(f"--lengths {max(args.lengths)} + --acceptance-tokens {args.acceptance_tokens} exceeds the "
-                           f"model's context of {context} tokens")
+            raise AnalyzeError(f"--lengths {max(args.lengths)} + --acceptance-tokens {args.acceptance_tokens} "
+                               f"exceeds the model's context of {context} tokens")
     need = max([args.prompt_tokens] + (args.lengths if points else []))
     prompts = {}
     for path in books:

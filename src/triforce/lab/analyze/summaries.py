@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-
-
 from .attention import ACCEPTANCE_FACTORS
 
 
@@ -113,7 +111,8 @@ def locality_table(summary: dict) -> str:
 
 def acceptance_table(summary: dict) -> str:
     """Markdown table: one row per (factor, value): mean, min and max acceptance over books, tokens/verification."""
-    lines = ["| factor | value | acceptance (mean) | min | max | tokens/verification |", "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| factor | value | acceptance (mean) | min | max | tokens/verification |",
+             "|---|---:|---:|---:|---:|---:|"]
     for f, rows in summary.items():
         for r in rows:
             lines.append(f"| {f} | {r['value']} | {r['acceptance_rate_mean']:.3f} | {r['acceptance_rate_min']:.3f} | "

@@ -26,10 +26,10 @@ Without ``--draft MODEL`` the bottom tier of ``draft`` and ``triforce`` is the m
 
 How it measures (the definitions are also written into the JSON, field ``definitions``):
 
-* One long-lived worker subprocess per method (``python -m triforce.lab.bench.worker --worker METHOD --config JSON``) loads
-  its model once and answers one JSON line per request on stdin/stdout. The parent runs the repetitions
-  round-robin over the workers, one worker at a time, so background load hits every method alike; each worker
-  reports its own peak resident set size (``ru_maxrss``) when it exits: that is the method's peak memory.
+* One long-lived worker subprocess per method (``python -m triforce.lab.bench.worker --worker METHOD --config JSON``)
+  loads its model once and answers one JSON line per request on stdin/stdout. The parent runs the repetitions
+  round-robin over the workers, one worker at a time, so background load hits every method alike; each worker reports
+  its own peak resident set size (``ru_maxrss``) when it exits: that is the method's peak memory.
 * Every worker first runs a short warm-up generation (the first 16 prompt tokens, 2 new tokens), not counted.
 * Each token is timestamped when the method hands it out: our ``Engine.stream`` yields it; transformers calls
   its streamer's ``put()``; the llama.cpp loop samples it. Time to first token (TTFT) is from the call to the

@@ -124,7 +124,8 @@ def validate_args(args: argparse.Namespace) -> None:
         from ...promptcache import check_options
 
         if args.synthetic:
-            raise BenchError("--prompt-cache keeps a real prompt's KV: leave it out with --synthetic (its KV is random)")
+            raise BenchError("--prompt-cache keeps a real prompt's KV: leave it out with --synthetic (its KV is "
+                             "random)")
         try:
             check_options(args.prompt_cache)
         except ValueError as e:

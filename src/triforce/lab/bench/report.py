@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 
-
-
 # ---------------------------------------------------------------------------------------------------- output
 def format_table(result: dict) -> str:
     """The human-readable table of a result: one line per method, notes, then :func:`fastest_line`."""
     s = result["settings"]
-    head = (f"{'SYNTHETIC (timing only): ' if result['synthetic'] else ''}{s['model']}, {s['prompt_tokens']}-token prompt ({s['prompt_source']}), {s['new_tokens']} new tokens, "
+    head = (f"{'SYNTHETIC (timing only): ' if result['synthetic'] else ''}{s['model']}, "
+            f"{s['prompt_tokens']}-token prompt ({s['prompt_source']}), {s['new_tokens']} new tokens, "
             f"T={s['temperature']} top-p={s['top_p']} top-k={s['top_k']}, {s['dtype']}, {s['threads']} threads, "
             f"{s['reps']} interleaved reps (median [min-max])")
     lines = [head, f"{'method':<15} {'TBT ms':>22} {'tok/s':>7} {'vs hf-ar':>8} {'vs ar':>6} {'TTFT s':>7} "
@@ -96,7 +95,7 @@ def write_png(result: dict, path: str) -> str | None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 0.5 * len(names) + 2.2), gridspec_kw={"width_ratios": [3, 1.3]})
     y = list(range(len(names)))
     a1.barh(y, med, xerr=[lo, hi], color=colors, capsize=3)
-    for i, (m, r) in enumerate(ok):
+    for i, (_, r) in enumerate(ok):
         sp = r.get("speedup_vs_autoregressive")
         label = f"{med[i]:.1f} ms" + (f"  (measured {sp:.2f}x ours ar)" if sp else "")
         if r.get("predicted_speedup_vs_autoregressive"):
@@ -111,7 +110,8 @@ def write_png(result: dict, path: str) -> str | None:
     a2.invert_yaxis()
     a2.set_xlabel("peak RSS of the method's process, MiB")
     s = result["settings"]
-    title = (f"{'SYNTHETIC, timing only: ' if result['synthetic'] else ''}{s['model']}: {s['prompt_tokens']}-token prompt, {s['new_tokens']} new tokens, T={s['temperature']}"
+    title = (f"{'SYNTHETIC, timing only: ' if result['synthetic'] else ''}{s['model']}: "
+             f"{s['prompt_tokens']}-token prompt, {s['new_tokens']} new tokens, T={s['temperature']}"
              f"{'' if s['temperature'] == 0 else ' top-p=' + str(s['top_p'])}, {s['dtype']}, {s['threads']} threads, "
              f"{s['reps']} interleaved reps")
     fig.suptitle(title, fontsize=9)

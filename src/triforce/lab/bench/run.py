@@ -14,14 +14,22 @@ import time
 from pathlib import Path
 
 from ..books import BOOKS_DIR
-from .methods import (DEFINITIONS, METHODS, OUR_SPECULATIVE, PAUSE_BETWEEN_RUNS_S, SYNTHETIC_DRAFT,
-                      WARMUP_NEW_TOKENS, WARMUP_PROMPT_TOKENS, BenchError, _costmodel_module, plan_methods,
-                      validate_args)
+from .methods import (
+    DEFINITIONS,
+    METHODS,
+    OUR_SPECULATIVE,
+    PAUSE_BETWEEN_RUNS_S,
+    SYNTHETIC_DRAFT,
+    WARMUP_NEW_TOKENS,
+    WARMUP_PROMPT_TOKENS,
+    BenchError,
+    _costmodel_module,
+    plan_methods,
+    validate_args,
+)
 from .report import format_table, write_png
 from .stats import _speedups, _summarize, acceptance_inputs, compare_greedy, with_empty_proposals
 from .worker import Worker
-
-
 
 
 # ---------------------------------------------------------------------------------------------------- the run
@@ -125,7 +133,8 @@ def _predict_from_run(results: dict, ok: list[str], cm) -> None:
     each request opens with, so the verification's time is taken as ``(t_target (V + D) - D t_decode) / V``; of the
     ``N`` tokens the time between tokens counts (all but each request's first), the ``D`` plain ones cost a decode
     step and the others the model's speedup ``S``: ``N / ((N - D) / S + D)``. Over an n-gram drafter, the steps where it
-    proposed nothing count as one-token steps of the tier above (:func:`~triforce.lab.bench.stats.with_empty_proposals`)."""
+    proposed nothing count as one-token steps of the tier above
+    (:func:`~triforce.lab.bench.stats.with_empty_proposals`)."""
     ar = results.get("autoregressive", {}).get("step_seconds", {}).get("target") if "autoregressive" in ok else None
     if cm is None or not ar:
         return
@@ -234,7 +243,7 @@ def run_bench(args: argparse.Namespace) -> dict:
                         continue
                     bar.update(1)
                     time.sleep(PAUSE_BETWEEN_RUNS_S)
-        for m, w in workers.items():
+        for m in workers:
             _summarize(results[m], runs[m])
         predictions = {}
         cm = _costmodel_module()
@@ -260,7 +269,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     _speedups(results, ok)
     _predict_from_run(results, ok, _costmodel_module())
     for m in ok:
-        pred = results[m].get("predicted", {}).get("prediction") if isinstance(results[m].get("predicted"), dict) else None
+        predicted = results[m].get("predicted")
+        pred = predicted.get("prediction") if isinstance(predicted, dict) else None
         if pred:
             ps = pred.get("speedup") or pred.get("speedup_vs_autoregressive")
             results[m]["predicted_speedup_vs_autoregressive"] = ps

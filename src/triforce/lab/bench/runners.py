@@ -401,7 +401,8 @@ class _LlamaRunner:
                 n = len(ids) - 1
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
                 tmp = path + ".tmp"
-                if llama_cpp.llama_state_save_file(llm._ctx.ctx, tmp.encode(), (llama_cpp.llama_token * n)(*ids[:n]), n):
+                tokens = (llama_cpp.llama_token * n)(*ids[:n])
+                if llama_cpp.llama_state_save_file(llm._ctx.ctx, tmp.encode(), tokens, n):
                     os.replace(tmp, path)
                     cache["stored"] = path
                 elif os.path.exists(tmp):  # a failed write leaves nothing behind

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 
+
 # ---------------------------------------------------------------------------------------------------- analysis
 def compare_greedy(tokens: dict[str, list[list[int]]], reference: str) -> dict[str, dict]:
     """Compare every method's greedy tokens with the reference method's first repetition.
@@ -72,8 +73,8 @@ def aggregate_tiers(per_rep: list[dict]) -> dict[str, dict]:
 
     Returns:
         tier -> ``{"verifications", "proposed", "accepted", "acceptance_rate", "mean_tokens_per_verification",
-        "forward_passes", "forward_seconds", "accepted_lengths"}`` for every verifying tier (acceptance_rate None when nothing was
-        proposed).
+        "forward_passes", "forward_seconds", "accepted_lengths"}`` for every verifying tier (acceptance_rate None when
+        nothing was proposed).
     """
     out: dict[str, dict] = {}
     for tiers in per_rep:

@@ -1,24 +1,19 @@
-"""Exact distribution under sampling where tests/test_distribution.py does not look (issue 12, item 6).
+"""Exact distribution under sampling while the retrieval tier re-selects its chunks during generation
+(``rebuild_every``, ``rebuild_below``), with each chunk score (``mean``, ``max``, ``bound``).
 
 Same setting and helpers as tests/test_distribution.py (imported): a 5-token vocabulary, a 20-token prompt, a retrieval
 budget of 8 (tier 1 sees a different cache than the verifier), 3 generated tokens whose exact distribution (125
 sequences) is enumerated with transformers. Each test draws N sequences with fixed seeds and requires a chi-square
-goodness-of-fit p-value > 1e-3 (cells with expected count < 5 pooled): under the null hypothesis a given seed fails
-with probability 1e-3; the seeds are fixed, so the outcome is reproducible. N = 1,500 here (1,000 request pairs for
-prefix reuse), which is enough to reject the TriForce reference's biased middle tier in these rebuild settings
-(p = 5e-7 and 8e-18 measured; ``test_biased_middle_tier_fails_with_rebuilds``); the ``slow`` variants draw 20,000.
-
-Covered: re-selecting the retrieval chunks during generation (``rebuild_every``, ``rebuild_below``) with each chunk
-score (``mean``, ``max``, ``bound``), and prefix reuse after a request that ended in the middle of a verified block
-(as a stop string ends it: the text API closes the engine's generator there).
+goodness-of-fit p-value > 1e-3 (cells with expected count < 5 pooled): under the null hypothesis a given seed fails with
+probability 1e-3; the seeds are fixed, so the outcome is reproducible. N = 1,500 here, which is enough to reject the
+TriForce reference's biased middle tier in these rebuild settings (p = 5e-7 and 8e-18 measured;
+``test_biased_middle_tier_fails_with_rebuilds``); the ``slow`` variants draw 20,000.
 """
 
 import pytest
-import torch
 
-from test_distribution import NEW, SETTINGS, V, chi2_pvalue, empirical, exact_distribution, models  # noqa: F401
+from test_distribution import SETTINGS, chi2_pvalue, empirical, exact_distribution, models  # noqa: F401
 from triforce.engine import Engine, SpeculationConfig
-from triforce.speculative import rejection_sample
 from triforce.tiers import RetrievalTier
 
 N_FAST, N_SLOW = 1500, 20000
@@ -84,48 +79,3 @@ def test_biased_middle_tier_fails_with_rebuilds(models, monkeypatch):  # noqa: F
         engine = Engine(models[1], models[2])
         engine.tier_verify["retrieval"] = middle_tier_resamples_from_p
         assert _check_rebuilds(models, monkeypatch, name, "T1", N_FAST, seed=9, engine=engine) < 1e-3
-
-
-def _reuse_after_stop(models, mode, stop_after, n, seed):  # noqa: F811
-    """Request 1 samples and is closed after ``stop_after`` tokens; request 2 continues the same text (its prompt is
-    the prompt plus those tokens, so the engine reuses the KV cache it kept) for the remaining tokens. Together they
-    must follow the exact distribution of 3 tokens after the prompt."""
-    hf, target, draft, prompt = models
-    params = SETTINGS["T1"]
-    spec = _spec(mode=mode)
-    engine = Engine(target, draft)  # reuse_prefix=True
-    blocks = []  # tokens each target verification emitted (the stats count only what the user got)
-
-    def recording(*args, **kwargs):
-        n_acc, nxt = rejection_sample(*args, **kwargs)
-        blocks.append(int(n_acc[0]) + 1)
-        return n_acc, nxt
-
-    engine.tier_verify["target"] = recording
-    counts = torch.zeros(V**NEW, dtype=torch.float64)
-    mid_block = 0
-    for i in range(n):
-        blocks.clear()
-        gen = engine.stream(prompt, max_new_tokens=NEW, sampling=params, spec=spec, seed=seed * 1_000_003 + i)
-        first = [next(gen) for _ in range(stop_after)]
-        gen.close()  # what TriForce.stream does at a stop string
-        mid_block += sum(blocks) > stop_after  # the request ended inside a verified block
-        rest, stats = engine.generate(prompt + first, max_new_tokens=NEW - stop_after, sampling=params, spec=spec,
-                                      seed=seed * 1_000_003 + n + i)
-        assert stats.tiers["target"]["reused_prefix_tokens"] == len(prompt) + stop_after - 1
-        seq = first + rest
-        counts[seq[0] * V * V + seq[1] * V + seq[2]] += 1
-    assert mid_block > n // 10  # many requests really ended inside a block
-    assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
-
-
-@pytest.mark.parametrize("mode,stop_after", [("triforce", 1), ("retrieval", 2)])
-def test_prefix_reuse_after_a_request_ended_mid_block_keeps_the_distribution(models, mode, stop_after):  # noqa: F811
-    _reuse_after_stop(models, mode, stop_after, 1000, seed=500 + stop_after)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["retrieval", "draft", "triforce"])
-@pytest.mark.parametrize("stop_after", [1, 2])
-def test_prefix_reuse_after_a_request_ended_mid_block_keeps_the_distribution_20k(models, mode, stop_after):  # noqa: F811
-    _reuse_after_stop(models, mode, stop_after, N_SLOW // 2, seed=600 + stop_after)
