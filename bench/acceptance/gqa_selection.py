@@ -98,10 +98,10 @@ def table(path):
     L = r["layers"]
     lines += ["", "Per layer (mean over books), recovery:", "", "| layer | eff. keys | " + " | ".join(rules) + " |",
               "|---:|---:|" + "---:|" * len(rules)]
-    for l in range(L):
-        eff = sum(r["books"][b]["effective_keys_per_layer"][l] for b in books) / len(books)
-        v = [sum(r["books"][b]["recovery"][rule]["per_layer"][l] for b in books) / len(books) for rule in rules]
-        lines.append(f"| {l} | {eff:.0f} | " + " | ".join(f"{x:.2f}" for x in v) + " |")
+    for layer in range(L):
+        eff = sum(r["books"][b]["effective_keys_per_layer"][layer] for b in books) / len(books)
+        v = [sum(r["books"][b]["recovery"][rule]["per_layer"][layer] for b in books) / len(books) for rule in rules]
+        lines.append(f"| {layer} | {eff:.0f} | " + " | ".join(f"{x:.2f}" for x in v) + " |")
     return "\n".join(lines)
 
 
@@ -174,7 +174,7 @@ def main(argv=None):
     p.add_argument("--skip-recovery", action="store_true", help="acceptance only (no recovery/oracle analysis)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    from triforce.engine import Engine, SpeculationConfig
+    from triforce.engine import Engine
     from triforce.loading import load_model
     from triforce.sampling import SamplingParams
 
@@ -186,8 +186,8 @@ def main(argv=None):
     res = {"command": "python bench/acceptance/gqa_selection.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "model": args.model or "SmolLM2-135M-Instruct", "layers": cfg.num_hidden_layers,
            "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "prompt_tokens": args.prompt_tokens,
-           "budget": budget, "chunk_size": args.chunk_size, "steps": args.steps, "rules": {r: RULES[r] for r in args.rules},
-           "books": {}}
+           "budget": budget, "chunk_size": args.chunk_size, "steps": args.steps,
+           "rules": {r: RULES[r] for r in args.rules}, "books": {}}
     for book in args.books:
         ids = book_prompt(tok, resolve_book(book, args.books_dir), args.prompt_tokens)
         P, n = len(ids), len(ids) - 1

@@ -1,6 +1,7 @@
 """Attention recovery of the retrieval cache's chunk selection, per chunk score (TriForce Sec. 3.1, Fig. 2).
 
-A thin wrapper over :mod:`triforce.lab.analyze` (``triforce analyze --analyses recovery`` computes the same, with a PNG):
+A thin wrapper over :mod:`triforce.lab.analyze` (``triforce analyze --analyses recovery`` computes the same, with a
+PNG):
 recovery = the share of the last prompt token's attention mass over the earlier positions that falls on the keys
 the retrieval cache keeps (its own key, present in every cache, left out of both), per layer, budget and chunk
 score (``mean``: the paper's q . mean key; ``max``: the best key of the chunk; ``bound``: Quest's per-channel upper

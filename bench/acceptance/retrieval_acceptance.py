@@ -54,9 +54,12 @@ def _strs(s: str) -> list[str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--books", type=_strs, default=None, help=f"comma-separated book ids (default {','.join(DEFAULT_BOOKS)})")
-    p.add_argument("--books-dir", type=Path, default=DEFAULT_BOOKS_DIR, help=f"folder of pgNNNN.txt (default {DEFAULT_BOOKS_DIR})")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--books", type=_strs, default=None,
+                   help=f"comma-separated book ids (default {','.join(DEFAULT_BOOKS)})")
+    p.add_argument("--books-dir", type=Path, default=DEFAULT_BOOKS_DIR,
+                   help=f"folder of pgNNNN.txt (default {DEFAULT_BOOKS_DIR})")
     p.add_argument("--lengths", type=_ints, default=None, help=f"prompt lengths in tokens (default {DEFAULT_LENGTHS})")
     p.add_argument("--budgets", type=_ints, default=None, help=f"retrieval budgets (default {DEFAULT_BUDGETS})")
     p.add_argument("--chunk-size", type=int, default=8)
@@ -66,7 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--no-recovery", action="store_true", help="skip the attention-recovery measurement")
     p.add_argument("--out", type=Path, default=None, help=f"JSON output (default {DEFAULT_OUT.relative_to(ROOT)})")
-    p.add_argument("--quick", action="store_true", help="smoke run: 1 book, 1024-token prompt, budgets 256,512, 16 tokens")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 1 book, 1024-token prompt, budgets 256,512, 16 tokens")
     p.add_argument("--table-from", type=Path, default=None, help="print the markdown summary table of a JSON and exit")
     a = p.parse_args(argv)
     if a.quick:
@@ -86,6 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------------- provenance
 def provenance() -> dict:
     import torch
+
     import triforce
 
     src = Path(triforce.__file__).resolve().parent
@@ -100,7 +105,8 @@ def provenance() -> dict:
         except Exception:
             return None
 
-    return {"git_commit": git("rev-parse", "HEAD"), "src_dirty_files": (git("status", "--porcelain", "src") or "").splitlines(),
+    return {"git_commit": git("rev-parse", "HEAD"),
+            "src_dirty_files": (git("status", "--porcelain", "src") or "").splitlines(),
             "src_sha256": h.hexdigest(), "torch": torch.__version__, "python": platform.python_version(),
             "machine": platform.machine(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads()}
 
@@ -245,8 +251,9 @@ def main(argv=None) -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(done: bool) -> None:
-        data = dict(meta, complete=done, seconds_total=round(time.perf_counter() - t_all, 1), greedy_mismatches=mismatches,
-                    errors=errors, summary=summarize(records, recovery), records=records, attention_recovery=recovery)
+        data = dict(meta, complete=done, seconds_total=round(time.perf_counter() - t_all, 1),
+                    greedy_mismatches=mismatches, errors=errors, summary=summarize(records, recovery),
+                    records=records, attention_recovery=recovery)
         tmp = a.out.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(data, indent=1))
         tmp.replace(a.out)
@@ -307,7 +314,8 @@ def main(argv=None) -> int:
                         if s == "greedy":
                             rec["matches_autoregressive"] = toks == ref
                             if toks != ref:
-                                i = next((j for j, (x, y) in enumerate(zip(toks, ref)) if x != y), min(len(toks), len(ref)))
+                                i = next((j for j, (x, y) in enumerate(zip(toks, ref)) if x != y),
+                                         min(len(toks), len(ref)))
                                 rec["first_mismatch"] = i
                                 msg = (f"GREEDY MISMATCH: {book} prompt {n} budget {budget}: retrieval differs from "
                                        f"autoregressive at generated token {i} ({toks[i:i+1]} vs {ref[i:i+1]})")

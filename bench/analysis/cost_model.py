@@ -66,8 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="acceptance rates for predictions, e.g. target=0.8 retrieval=0.9 (tiers: draft, retrieval, "
                         "target)")
     p.add_argument("--chains", nargs="*", default=None, metavar="KIND:G,...",
-                   help="hierarchies to predict, bottom first (default: retrieval:G2, BOTTOM:G2, BOTTOM:G1,retrieval:G2 "
-                        "with BOTTOM = draft or ngram)")
+                   help="hierarchies to predict, bottom first (default: retrieval:G2, BOTTOM:G2, "
+                        "BOTTOM:G1,retrieval:G2 with BOTTOM = draft or ngram)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="JSON output path")
     p.add_argument("--png", help="PNG chart path (needs matplotlib: pip install 'triforce[bench]')")
@@ -82,7 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.layers is not None and a.layers < 1:
         p.error(f"--layers must be >= 1, got {a.layers}")
     if a.synthetic is not None and a.draft not in (None, "none") and a.draft not in SYNTHETIC_SHAPES:
-        p.error(f"with --synthetic, --draft must be a shape name ({', '.join(SYNTHETIC_SHAPES)}) or none, got {a.draft!r}")
+        p.error(f"with --synthetic, --draft must be a shape name ({', '.join(SYNTHETIC_SHAPES)}) or none, "
+                f"got {a.draft!r}")
     for name in ("gamma1", "gamma2", "budget", "chunk_size", "draft_window", "reps", "threads"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
@@ -91,7 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if any(n < 1 for n in a.contexts):
         p.error(f"--contexts must be >= 1, got {a.contexts}")
     if a.budget < a.chunk_size + max(a.gamma1, a.gamma2) + 2:
-        p.error(f"--budget must be >= chunk_size + max(gamma1, gamma2) + 2 = {a.chunk_size + max(a.gamma1, a.gamma2) + 2}")
+        smallest = a.chunk_size + max(a.gamma1, a.gamma2) + 2
+        p.error(f"--budget must be >= chunk_size + max(gamma1, gamma2) + 2 = {smallest}")
     acc = {}
     for item in a.acceptance:
         tier, _, rate = item.partition("=")

@@ -44,11 +44,20 @@ import os
 import sys
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
-import torch
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
-from common import (_interleaved, add_run_options, emit_json, gemm_probe, gemv_probe, random_kv_steps,  # noqa: E402
-                    stream_probe)
 
+# isort: split
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
+from common import (  # noqa: E402
+    _interleaved,
+    add_run_options,
+    emit_json,
+    gemm_probe,
+    gemv_probe,
+    random_kv_steps,
+    stream_probe,
+)
 from triforce.auto import retrieval_budget  # noqa: E402
 from triforce.defaults import DEFAULTS  # noqa: E402
 
@@ -145,11 +154,13 @@ def main() -> int:
 
     out = {"model": "SmolLM2-135M-Instruct (embedded; verifier on its block codes, retrieval tier on them with int8 "
                     "activations)",
-           "context": n, "budget": args.budget, "lower_kv_dtype": args.lower_kv_dtype, "gamma2": g, "threads": args.threads, "reps": args.reps,
+           "context": n, "budget": args.budget, "lower_kv_dtype": args.lower_kv_dtype, "gamma2": g,
+           "threads": args.threads, "reps": args.reps,
            "bandwidth_gb_per_s": round(bw / 1e9, 2), "gemv_gb_per_s": round(gemv_bw / 1e9, 2),
            "peak_gflop_per_s": round(peak / 1e9, 1),
            "steps": steps, "decode_split": decode_split,
-           "pass_over_decode": {"measured": round(steps["full_pass"]["measured_ms"] / steps["full_decode"]["measured_ms"], 2),
+           "pass_over_decode": {"measured": round(steps["full_pass"]["measured_ms"]
+                                                  / steps["full_decode"]["measured_ms"], 2),
                                 "floor": round(steps["full_pass"]["floor_ms"] / steps["full_decode"]["floor_ms"], 2)},
            "speedup_retrieval": {"measured": speedups("measured_ms"), "floor": speedups("floor_ms")}}
     emit_json(out, args.out)

@@ -25,6 +25,8 @@ import time
 from collections import defaultdict
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+
+# isort: split
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import add_run_options, emit_json  # noqa: E402
 

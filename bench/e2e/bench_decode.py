@@ -60,7 +60,8 @@ def layout_bandwidth_gbs(shapes: list[tuple[int, int]], copies: int = 8, reps: i
     ``out_in`` (``nn.Linear``'s W, computed as x @ W.T) and ``in_out`` (W^T contiguous, as triforce stores it)."""
     res = {}
     for layout in ("out_in", "in_out"):
-        mats = [torch.randn(o, i) if layout == "out_in" else torch.randn(i, o) for o, i in shapes for _ in range(copies)]
+        mats = [torch.randn(o, i) if layout == "out_in" else torch.randn(i, o)
+                for o, i in shapes for _ in range(copies)]
         xs = {i: torch.randn(1, i) for _, i in shapes}
 
         def run():
@@ -174,7 +175,8 @@ def main() -> int:
     for r in rows:
         same = all(r.get(f"{k}_same_tokens", True) for k in ("hf_dynamic", "hf_static"))
         print(f"{r['prompt_tokens']:>7} {r['triforce_ms']:>12.1f} {r.get('hf_dynamic_ms', float('nan')):>11.1f} "
-              f"{r.get('hf_static_ms', float('nan')):>10.1f} {r['floor_ms']:>9.1f} {r['triforce_vs_floor']:>8.2f} {same}")
+              f"{r.get('hf_static_ms', float('nan')):>10.1f} {r['floor_ms']:>9.1f} "
+              f"{r['triforce_vs_floor']:>8.2f} {same}")
     return 0
 
 

@@ -33,6 +33,7 @@ import sys
 import time
 
 import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import add_run_options  # noqa: E402
 
@@ -201,16 +202,16 @@ def summarize(records: list[dict], kinds: list[str], configs: list[str], by_book
 
 def markdown(rows: list[dict], by_book: bool = False) -> str:
     """The summary rows as a Markdown table."""
-    head = "| prompt | " + ("book | " if by_book else "") + ("configuration | tokens/s (CPU time) | vs autoregressive, CPU "
-           "time (min–max) | vs autoregressive, wall | target acceptance | tokens per target verification "
-           "| retrieval-tier acceptance | target forwards | repeated 4-grams |")
+    head = "| prompt | " + ("book | " if by_book else "") + ("configuration | tokens/s (CPU time) | vs "
+           "autoregressive, CPU time (min–max) | vs autoregressive, wall | target acceptance | tokens per target "
+           "verification | retrieval-tier acceptance | target forwards | repeated 4-grams |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
         lines.append(f"| {r['kind']} | " + (f"{r['book']} | " if by_book else "") +
                      f"`{r['config']}` | {r['cpu_tokens_per_second']:.2f} | {fmt(r['cpu_speedup_vs_autoregressive'])} "
-                     f"({fmt(r['cpu_speedup_min'])}–{fmt(r['cpu_speedup_max'])}) | {fmt(r['speedup_vs_autoregressive'])} "
-                     f"| {fmt(r.get('target_acceptance'))} "
+                     f"({fmt(r['cpu_speedup_min'])}–{fmt(r['cpu_speedup_max'])}) "
+                     f"| {fmt(r['speedup_vs_autoregressive'])} | {fmt(r.get('target_acceptance'))} "
                      f"| {fmt(r.get('target_tokens_per_verification'))} | {fmt(r.get('retrieval_acceptance'))} "
                      f"| {r['target_forwards']:.0f} | {fmt(r.get('repeated_4gram_share'))} |")
     return "\n".join(lines)
@@ -257,9 +258,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
-    from triforce import SamplingParams, SpeculationConfig, TriForce
-
     from tqdm import tqdm
+
+    from triforce import SamplingParams, SpeculationConfig, TriForce
 
     try:  # bad values are refused before the model loads
         specs = {name: SpeculationConfig(**config_kwargs(name, args.ngram_min, args.ngram_n)) for name in args.configs}

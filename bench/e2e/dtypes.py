@@ -33,7 +33,8 @@ BOOKS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "dat
 FP32 = dict(dtype="float32", quantize=None, kv_dtype=None)
 CONFIGS = {
     "fp32 autoregressive": (FP32, dict(mode="autoregressive")),
-    "bf16 weights+KV autoregressive": (dict(dtype="bfloat16", quantize=None, kv_dtype=None), dict(mode="autoregressive")),
+    "bf16 weights+KV autoregressive": (dict(dtype="bfloat16", quantize=None, kv_dtype=None),
+                                       dict(mode="autoregressive")),
     "int8 weights autoregressive": (dict(dtype="float32", quantize="int8", kv_dtype=None), dict(mode="autoregressive")),
     "bf16 KV autoregressive": (dict(dtype="float32", quantize=None, kv_dtype="bfloat16"), dict(mode="autoregressive")),
     "retrieval": (FP32, dict(mode="retrieval", budget=1024)),

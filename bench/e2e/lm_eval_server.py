@@ -27,8 +27,9 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
-from common import emit_json, positive_int  # noqa: E402
 from serving_http import Server  # noqa: E402
+
+from common import emit_json, positive_int  # noqa: E402
 
 TASK_YAML = """task: book_cloze
 dataset_path: json
@@ -71,8 +72,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="model folder or GGUF file (default: the embedded SmolLM2-135M-Instruct); a GGUF "
                    "file's tokenizer is saved to a folder for the harness, and transformers dequantizes it")
-    p.add_argument("--book", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared",
-                                                  "data", "books", "pg1342.txt"))
+    here = os.path.dirname(os.path.abspath(__file__))
+    p.add_argument("--book", default=os.path.join(here, "..", "..", "..", "shared", "data", "books", "pg1342.txt"))
     p.add_argument("--items", type=positive_int, default=100)
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--seed", type=int, default=0)

@@ -5,8 +5,8 @@
 
 ``auto``'s retrieval tier under sampling (``retrieval:3``: the target's own block codes with int8 activations, a
 1,000-slot bf16 retrieval cache) generates ``--new-tokens`` after the book's first ``--prompt-tokens``, once per seed,
-with each variant of the tier's weights (a fresh model per variant, its prompt prefilled anew; the verifier is the same fp32 model in every run, so the output
-distribution is too; only the proposals change):
+with each variant of the tier's weights (a fresh model per variant, its prompt prefilled anew; the verifier is the same
+fp32 model in every run, so the output distribution is too; only the proposals change):
 
 * ``codes_q8``: as ``auto`` runs it;
 * ``codes_exact``: the target's exact products (fp32 activations) in every projection of the tier;
@@ -28,7 +28,10 @@ import os
 import sys
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+
+# isort: split
 import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import add_run_options, emit_json  # noqa: E402
 
@@ -117,8 +120,8 @@ def main() -> int:
                          "outside_rate": round(sum(t not in prompt and t >= n for t in nxt) / max(len(nxt), 1), 4)}
                         for n in args.subset_lowest]
     emit_json({"book": args.book, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-               "temperature": args.temperature, "top_p": args.top_p, "threads": args.threads, "hierarchy": "retrieval:3",
-               "runs": runs, "vocabulary_subset": subset}, args.out)
+               "temperature": args.temperature, "top_p": args.top_p, "threads": args.threads,
+               "hierarchy": "retrieval:3", "runs": runs, "vocabulary_subset": subset}, args.out)
     return 0
 
 

@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from beyond import build_prompt, load_book, repeated_ngram_share  # noqa: E402
+
 from common import add_run_options  # noqa: E402
 
 

@@ -19,12 +19,12 @@ Usage:
 """
 
 import argparse
-import json
 import os
 import socket
 import sys
 import threading
 import time
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import emit_json  # noqa: E402
 

@@ -62,7 +62,8 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         cells = [r["run"], f"{r['book']} {r['tokens']}", f"{r['temperature']:g}"]
         cells += [f"{r['ms'][m]:.1f}" if r["ms"][m] else "" for m in METHODS]
-        cells += [f"{r[k]:.2f}x" if r[k] else "" for k in ("auto_vs_autoregressive", "auto_vs_hf-ar", "auto_vs_llama.cpp")]
+        cells += [f"{r[k]:.2f}x" if r[k] else ""
+                  for k in ("auto_vs_autoregressive", "auto_vs_hf-ar", "auto_vs_llama.cpp")]
         cells.append(f"{', '.join(r.get('hierarchy', []))} ({r.get('speculative_tokens', 0)} / "
                      f"{r.get('autoregressive_tokens', 0)})" if r.get("hierarchy") else "")
         cells.append(f"{r['auto_acceptance']:.2f}" if r.get("auto_acceptance") is not None else "")

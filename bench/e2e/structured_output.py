@@ -5,8 +5,9 @@
 
 One document (the first ``--prompt-tokens`` tokens of a book, pg1342 by default) and a question asking for a JSON
 answer, in the model's chat template; ``--requests`` generations with ``response_format`` set to a JSON schema
-(``SCHEMA``: the characters named and the place, at most 5 names, strings of at most 40 characters) and as many without it, interleaved, each with its
-own seed (T = ``--temperature``, top-p ``--top-p``), the default mode (``auto``), ``--max-new-tokens`` each. The
+(``SCHEMA``: the characters named and the place, at most 5 names, strings of at most 40 characters) and as many without
+it, interleaved, each with its own seed (T = ``--temperature``, top-p ``--top-p``), the default mode (``auto``),
+``--max-new-tokens`` each. The
 document's KV cache is computed once and reused by every request (prefix reuse), so the figures are the decode
 phase. Reported per setting: answers that parse (``json.loads``) and validate (``jsonschema``) among those that
 ended (EOS) and in all, finish reasons, the hierarchy ``auto`` chose, each speculating tier's acceptance (accepted /
@@ -23,6 +24,8 @@ import sys
 import time
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+
+# isort: split
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import add_run_options, emit_json, positive_int  # noqa: E402
 

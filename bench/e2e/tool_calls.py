@@ -22,6 +22,8 @@ import threading
 import time
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+
+# isort: split
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import add_run_options, emit_json, positive_int  # noqa: E402
 
@@ -112,9 +114,8 @@ def main() -> int:
                              "content": message.content, "finish_reason": r.choices[0].finish_reason,
                              "seconds": round(seconds, 2), "completion_tokens": r.usage.completion_tokens,
                              "mode": stats.get("mode"), "tiers": stats.get("tiers")})
-                print(f"{choice:8s} {question[:48]:48s} -> "
-                      f"{[(c['name'], c['arguments'], c['valid']) for c in calls] or repr((message.content or '')[:40])}"
-                      f" ({seconds:.1f} s)", flush=True)
+                got = [(c["name"], c["arguments"], c["valid"]) for c in calls] or repr((message.content or "")[:40])
+                print(f"{choice:8s} {question[:48]:48s} -> {got} ({seconds:.1f} s)", flush=True)
     auto = [r for r in rows if r["tool_choice"] == "auto"]
     summary = {
         "auto_called_when_a_tool_fits": sum(bool(r["calls"]) for r in auto if r["expected_tool"]),

@@ -39,14 +39,20 @@ import tempfile
 import time
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+
+# isort: split
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import add_run_options, emit_json  # noqa: E402
 from triforce.defaults import DEFAULTS  # noqa: E402
 from triforce.hugepages import HUGE_PAGES_VAR  # noqa: E402
-from triforce.lab.bench.methods import METHODS, PAUSE_BETWEEN_RUNS_S, WARMUP_NEW_TOKENS, WARMUP_PROMPT_TOKENS  # noqa: E402
+from triforce.lab.bench.methods import (  # noqa: E402
+    METHODS,
+    PAUSE_BETWEEN_RUNS_S,
+    WARMUP_NEW_TOKENS,
+    WARMUP_PROMPT_TOKENS,
+)
 from triforce.lab.bench.worker import Worker  # noqa: E402
 from triforce.lab.books import BOOKS_DIR  # noqa: E402
-
 
 THP_SUFFIX = ":thp"  # a --workers entry METHOD:thp runs with 2 MiB pages for its CPU tensors (triforce/hugepages.py)
 
@@ -94,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     methods = [m.strip() for m in a.workers.split(",")]
     bad = [m for m in methods if METHODS.get(m.removesuffix(THP_SUFFIX), ("",))[0] != "ours"]
     if bad or len(methods) < 2:
-        p.error(f"--workers: at least two of our methods ({', '.join(m for m, f in METHODS.items() if f[0] == 'ours')}), "
-                f"got {a.workers!r}")
+        ours = ", ".join(m for m, f in METHODS.items() if f[0] == "ours")
+        p.error(f"--workers: at least two of our methods ({ours}), got {a.workers!r}")
     if a.reps < 1 or a.prompt_tokens < 1 or a.new_tokens < 1:
         p.error("--reps, --prompt-tokens and --new-tokens must be >= 1")
     if not os.path.isfile(os.path.join(BOOKS_DIR, a.book)):

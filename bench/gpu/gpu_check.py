@@ -51,13 +51,19 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 
 from triforce import cudagraph  # noqa: E402
-from triforce.caches import FullKVCache  # noqa: E402
-from triforce.streaming import StreamingCache  # noqa: E402
-from triforce.retrieval import RetrievalCache  # noqa: E402
-from triforce.engine import Engine, SpeculationConfig  # noqa: E402
-from triforce.sampling import SamplingParams, logits_to_probs  # noqa: E402
 from triforce.auto import plan_hierarchy  # noqa: E402
-from triforce.lab.synthetic import fill_random_kv, random_model, random_query, synthetic_config, synthetic_label  # noqa: E402
+from triforce.caches import FullKVCache  # noqa: E402
+from triforce.engine import Engine, SpeculationConfig  # noqa: E402
+from triforce.lab.synthetic import (  # noqa: E402
+    fill_random_kv,
+    random_model,
+    random_query,
+    synthetic_config,
+    synthetic_label,
+)
+from triforce.retrieval import RetrievalCache  # noqa: E402
+from triforce.sampling import SamplingParams, logits_to_probs  # noqa: E402
+from triforce.streaming import StreamingCache  # noqa: E402
 
 
 class CountingBackend(cudagraph.Backend):
@@ -95,8 +101,9 @@ def parity(device: torch.device) -> dict:
         got = dev(ids.to(device), pos.to(device), FullKVCache(cfg, 64, dtype, device)).cpu()
         rel = ((got - ref).abs().max() / ref.abs().max()).item()
         cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item()
+        same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
         out[str(dtype).removeprefix("torch.")] = {"max_relative_difference": rel, "cosine": cos,
-                                                   "argmax_equal_share": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
+                                                   "argmax_equal_share": same}
     out["ok"] = out["float32"]["max_relative_difference"] < 1e-3 and out["bfloat16"]["cosine"] > 0.99
     if device.type == "cuda":
         out["bfloat16_by_sdpa_backend"], out["bfloat16_by_module"] = _bf16_diagnosis(cfg, ids, pos, device)
@@ -177,7 +184,7 @@ def greedy_equality(device: torch.device) -> dict:
     counts = cudagraph.BACKEND
     before = (getattr(counts, "captures", 0), getattr(counts, "replays", 0))
     rows, ok = [], True
-    for i, prompt in enumerate(prompts):
+    for prompt in prompts:
         ref_cpu = cpu_engine.generate(prompt, max_new_tokens=32, sampling=greedy)[0]
         ref = dev_engine.generate(prompt, max_new_tokens=32, sampling=greedy)[0]
         row = {"prompt_tokens": len(prompt), "autoregressive equals CPU": ref == ref_cpu}
@@ -186,7 +193,8 @@ def greedy_equality(device: torch.device) -> dict:
             out = dev_engine.generate(prompt, max_new_tokens=32, sampling=greedy, spec=spec)[0]
             row[name] = out == ref
             ok &= out == ref
-        for name, spec in (("offloaded autoregressive", SpeculationConfig()), ("offloaded triforce", specs["triforce"])):
+        for name, spec in (("offloaded autoregressive", SpeculationConfig()),
+                           ("offloaded triforce", specs["triforce"])):
             out = off_engine.generate(prompt, max_new_tokens=32, sampling=greedy, spec=spec)[0]
             row[name] = out == ref
             ok &= out == ref
@@ -199,7 +207,8 @@ def greedy_equality(device: torch.device) -> dict:
         for m in models[device]:
             m.cuda_graphs = True
         rows.append(row)
-    graphs = {"captures": getattr(counts, "captures", 0) - before[0], "replays": getattr(counts, "replays", 0) - before[1]}
+    graphs = {"captures": getattr(counts, "captures", 0) - before[0],
+              "replays": getattr(counts, "replays", 0) - before[1]}
     # bf16 on the device (MHA: verification blocks through sdpa.lower_right_attention on CUDA), reported, not
     # required: a 7-token block and a 1-token step run different bf16 kernels, which may round a near-tie apart
     bf16 = Engine(*(copy.deepcopy(m).to(torch.bfloat16) for m in models[device]))
@@ -402,7 +411,8 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes (to try the script on a CPU)")
     p.add_argument("--offload-contexts", type=int, nargs="*", default=[32768],
                    help="contexts at which the offloaded full cache is timed too (none: --offload-contexts)")
-    p.add_argument("--samples", type=int, default=1500, help="sampled sequences per hierarchy in the distribution check")
+    p.add_argument("--samples", type=int, default=1500,
+                   help="sampled sequences per hierarchy in the distribution check")
     p.add_argument("--stages", default="parity,greedy,distribution,attention,compiled,latency",
                    help="comma-separated stages to run (default: all)")
     p.add_argument("--compile-after", type=float, default=240.0,
@@ -456,8 +466,8 @@ def main() -> int:
         print(f"\n{hw}, synthetic llama2-7b ({lat['layers']} of 32 layers, random weights and KV), {lat['dtype']}, "
               f"ms per forward (median of {args.reps})\n")
         print("| context | full decode | full pass (7) | offloaded decode | offloaded pass (7) | retrieval decode "
-              "(4096) | retrieval pass (5) | retrieval decode, eager | retrieval pass, eager | draft step | draft step, "
-              "eager |")
+              "(4096) | retrieval pass (5) | retrieval decode, eager | retrieval pass, eager | draft step | "
+              "draft step, eager |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in lat["rows"]:
         if "error" in r and "full_decode_s" not in r:

@@ -36,7 +36,10 @@ import os
 import sys
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+
+# isort: split
 import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import _interleaved, emit_json, floor_bandwidth, gemv_probe, peak_flops, positive_int  # noqa: E402
 
@@ -55,8 +58,8 @@ def _with_library(lib, fn):
 def attention_rows(shape: tuple[int, int, int, int], context: int, t: int, reps: int, bw: float, peak: float,
                    baseline=None) -> dict:
     from triforce.caches import _causal_offset_mask
-    from triforce.sdpa import gqa_attention
     from triforce.kernels import gqa_attention_kernel
+    from triforce.sdpa import gqa_attention
 
     layers, nh, nkv, hs = shape
     k = torch.randn(layers, 1, nkv, context + 8, hs)

@@ -15,9 +15,9 @@ outputs are compared bitwise (``baseline_bitwise_equal``). With ``--q8`` the sam
 products over the same codes (``blockcode_linear_q8``: activations quantized to int8, the retrieval tier's
 ``--lower-weights codes``), interleaved too, with their error against the exact products (``q8_relative_error``: the
 largest ||y_q8 - y|| / ||y|| over the matrices), and with ``--baseline-source`` on that build too
-(``q8_speedup_over_baseline``, ``q8_baseline_bitwise_equal``). ``--baseline-scales fp32`` gives that build the
-blocks' scales and minima as fp32 (the layout up to commit 2a25216; ours stores them as fp16). GB/s is code bytes (codes, scales, minima) read per second. JSON on
-stdout (and to ``--out``).
+(``q8_speedup_over_baseline``, ``q8_baseline_bitwise_equal``). ``--baseline-scales fp32`` gives that build the blocks'
+scales and minima as fp32 (the layout up to commit 2a25216; ours stores them as fp16). GB/s is code bytes (codes,
+scales, minima) read per second. JSON on stdout (and to ``--out``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ import time
 from pathlib import Path
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+
+# isort: split
 import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import add_run_options, emit_json, positive_int  # noqa: E402
 

@@ -37,7 +37,10 @@ import sys
 import time
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+
+# isort: split
 import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import add_run_options, emit_json  # noqa: E402
 
@@ -99,7 +102,6 @@ def fragmentation(cfg, ops: int, seed: int, after_leave=None) -> dict:
     """``ops`` admissions (up to 8 live caches, a random one leaving first at random); ``after_leave()`` runs after
     each departure. Resident memory is measured against the live caches' bytes."""
     from triforce.caches import FullKVCache
-
     from triforce.memory import release_free_memory
 
     rng = random.Random(seed)

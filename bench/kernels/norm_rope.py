@@ -18,7 +18,10 @@ import sys
 import time
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+
+# isort: split
 import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import add_run_options, emit_json, positive_int  # noqa: E402
 
@@ -31,10 +34,12 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from triforce import kernels, model as model_module, rope as rope_module
+    from triforce import kernels
+    from triforce import model as model_module
+    from triforce import rope as rope_module
     from triforce.caches import FullKVCache
-    from triforce.loading import load_model
     from triforce.lab.synthetic import fill_random_kv
+    from triforce.loading import load_model
 
     model = load_model(None).model
     on = {"rms_norm": kernels.rms_norm, "rope": kernels.rope}

@@ -8,9 +8,10 @@ with PyTorch's ops (``ops``: the same rule without it, what ``TRIFORCE_SAMPLING_
 Rows of SmolLM2's 49,152-token vocabulary, T = 0.6, top-p 0.9, for 1 row (a decode step) and 7 rows (a 7-token
 verification): ``logits_to_probs`` (the nucleus among the ``NUCLEUS_CANDIDATES`` most likely tokens, a sort only
 for rows where they hold less than top_p) against transformers' ``TopPLogitsWarper`` rule with a full sort (the
-previous implementation); and the draw of one token per row from the result: ``sampling.sample`` (inverse CDF)
-against ``torch.multinomial`` (what it replaced). Logits are the default model's own at positions of a book (its real peakedness), or,
-with ``--flat``, N(0, 0.05) noise, where every row takes the sort fallback. Interleaved repetitions, medians.
+previous implementation); and the draw of one token per row from the result: ``sampling.sample`` (inverse CDF) against
+``torch.multinomial`` (what it replaced). Logits are the default model's own at positions of a book (its real
+peakedness), or, with ``--flat``, N(0, 0.05) noise, where every row takes the sort fallback. Interleaved repetitions,
+medians.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ import sys
 import time
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+
+# isort: split
 import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import add_run_options, emit_json  # noqa: E402
 

@@ -11,8 +11,8 @@ decode step does (not from cache): ``kernels.int8_linear`` (``csrc/qlinear.c``),
 (``x @ W``, W (in, out): the verifier's decode step), oneDNN's with packed weights (what the verifier's multi-token
 passes ran before our kernel) and ours (``kernels.f32_linear``, W (in, out), what ``model.Linear`` runs for 2 to 64
 rows), for 1, 2, 4, 5, 7 and 8 activation rows by default (a decode step, batched decode steps, a retrieval tier's
-5-token block, a 7-token verification; ``--rows 14 28 56``: batches of verifications). Interleaved repetitions,
-medians; GB/s is weight bytes read per second. Random weights: timing only (``tests/test_kernels.py`` checks the values).
+5-token block, a 7-token verification; ``--rows 14 28 56``: batches of verifications). Interleaved repetitions, medians;
+GB/s is weight bytes read per second. Random weights: timing only (``tests/test_kernels.py`` checks the values).
 """
 
 from __future__ import annotations
@@ -24,7 +24,10 @@ import sys
 import time
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+
+# isort: split
 import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import add_run_options, emit_json, positive_int  # noqa: E402
 
@@ -42,7 +45,8 @@ def main() -> int:
     p.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2",
                    help="whose matrices (qwen2.5-1.5b: 7.1 GB of fp32 weights, 16 GB with the int8 and packed copies)")
     p.add_argument("--no-onednn", action="store_true",
-                   help="skip oneDNN's packed product (its copy of the weights: Qwen's shapes fit in 24 GiB without it)")
+                   help="skip oneDNN's packed product (its copy of the weights: Qwen's shapes fit in 24 GiB "
+                        "without it)")
     p.add_argument("--build", choices=["native", "AVX-512", "AVX2"], default="native",
                    help="which build of csrc/qlinear.c to time (native: this CPU's best, what the product runs)")
     args = p.parse_args()
@@ -83,7 +87,7 @@ def main() -> int:
         if rows > kernels.INT8_LINEAR_MAX_ROWS:  # the kernel declines (returns None at once): aten's op runs instead
             del kinds["ours_int8"]
         times = {k: [] for k in kinds}
-        for k, (fn, _) in kinds.items():  # warm-up
+        for fn, _ in kinds.values():  # warm-up
             fn()
         for rep in range(args.reps):
             names = list(kinds)

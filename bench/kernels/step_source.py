@@ -35,10 +35,12 @@ import time
 from pathlib import Path
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+
+# isort: split
 import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import add_run_options, emit_json, random_kv_steps  # noqa: E402
-
 from triforce.auto import retrieval_budget  # noqa: E402
 from triforce.defaults import DEFAULTS  # noqa: E402
 

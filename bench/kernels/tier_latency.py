@@ -4,8 +4,9 @@
     python bench/kernels/tier_latency.py --threads 2 --context 8000 --schemes codes --lower-kv-dtypes float32 bfloat16
 
 For each weight scheme of the model under test (fp32 with oneDNN-packed weights, or its GGUF block codes where it has
-them; the int8 / int4 copies of ``quant.py``; ``codes``: the block codes with int8 activations) it prints the medians of :func:`triforce.lab.costmodel.measure_tier_latencies` in milliseconds: ``full_decode``
-and ``full_pass`` (gamma2 + 1 = 7 tokens) over a full cache, ``retrieval_decode`` / ``retrieval_pass`` over a retrieval
+them; the int8 / int4 copies of ``quant.py``; ``codes``: the block codes with int8 activations) it prints the medians of
+:func:`triforce.lab.costmodel.measure_tier_latencies` in milliseconds: ``full_decode`` and ``full_pass`` (gamma2 + 1 = 7
+tokens) over a full cache, ``retrieval_decode`` / ``retrieval_pass`` over a retrieval
 cache of max(256, context / 8) slots, and ``draft_step`` / ``draft_pass`` of the int4 copy over a StreamingLLM cache
 of 16 + 240 tokens (the ``self`` tier); those two caches in each dtype of ``--lower-kv-dtypes``. JSON lines, one per
 scheme and dtype. ``bench/kernels/wait_policy.sh`` runs it under three
@@ -21,7 +22,10 @@ import os
 import sys
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+
+# isort: split
 import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import add_run_options, positive_int  # noqa: E402
 

@@ -23,7 +23,10 @@ import sys
 from pathlib import Path
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+
+# isort: split
 import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import _interleaved, add_run_options, emit_json, timed_load  # noqa: E402
 
@@ -70,7 +73,8 @@ def main() -> int:
 
     one_row = {}
     for name, lin in (("lm_head", stored.lm_head), ("layer0.gate_up", stored.layers[0].mlp.gate_up_proj),
-                      ("layer0.down", stored.layers[0].mlp.down_proj), ("layer0.qkv", stored.layers[0].self_attn.qkv_proj)):
+                      ("layer0.down", stored.layers[0].mlp.down_proj),
+                      ("layer0.qkv", stored.layers[0].self_attn.qkv_proj)):
         codes, w_t = lin.codes, dense_weight_t(lin)
         x = torch.randn(1, codes.in_features)
         assert torch.equal(blockcode_linear(x, codes), f32_linear(x, w_t))

@@ -1,4 +1,5 @@
-"""A GGUF file read as stored (src/triforce/ggufcodes.py): load, parity with transformers, one-row products, prefill GEMM.
+"""A GGUF file read as stored (src/triforce/ggufcodes.py): load, parity with transformers, one-row products, prefill
+GEMM.
 
     python bench/loading/gguf_stored.py --model ~/.cache/triforce/qwen2.5-coder/qwen-coder-1.5b.gguf --threads 2 \
         --out bench/results/gguf/stored_qwen15b.json
@@ -24,7 +25,10 @@ import time
 from pathlib import Path
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+
+# isort: split
 import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import add_run_options, emit_json, timed_load  # noqa: E402
 
