@@ -33,6 +33,10 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "lark")
 MASK_CACHE_ENTRIES = 256
 #: largest grammar accepted, in bytes of llguidance's serialized grammar (a JSON schema, a pattern, a Lark text)
 MAX_GRAMMAR_BYTES = 256 * 1024
+#: whitespace a JSON schema allows between tokens unless its ``x-guidance`` says otherwise: a space, or one or two
+#: newlines and up to 20 spaces or tabs of indentation (llama.cpp's ``json-schema-to-grammar`` rule); unbounded
+#: whitespace let a small model spend its tokens on indentation (docs/structured_output.md)
+JSON_WHITESPACE = r"( |\n{1,2}[ \t]{0,20})?"
 #: stack of the thread llguidance compiles a grammar on: its compiler recurses along chains of references
 #: (``$ref`` to ``$ref``, rule to rule), and a chain of 1,000 overflowed the 8 MiB main-thread stack (a crash, not
 #: an error); 256 MiB of address space (pages are only touched as used) holds the longest chain that fits in
@@ -266,7 +270,7 @@ def grammar_from_response_format(response_format: Any, param: str = "response_fo
     if kind == "text":
         return None
     if kind == "json_object":
-        grammar = LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}))
+        grammar = LLMatcher.grammar_from_json_schema(json.dumps(_bounded_whitespace({"type": "object"})))
     elif kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict):
@@ -276,7 +280,7 @@ def grammar_from_response_format(response_format: Any, param: str = "response_fo
             raise ValueError(f"{param}.json_schema.schema must be a JSON schema object, got "
                              f"{type(schema).__name__ if 'schema' in spec else 'none'}")
         try:
-            grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema))
+            grammar = LLMatcher.grammar_from_json_schema(json.dumps(_bounded_whitespace(schema)))
         except (TypeError, ValueError) as e:  # values JSON cannot hold (a set, NaN...)
             raise ValueError(f"{param}.json_schema.schema is not JSON: {e}") from e
     else:
@@ -290,6 +294,11 @@ def grammar_from_response_format(response_format: Any, param: str = "response_fo
     if error:
         raise ValueError(f"{param}: {_one_line(error)}")
     return grammar
+
+
+def _bounded_whitespace(schema: dict) -> dict:
+    """``schema`` with :data:`JSON_WHITESPACE` as llguidance's whitespace rule, unless it sets ``x-guidance``."""
+    return schema if "x-guidance" in schema else {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
 
 
 def constraint_for(response_format: Any, tokenizer, vocab_size: int, eos_ids: Sequence[int],
