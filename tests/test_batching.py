@@ -201,7 +201,7 @@ def test_ragged_forward_gives_each_block_its_logits_alone():
         alone.append(target(ids[:, n_cached:], pos, ca, num_logits=2 if t > 1 else None))
         blocks.append((ids[:, n_cached:], pos, cb, 2 if t > 1 else None))
     out = target.forward_ragged(blocks)
-    for a, b, (_, _, cache, _) in zip(alone, out, blocks):
+    for a, b, _ in zip(alone, out, blocks):
         assert a.shape == b.shape
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     assert [c.length for _, _, c, _ in blocks] == [18, 13, 9]

@@ -6,13 +6,12 @@ import math
 import pytest
 import torch
 
-from triforce import kernels, sdpa
-from triforce.caches import FullKVCache, _causal_offset_mask
-from triforce.sdpa import gqa_attention
-from triforce.config import ModelConfig
-
 from conftest import use_avx2_build
 from tiny import hf_config
+from triforce import kernels, sdpa
+from triforce.caches import FullKVCache, _causal_offset_mask
+from triforce.config import ModelConfig
+from triforce.sdpa import gqa_attention
 
 pytestmark = pytest.mark.skipif(kernels.status().startswith("unavailable"), reason=f"kernel {kernels.status()}")
 
@@ -107,7 +106,8 @@ def test_kernel_declines_what_it_does_not_handle():
 def test_full_cache_decode_uses_kernel_and_equals_sdpa():
     """Decode steps through FullKVCache with the kernel on and off give the same outputs."""
     tiny_cfg = ModelConfig.from_hf(hf_config(heads=6, kv_heads=2, hidden=96))
-    L, nkv, hs, nh = tiny_cfg.num_hidden_layers, tiny_cfg.num_key_value_heads, tiny_cfg.head_dim, tiny_cfg.num_attention_heads
+    L, nkv = tiny_cfg.num_hidden_layers, tiny_cfg.num_key_value_heads
+    hs, nh = tiny_cfg.head_dim, tiny_cfg.num_attention_heads
     outs = []
     for max_block in (1, 0):
         cache = FullKVCache(tiny_cfg, capacity=40)
@@ -115,8 +115,9 @@ def test_full_cache_decode_uses_kernel_and_equals_sdpa():
         gen = torch.Generator().manual_seed(1)
         for start, t in ((0, 30), (30, 1), (31, 1)):
             cache.begin_forward(torch.arange(start, start + t))
-            out = [cache.attend(l, torch.randn(1, nh, t, hs, generator=gen), torch.randn(1, nkv, t, hs, generator=gen),
-                                torch.randn(1, nkv, t, hs, generator=gen), None) for l in range(L)]
+            out = [cache.attend(layer, torch.randn(1, nh, t, hs, generator=gen),
+                                torch.randn(1, nkv, t, hs, generator=gen), torch.randn(1, nkv, t, hs, generator=gen),
+                                None) for layer in range(L)]
             cache.end_forward()
         outs.append(torch.stack(out))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=2e-6)
@@ -160,8 +161,8 @@ def linear_build(request, monkeypatch):
 @linear_kernels
 @pytest.mark.parametrize("out,n_in", [(960, 576), (3072, 576), (576, 1536), (37, 23), (5, 16), (130, 48)])
 def test_int8_kernel_matches_fp64_and_rows_are_independent(out, n_in, linear_build):
-    """Every row count up to INT8_LINEAR_MAX_ROWS: within fp32 rounding of the exact product, and each row bit-identical to
-    the same row computed alone (a decode step equals its row in a verification block)."""
+    """Every row count up to INT8_LINEAR_MAX_ROWS: within fp32 rounding of the exact product, and each row bit-identical
+    to the same row computed alone (a decode step equals its row in a verification block)."""
     g = torch.Generator().manual_seed(out)
     q = torch.randint(-127, 128, (out, n_in), dtype=torch.int8, generator=g)
     scale = torch.rand(out, generator=g) * 0.02
@@ -179,7 +180,8 @@ def test_int8_kernel_matches_fp64_and_rows_are_independent(out, n_in, linear_bui
 @linear_kernels
 def test_int8_kernel_declines_what_it_does_not_handle():
     q, s = torch.zeros(8, 32, dtype=torch.int8), torch.ones(8)
-    assert kernels.int8_linear(torch.randn(kernels.INT8_LINEAR_MAX_ROWS + 1, 32), q, s) is None  # too many rows: PyTorch's op
+    # too many rows: PyTorch's op
+    assert kernels.int8_linear(torch.randn(kernels.INT8_LINEAR_MAX_ROWS + 1, 32), q, s) is None
     assert kernels.int8_linear(torch.randn(1, 32, dtype=torch.bfloat16), q, s) is None  # bf16 activations
     assert kernels.int8_linear(torch.randn(1, 31), q, s) is None  # in differs
     assert kernels.int8_linear(torch.randn(1, 32), q, torch.ones(7)) is None  # one scale per output
@@ -341,7 +343,8 @@ def test_lower_right_bias_equals_the_full_caches_block_mask(lower_right_on_cpu, 
     """SDPA with PyTorch's lower-right causal bias sees what the full cache's boolean block mask lets through."""
     g = torch.Generator().manual_seed(start + t)
     n = start + t
-    q, k, v = torch.randn(1, 4, t, 16, generator=g), torch.randn(1, 4, n + 3, 16, generator=g), torch.randn(1, 4, n + 3, 16, generator=g)
+    q = torch.randn(1, 4, t, 16, generator=g)
+    k, v = torch.randn(1, 4, n + 3, 16, generator=g), torch.randn(1, 4, n + 3, 16, generator=g)
     out = sdpa.lower_right_attention(q, k, v, n)
     expected = gqa_attention(q, k[:, :, :n], v[:, :, :n], _causal_offset_mask(start, t, n, torch.device("cpu")))
     assert out is not None
@@ -386,13 +389,15 @@ def test_speculative_modes_through_the_lower_right_path_equal_autoregressive_gre
     for spec in (SpeculationConfig(mode="retrieval", budget=32, chunk_size=4, gamma2=4),
                  SpeculationConfig(mode="triforce", budget=32, chunk_size=4, gamma1=2, gamma2=4, draft_sink=4,
                                    draft_window=16)):
-        assert Engine(target, draft).generate(prompt, max_new_tokens=24, sampling=greedy, spec=spec)[0] == ref, spec.mode
+        out = Engine(target, draft).generate(prompt, max_new_tokens=24, sampling=greedy, spec=spec)[0]
+        assert out == ref, spec.mode
     assert 120 in calls and 5 in calls  # the prefill and gamma2 + 1 = 5-token verification blocks took the path
 
 
 def test_decode_steps_silu_equals_pytorchs_and_is_the_same_at_every_width():
     """csrc/decode_step.c's SiLU(g) * u (Cephes' exp, 16 or 8 lanes or scalar by the CPU) against the exact value
-    (float64): |got - exact| <= 4 eps |exact| (eps: float32's, 2^-23) over [-90, 90] (a bound on the exp polynomial's 2e-7 relative
+    (float64): |got - exact| <= 4 eps |exact| (eps: float32's, 2^-23) over [-90, 90] (a bound on the exp polynomial's
+    2e-7 relative
     error plus the division's and products' roundings) for g >= -87; below, where the result leaves float32's normal
     range, at most |g u| 1e-37 (PyTorch's float32 path rounds there too), and exactly 0 past exp's overflow (g < -89,
     down to -FLT_MAX: exp(-g) is inf, as in PyTorch); NaN propagates, g = +inf gives inf u and g = -inf NaN (as

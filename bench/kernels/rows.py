@@ -23,7 +23,10 @@ import sys
 import time
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+
+# isort: split
 import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import add_run_options, emit_json, positive_int  # noqa: E402
 
@@ -38,8 +41,8 @@ def main() -> int:
 
     from triforce import exact, kernels
     from triforce.caches import FullKVCache
-    from triforce.loading import load_model
     from triforce.lab.synthetic import fill_random_kv
+    from triforce.loading import load_model
 
     plain = load_model(None).model
     packed = load_model(None).model

@@ -69,7 +69,8 @@ class KVCache(ABC):
         """
 
     @abstractmethod
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pre: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               q_pre: torch.Tensor) -> torch.Tensor:
         """Store k, v (B, nkv, T, hs) for ``layer`` and return attention of q (B, nh, T, hs) over the cache."""
 
     @abstractmethod
@@ -190,10 +191,7 @@ class RaggedCache(KVCache):
 #: (where the kernel is available): decode steps and verification blocks (:data:`~triforce.exact.EXACT_MAX_BLOCK`);
 #: longer blocks (prefill) use SDPA, whose matrix-product tiling wins there. A row's result does not depend on the
 #: block it is in (same chunks, same order of operations), so a verification computes the logits a decode step would.
-#: Measured (``bench/kernels/attention_kernel.py``, docs/history.md): 1.37-1.49x SDPA for SmolLM2's decode steps,
-#: 0.96-1.16x for its 7-token blocks; on Qwen2.5's shape (2 KV heads, head dim 128) 0.94-1.02x for decode steps and
-#: 0.84-0.89x for 7-token blocks; SmolLM2 at 8K, 17-64 tokens: 0.5-0.74x SDPA's time (docs/performance.md,
-#: "Exactness paths: what they cost").
+#: Its speed against SDPA: docs/performance.md, "Kernels (EPYC)".
 KERNEL_MAX_BLOCK = EXACT_MAX_BLOCK
 
 

@@ -16,8 +16,20 @@ import math
 import torch
 
 from .blockcodes import BlockCodes, _blockcodes
-from .kernels import (_F, _I, _I64, _P, CHUNK, DECODE_STEP_CFLAGS, DECODE_STEP_ENV_SWITCH, MAX_HEAD_DIM, _attention,
-                      _Library, _linear, _norm_rope)
+from .kernels import (
+    _F,
+    _I,
+    _I64,
+    _P,
+    CHUNK,
+    DECODE_STEP_CFLAGS,
+    DECODE_STEP_ENV_SWITCH,
+    MAX_HEAD_DIM,
+    _attention,
+    _Library,
+    _linear,
+    _norm_rope,
+)
 
 _decode_step = _Library("decode_step.c", DECODE_STEP_ENV_SWITCH, (), lambda: (DECODE_STEP_CFLAGS, "C"), {
     "triforce_decode_layers": (_I, [_P, _P] + [_I] * 7 + [_F] + [_P] * 8 + [_I, _P] + [_I64] * 2 + [_I] * 3
@@ -143,8 +155,8 @@ def decode_layers(table: LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.
 
     Returns:
         (1, T, d) fp32, the hidden states after the last layer (before the final norm); or None when the kernels do not
-        apply (shapes, dtypes, layouts; head size not a multiple of 8 or over :data:`~triforce.kernels.MAX_HEAD_DIM`; a kernel
-        unavailable): the caller then runs the layers in Python.
+        apply (shapes, dtypes, layouts; head size not a multiple of 8 or over :data:`~triforce.kernels.MAX_HEAD_DIM`; a
+        kernel unavailable): the caller then runs the layers in Python.
     """
     d, nh, nkv, hs, inter = table.dims
     L = table.n_layers
@@ -274,8 +286,8 @@ class DecodeStep:
     """A model's decode step in one kernel call: :func:`decode_layers` over its :class:`LayerTable`, for the
     forwards whose cache offers it (:meth:`~triforce.caches.KVCache.one_query_rows`). Set as the model's
     ``decode_step`` by :func:`~triforce.quant.lower_precision_copy` (int8 copies) and
-    :meth:`~triforce.model.Transformer.attach_block_codes` (block codes); :meth:`~triforce.model.Transformer.forward` calls
-    it.
+    :meth:`~triforce.model.Transformer.attach_block_codes` (block codes); :meth:`~triforce.model.Transformer.forward`
+    calls it.
 
     Args:
         model: a :class:`~triforce.model.Transformer` whose every layer projection is int8 (``q``, ``scale_f32``:

@@ -37,8 +37,14 @@ from typing import Callable
 import torch
 
 from .blockcodes import blockcode_linear, blockcode_linear_q8, blockcode_matmul
-from .kernels import (LINEAR_MAX_ROWS, ONE_ROW_ENV_SWITCH, f32_beats_onednn, f32_linear, f32_one_row_exact,
-                      f32_one_row_pays)
+from .kernels import (
+    LINEAR_MAX_ROWS,
+    ONE_ROW_ENV_SWITCH,
+    f32_beats_onednn,
+    f32_linear,
+    f32_one_row_exact,
+    f32_one_row_pays,
+)
 from .sdpa import gqa_attention
 
 #: longest block of one sequence (tokens in one forward) that runs on the row-invariant paths: decode steps and

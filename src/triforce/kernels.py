@@ -1,6 +1,6 @@
-"""Our CPU kernels, built on first use, each with PyTorch's op as fallback: attention over the verifier's full KV
-cache (``csrc/attention.c``, SDPA otherwise: :mod:`triforce.sdpa`) and products of a few activation rows with a
-weight matrix (``csrc/qlinear.c``): the lower tiers' int8 weight-only projections, stored (out, in) (``aten._weight_int8pack_mm``
+"""Our CPU kernels, built on first use, each with PyTorch's op as fallback: attention over the verifier's full KV cache
+(``csrc/attention.c``, SDPA otherwise: :mod:`triforce.sdpa`) and products of a few activation rows with a weight matrix
+(``csrc/qlinear.c``): the lower tiers' int8 weight-only projections, stored (out, in) (``aten._weight_int8pack_mm``
 otherwise), and the fp32 projections of verification blocks and batched steps, stored (in, out) (PyTorch's
 products otherwise).
 
@@ -39,9 +39,10 @@ for one row (:func:`f32_one_row_pays`), with AVX2 oneDNN's product over packed w
 with exact block codes read those instead (:mod:`triforce.blockcodes`, ``csrc/blockcodes.c``).
 
 A decode step of an int8 lower tier or of a model on block codes runs every layer in one call
-(:func:`triforce.decode_step.decode_layers`, ``csrc/decode_step.c``): the same kernels back to back from C, without a Python call
-between them, so the gaps between two products stay shorter than OpenMP's spin (1.75x faster than one Python call per
-operation for SmolLM2 at 8K tokens, ``bench/kernels/decode_step.py``); ``TRIFORCE_DECODE_STEP_KERNEL=0`` turns it off.
+(:func:`triforce.decode_step.decode_layers`, ``csrc/decode_step.c``): the same kernels back to back from C, without a
+Python call between them, so the gaps between two products stay shorter than OpenMP's spin (1.75x faster than one Python
+call per operation for SmolLM2 at 8K tokens, ``bench/kernels/decode_step.py``); ``TRIFORCE_DECODE_STEP_KERNEL=0`` turns
+it off.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ import os
 
 import torch
 
-from .kernelbuild import _Library, _build, _cpu_flags, best_build, forced_build  # noqa: F401
-# (_build: for bench/kernels/step_source.py)
+# _build: for bench/kernels/step_source.py
+from .kernelbuild import _build, _cpu_flags, _Library, best_build, forced_build  # noqa: F401
 
 #: environment variable: "0" turns the attention kernel off (SDPA everywhere)
 ENV_SWITCH = "TRIFORCE_ATTENTION_KERNEL"
@@ -121,7 +122,8 @@ def _cpu_has_avx2_fma() -> bool:
 
 
 #: the builds of csrc/attention.c: its AVX-512 path (head sizes multiple of 16) and its AVX2 one
-_ATTENTION_BUILDS = {"AVX-512": (("avx2", "fma", "avx512f"), CFLAGS + ("-mavx512f",)), "AVX2": (("avx2", "fma"), CFLAGS)}
+_ATTENTION_BUILDS = {"AVX-512": (("avx2", "fma", "avx512f"), CFLAGS + ("-mavx512f",)),
+                     "AVX2": (("avx2", "fma"), CFLAGS)}
 
 
 def _attention_flags():
@@ -247,10 +249,8 @@ def linear_status() -> str:
 def f32_one_row_pays() -> bool:
     """Whether a one-row fp32 product (a decode step's projections) runs on :func:`f32_linear` rather than MKL's GEMV.
 
-    By default True with the AVX-512 build: on this project's AVX-512 CPU it made a SmolLM2 decode step at 8K 1.17x
-    faster (41.0 against 48.1 ms, ``bench/kernels/rows.py --rows 1 7``) and swept Qwen2.5-1.5B's weights at 29.5 GB/s
-    against MKL's 18.5 (``bench/kernels/qlinear.py --shapes qwen2.5-1.5b``; docs/history.md). False with the AVX2 build
-    (slower than MKL's GEMV for one row on an AVX2 CPU, ``bench/results/qlinear_avx2_cpu.json``) or without the kernels.
+    By default True with the AVX-512 build, where one row on our kernel beats MKL's GEMV; False with the AVX2 build
+    (slower than MKL's GEMV there) or without the kernels (docs/performance.md, "Kernels (EPYC)").
     ``TRIFORCE_ONE_ROW_KERNEL`` (:data:`ONE_ROW_ENV_SWITCH`) = "1" or "0" overrides the default, for A/B runs. The
     verifier's decode steps follow :func:`f32_one_row_exact` instead (our kernel with either build).
 
@@ -296,13 +296,12 @@ def f32_beats_onednn() -> bool:
     """Whether :func:`f32_linear` is faster than oneDNN's product over prepacked weights for 2 to
     :data:`LINEAR_MAX_ROWS` fp32 rows (a verification block, a batch of decode steps or verifications).
 
-    True with the AVX-512 build: 0.92-1.16x oneDNN's time over SmolLM2's weights on this project's AVX-512 CPU, the
-    two within a few percent at most row counts (``bench/results/qlinear.json``), so ``--packed-weights auto`` does
-    not spend memory on a packed copy. False with the AVX2 build: on an AVX2 EPYC oneDNN's packed product (its own
-    AVX2 kernels) took 0.59-0.76x our time at every row count from 1 to 56 (``bench/results/qlinear_avx2_cpu.json``),
-    so the model packs its weights (:meth:`~triforce.model.Transformer.packing_pays`) and multi-row products run on
-    oneDNN; our kernel still runs them where the weights are not packed (``--packed-weights off``, too little
-    memory): there it beats MKL's product from 4 rows (1.2-2.0x), not at 2 (0.90x). False without the kernels.
+    True with the AVX-512 build, within a few percent of oneDNN's packed product at most row counts, so
+    ``--packed-weights auto`` does not spend memory on a packed copy. False with the AVX2 build, where oneDNN's packed
+    product (its own AVX2 kernels) is faster at every row count, so the model packs its weights
+    (:meth:`~triforce.model.Transformer.packing_pays`) and multi-row products run on oneDNN; our kernel still runs
+    them where the weights are not packed (``--packed-weights off``, too little memory). False without the kernels.
+    Measurements: docs/performance.md, "Kernels (EPYC)".
 
     Returns:
         bool; loads the linear kernels on the first call, then answers from the library's cached choice.
@@ -352,9 +351,8 @@ def f32_linear(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor | None:
     computed by ``csrc/qlinear.c``: column blocks of the output whose accumulators stay in registers while the
     weight rows stream past, each weight vector loaded once for all rows. Each output is one chain of FMAs over the
     inputs in order, whatever the other rows, so a row's result is bitwise the same alone and in a block (the
-    attention kernel's property too: a verification computes the logits a decode step would). 0.9-1.2x oneDNN's
-    packed product and 1.6-3.3x MKL's for 1-56 rows over SmolLM2's matrices on this project's AVX-512 CPU
-    (``bench/kernels/qlinear.py --rows 1 2 4 5 7 8 14 28 56``, docs/history.md).
+    attention kernel's property too: a verification computes the logits a decode step would). Its speed against
+    oneDNN's and MKL's products: docs/performance.md, "Kernels (EPYC)".
 
     Args:
         x: (M, in) fp32 activations, 1 <= M <= :data:`LINEAR_MAX_ROWS`.
@@ -376,7 +374,8 @@ def f32_linear(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor | None:
     x = x.contiguous()
     m, n_in = x.shape
     y = torch.empty(m, w_t.shape[1], dtype=torch.float32)
-    rc = fns["triforce_f32_linear"](x.data_ptr(), w_t.data_ptr(), y.data_ptr(), m, n_in, w_t.shape[1], torch.get_num_threads())
+    rc = fns["triforce_f32_linear"](x.data_ptr(), w_t.data_ptr(), y.data_ptr(), m, n_in, w_t.shape[1],
+                                    torch.get_num_threads())
     return y if rc == 0 else None
 
 

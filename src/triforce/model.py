@@ -74,9 +74,9 @@ def compile_forward(fn, mode: str):
     """``torch.compile(fn, mode=mode, dynamic=False)``; with ``reduce-overhead`` each output is cloned as it returns.
 
     ``reduce-overhead`` replays CUDA graphs (PyTorch's CUDA graph trees), which reuse a graph's output memory at a
-    later replay; a block's norm output still read after that failed on an H200 with "accessing tensor output of
-    CUDAGraphs that has been overwritten by a subsequent run" (``bench/gpu/gpu_check.py --stages compiled``,
-    bench/results/gpu_h200_2026-12-04/). The clone (one activation-sized copy) is the remedy PyTorch's message names.
+    later replay; a block's norm output still read after that fails with "accessing tensor output of CUDAGraphs that
+    has been overwritten by a subsequent run" (seen on a GPU by ``bench/gpu/gpu_check.py --stages compiled``). The
+    clone (one activation-sized copy) is the remedy PyTorch's message names.
 
     Args:
         fn: a block's norm or MLP ``forward`` (bound method) returning one tensor, e.g. (B, T, d).
@@ -247,7 +247,8 @@ class Transformer(nn.Module):
                 x = x[:, -num_logits:]
             return self.lm_head(self.norm(x)).float()
 
-    def forward_ragged(self, blocks: list[tuple[torch.Tensor, torch.Tensor, KVCache, int | None]]) -> list[torch.Tensor]:
+    def forward_ragged(self,
+                       blocks: list[tuple[torch.Tensor, torch.Tensor, KVCache, int | None]]) -> list[torch.Tensor]:
         """One forward over the blocks of several sequences, each with its own cache (continuous batching).
 
         The blocks are laid one after another on the time axis, (1, sum T_i): the projections, MLPs and LM head
@@ -329,10 +330,10 @@ class Transformer(nn.Module):
         del state
         new: dict[str, torch.Tensor] = {}
 
-        def take(name: str) -> torch.Tensor:
-            if name not in renamed:
+        def take(name: str) -> torch.Tensor:  # runs before `del renamed` below (F821: pyflakes sees the del)
+            if name not in renamed:  # noqa: F821
                 raise ValueError(f"checkpoint is missing weight {name!r}")
-            return renamed.pop(name)
+            return renamed.pop(name)  # noqa: F821
 
         def weight_t(*names: str) -> torch.Tensor:
             """The named (out, in) weights stacked along out, as our Linear stores them: (in, sum of out)."""
@@ -439,12 +440,12 @@ class Transformer(nn.Module):
 
     def packing_pays(self) -> bool:
         """The ``auto`` rule of ``--packed-weights``: a CPU model in fp32 whose weights take at most a quarter of the
-        free memory (the packed copy doubles them), where our fp32 kernel for a few rows (``kernels.f32_linear``)
-        cannot run or is slower than oneDNN's packed product (the AVX2 build, :func:`~triforce.kernels.f32_beats_onednn`).
+        free memory (the packed copy doubles them), where our fp32 kernel for a few rows (``kernels.f32_linear``) cannot
+        run or is slower than oneDNN's packed product (the AVX2 build, :func:`~triforce.kernels.f32_beats_onednn`).
         Where the AVX-512 build runs it is about as fast as oneDNN's packed product for 2-64 rows
         (``bench/kernels/qlinear.py``), and prefill (more rows) is as fast with MKL's product over the (in, out)
-        weights, so the copy would only cost memory. Nor where the weights are block codes (``blockcodes.py``): 2-64 rows read
-        the codes."""
+        weights, so the copy would only cost memory. Nor where the weights are block codes (``blockcodes.py``): 2-64
+        rows read the codes."""
         from .kernels import f32_beats_onednn
         from .memory import available_bytes
 

@@ -15,15 +15,9 @@
  * item (static schedule: the next chunk), spread over the item's passes: the scores' passes (one per 3 rows) each
  * prefetch a share of this chunk's values, the weighted sums' passes a share of the next chunk's keys. So the memory
  * stream does not pause while the scores and sums are computed, and a 7-token block's prefetches do not arrive in
- * one burst that evicts the rows it is working on (prefetching the whole next item into L1 at its start, as before,
- * left SmolLM2's decode-step attention at 8K 1.20x and a 7-token block's 1.26x slower on this project's AVX2 machine,
- * with bitwise the same outputs: bench/kernels/attention_kernel.py --baseline-source, which also measures the kernel against
- * the floor; bench/results/attention_kernel_avx2_prefetch_2026-12-03.json). The AVX-512 path spreads its
- * prefetches the same way, into L1 (its score passes take 4 rows); until 2026-12-05 it prefetched the whole next item
- * into L1 at the start of each, which left SmolLM2's attention at 8K 1.48x slower for a decode step, 1.52x for a
- * 4-token block and 1.34x for a 7-token one on this project's AVX-512 EPYC, with bitwise the same outputs
- * (bench/results/attention_kernel_prefetch16_2026-12-05.json: a decode step's attention now reads the cache at
- * 58 GB/s).
+ * one burst that evicts the rows it is working on (prefetching the whole next item at its start was slower, with
+ * bitwise the same outputs: docs/performance.md, "Kernels (EPYC)"). The AVX-512 path spreads its prefetches the
+ * same way, into L1 (its score passes take 4 rows).
  *
  * triforce_gqa_attention_bf16 reads bf16 keys and values (a lower tier's cache, or the full cache with --kv-dtype
  * bfloat16: half the bytes) with the same arithmetic in fp32. Built at first use by triforce/kernels.py with -O3 -mavx2 -mfma -fopenmp; the Python side

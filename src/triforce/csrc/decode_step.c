@@ -7,9 +7,8 @@
  * retrieval cache; here its int8 weight-only copy, triforce/quant.py) is 30 layers of about 15 small operations each
  * on SmolLM2. Called from Python one at a time, each pays its dispatch (a few microseconds to tens), and the gaps
  * between the OpenMP regions of the matrix products outlast the threads' spin, so every product also pays a thread
- * wake-up: at 8K tokens on this project's 2-core AVX2 machine the step took 26.3 ms where its int8 products and
- * attention alone took 16.2 ms (bench/kernels/decode_step.py, bench/results/decode_step_8000_avx2_2026-12-03.json). This driver runs the same layer as triforce/model.py Block.forward, with the
- * same kernels, back to back:
+ * wake-up, which cost more than a third of the step (docs/performance.md, "Kernels (EPYC)"). This driver runs the
+ * same layer as triforce/model.py Block.forward, with the same kernels, back to back:
  *
  *     h = rms_norm(x) ;  [q k v] = h (s_qkv * Q_qkv)^T + b_qkv
  *     q, k = rope(q), rope(k) ;  K[slot], V[slot] = k, v ;  a = attention(q, K[:n_keys], V[:n_keys])
