@@ -30,7 +30,16 @@ from functools import cached_property
 
 import torch
 
-from .kernels import _I, _P, BLOCKCODES_CFLAGS, BLOCKCODES_ENV_SWITCH, LINEAR_MAX_ROWS, _Library, best_build, forced_build
+from .kernels import (
+    _I,
+    _P,
+    BLOCKCODES_CFLAGS,
+    BLOCKCODES_ENV_SWITCH,
+    LINEAR_MAX_ROWS,
+    _Library,
+    best_build,
+    forced_build,
+)
 
 #: inputs per block (ggml's QK4_1 = QK8_0 = 32)
 GROUP = 32
