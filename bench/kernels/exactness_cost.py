@@ -31,7 +31,10 @@ import os
 import sys
 
 import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+
+# isort: split
 import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import _interleaved, add_run_options, emit_json, positive_int  # noqa: E402
 
