@@ -193,16 +193,17 @@ def test_int8_kernel_declines_what_it_does_not_handle():
 @pytest.mark.parametrize("n_in,out", [(576, 960), (1536, 576), (576, 192), (64, 48), (23, 16), (576, 49152 // 8),
                                       (64, 97), (576, 32001 // 8), (40, 7)])  # widths with tail columns (issue 47)
 def test_f32_kernel_matches_fp64_and_rows_are_independent(n_in, out, linear_build):
-    """The fp32 product with (in, out) weights for every row count up to LINEAR_MAX_ROWS (one pass, several passes
-    over a tile, the narrow blocks of a small matrix): within the error bound of fp32 summation (n * 2^-24 of
-    sum |x w|) of the exact product, and each row bit-identical to the same row computed alone."""
+    """The fp32 product with (in, out) weights for every row count up to LINEAR_MAX_ROWS, and 70 and 130 (the
+    verifier's batches, issue 47) (one pass, several passes over a tile, the narrow blocks of a small matrix): within
+    the error bound of fp32 summation (n * 2^-24 of sum |x w|) of the exact product, and each row bit-identical to
+    the same row computed alone."""
     g = torch.Generator().manual_seed(out)
     w = torch.randn(n_in, out, generator=g)
-    x = torch.randn(kernels.LINEAR_MAX_ROWS, n_in, generator=g)
+    x = torch.randn(130, n_in, generator=g)
     exact = x.double() @ w.double()
     alone = torch.cat([kernels.f32_linear(x[i:i + 1], w) for i in range(len(x))])
     bound = (x.double().abs() @ w.double().abs()) * n_in * 2 ** -24  # per row
-    for m in range(1, kernels.LINEAR_MAX_ROWS + 1):
+    for m in [*range(1, kernels.LINEAR_MAX_ROWS + 1), 70, 130]:
         y = kernels.f32_linear(x[:m], w)
         assert y is not None and y.shape == (m, out) and y.dtype == torch.float32
         assert torch.all((y.double() - exact[:m]).abs() <= bound[:m])
@@ -212,7 +213,7 @@ def test_f32_kernel_matches_fp64_and_rows_are_independent(n_in, out, linear_buil
 @linear_kernels
 def test_f32_kernel_declines_what_it_does_not_handle():
     w = torch.randn(32, 48)
-    assert kernels.f32_linear(torch.randn(kernels.LINEAR_MAX_ROWS + 1, 32), w) is None  # too many rows: prefill
+    assert kernels.f32_linear(torch.randn(kernels.F32_MAX_ROWS + 1, 32), w) is None  # too many rows for one call
     assert kernels.f32_linear(torch.randn(0, 32), w) is None  # no rows
     assert kernels.f32_linear(torch.randn(2, 31), w) is None  # in differs
     assert kernels.f32_linear(torch.randn(2, 32), torch.randn(48, 32).T) is None  # not contiguous

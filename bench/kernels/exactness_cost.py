@@ -3,9 +3,10 @@ replaced, timed in one process, interleaved (medians of ``--reps``).
 
     python bench/kernels/exactness_cost.py --context 8000 --reps 9 --threads 2 --out bench/results/exactness_cost.json
 
-* ``products``: SmolLM2's five fp32 matrices (qkv, o, gate/up, down, the 49,152-column LM head; random weights) times
-  70 and 128 rows (a batch of 10 verifying 7 tokens; 8 verifying 16): our kernel in chunks of 64 rows (the rule)
-  against MKL's product (before: every product of more than 64 rows);
+* ``products``: SmolLM2's fp32 matrices (``layer``: one layer's qkv, o, gate/up and down; ``lm_head``: the
+  49,152-column LM head; random weights) times 70 and 128 rows (a batch of 10 verifying 7 tokens; 8 verifying 16):
+  our kernel in one call (the rule), and in calls of 64 rows (``ms_chunks_of_64``), against MKL's product (before:
+  every product of more than 64 rows);
 * ``width``: a 32,001-column LM head times 1 row (a decode step) and 7 rows (a block): our kernel with its tail
   columns against MKL's GEMV and GEMM (before);
 * ``attention``: one layer's attention of a 17-, 32- and 64-token block over ``--context`` keys: ``csrc/attention.c``
@@ -50,11 +51,17 @@ def _entry(fns: dict, reps: int) -> dict:
 
 def _products(rows: int, weights: list, reps: int) -> dict:
     from triforce.exact import _chunks
-    from triforce.kernels import f32_linear
+    from triforce.kernels import F32_MAX_ROWS, f32_linear
 
-    x = [torch.randn(rows, w.shape[0]) for w in weights]
-    return _entry({"rule": lambda: [_chunks(f32_linear, a, w) for a, w in zip(x, weights)],
-                   "before": lambda: [a @ w for a, w in zip(x, weights)]}, reps)
+    out = {}
+    for name, ws in (("layer", weights[:4]), ("lm_head", weights[4:])):
+        x = [torch.randn(rows, w.shape[0]) for w in ws]
+        t = _interleaved({"rule": lambda: [_chunks(f32_linear, a, w, F32_MAX_ROWS) for a, w in zip(x, ws)],
+                          "chunks": lambda: [_chunks(f32_linear, a, w) for a, w in zip(x, ws)],
+                          "before": lambda: [a @ w for a, w in zip(x, ws)]}, reps)
+        out[name] = {"ms_rule": round(t["rule"] * 1e3, 3), "ms_chunks_of_64": round(t["chunks"] * 1e3, 3),
+                     "ms_before": round(t["before"] * 1e3, 3), "ratio": round(t["rule"] / t["before"], 3)}
+    return out
 
 
 def _coded(context: int, reps: int) -> dict:

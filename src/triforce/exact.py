@@ -10,8 +10,8 @@ their kernels by shape (MKL's GEMV for one row, GEMM or oneDNN for several). So 
 the verifier's decode steps or verification blocks (:meth:`~triforce.caches.KVCache.exact_rows`: the full KV cache,
 blocks of at most :data:`EXACT_MAX_BLOCK` tokens, on the CPU) runs inside :func:`exact_forward`, and there
 
-* every fp32 product runs on our kernel whatever its rows: more than ``kernels.LINEAR_MAX_ROWS`` rows in chunks of
-  that many (each row's value is the same in any chunk), any output width (the kernel's tail columns), on the
+* every fp32 product runs on our kernel whatever its rows (in one call up to ``kernels.F32_MAX_ROWS``; each row's
+  value is the same whatever the other rows), any output width (the kernel's tail columns), on the
   AVX-512 and the AVX2 build alike, one row included (MKL's GEMV only with ``TRIFORCE_ONE_ROW_KERNEL=0``, an A/B
   switch that gives up the rule); where the kernel is off or unavailable, each row is its own PyTorch product, the
   call a decode step makes (:func:`linear_forward`);
@@ -38,6 +38,7 @@ import torch
 
 from .blockcodes import blockcode_linear, blockcode_linear_q8, blockcode_matmul
 from .kernels import (
+    F32_MAX_ROWS,
     LINEAR_MAX_ROWS,
     ONE_ROW_ENV_SWITCH,
     f32_beats_onednn,
@@ -82,14 +83,14 @@ def exact_rows() -> bool:
     return getattr(_state, "on", False)
 
 
-def _chunks(fn: Callable, x: torch.Tensor, w) -> torch.Tensor | None:
-    """``fn(x, w)`` over chunks of at most :data:`~triforce.kernels.LINEAR_MAX_ROWS` rows of ``x`` (M, in),
-    concatenated; None where ``fn`` gives None for one (the kernel does not apply)."""
-    if x.shape[0] <= LINEAR_MAX_ROWS:
+def _chunks(fn: Callable, x: torch.Tensor, w, rows: int = LINEAR_MAX_ROWS) -> torch.Tensor | None:
+    """``fn(x, w)`` over chunks of at most ``rows`` rows of ``x`` (M, in), concatenated; None where ``fn`` gives None
+    for one (the kernel does not apply)."""
+    if x.shape[0] <= rows:
         return fn(x, w)
     parts = []
-    for i in range(0, x.shape[0], LINEAR_MAX_ROWS):
-        part = fn(x[i:i + LINEAR_MAX_ROWS], w)
+    for i in range(0, x.shape[0], rows):
+        part = fn(x[i:i + rows], w)
         if part is None:
             return None
         parts.append(part)
@@ -133,7 +134,7 @@ def linear_forward(lin, x: torch.Tensor) -> torch.Tensor:
         if lin.weight_t is None:  # codes only, their kernel off: the dequantized tiles' product, a row at a time
             y = _rowwise(blockcode_matmul, x2, lin.codes)
         elif rows > 1 or f32_one_row_exact():
-            y = _chunks(f32_linear, x2, lin.weight_t)
+            y = _chunks(f32_linear, x2, lin.weight_t, F32_MAX_ROWS)
         # the kernel off: each row as a decode step computes it (unless the A/B switch sends one row to MKL's GEMV)
         if y is None and not (rows == 1 and os.environ.get(ONE_ROW_ENV_SWITCH) == "0"):
             y = _rowwise(torch.matmul, x2, lin.weight_t)

@@ -91,6 +91,10 @@ BLOCKCODES_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-
 #: verifying 7 tokens each are 56 rows, where MKL's product is 2.6x slower than ours, bench/kernels/qlinear.py); prefill
 #: chunks take PyTorch's op
 LINEAR_MAX_ROWS = 64
+#: most rows of one :func:`f32_linear` call (csrc/qlinear.c's F32_MAX_ROWS): a row's value is the same for any number
+#: of rows, so the verifier's batches past :data:`LINEAR_MAX_ROWS` rows (``exact.py``) take one pass over the weights
+#: (1.2-1.4x faster than calls of 64 rows over SmolLM2's LM head at 70 and 128 rows, docs/performance.md)
+F32_MAX_ROWS = 1024
 #: most rows of one int8 kernel call (a lower tier's decode step or proposal block, a small batch of them): from about
 #: 7 rows on, aten's bf16 int8 product is faster (bench/kernels/qlinear.py --rows 7 14 28), and it takes more
 INT8_LINEAR_MAX_ROWS = 16
@@ -355,7 +359,8 @@ def f32_linear(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor | None:
     oneDNN's and MKL's products: docs/performance.md, "Kernels (EPYC)".
 
     Args:
-        x: (M, in) fp32 activations, 1 <= M <= :data:`LINEAR_MAX_ROWS`.
+        x: (M, in) fp32 activations, 1 <= M <= :data:`F32_MAX_ROWS` (callers outside the verifier's exact forwards
+            keep it for 2-:data:`LINEAR_MAX_ROWS` rows, where it is about as fast as oneDNN's packed product).
         w_t: (in, out) fp32 weights, contiguous, any out >= 1: the columns past the last multiple of 16 (an LM head
             over a 32,001-token vocabulary) are one ``fmaf`` chain each, bitwise what a vector lane computes, so they
             keep the row-independence too.
@@ -366,7 +371,7 @@ def f32_linear(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor | None:
     """
     if (x.dim() != 2 or w_t.dim() != 2 or x.device.type != "cpu" or w_t.device.type != "cpu"
             or x.dtype != torch.float32 or w_t.dtype != torch.float32 or x.shape[1] != w_t.shape[0]
-            or not 1 <= x.shape[0] <= LINEAR_MAX_ROWS or w_t.shape[1] == 0 or not w_t.is_contiguous()):
+            or not 1 <= x.shape[0] <= F32_MAX_ROWS or w_t.shape[1] == 0 or not w_t.is_contiguous()):
         return None
     fns = _linear.load()
     if fns is None:

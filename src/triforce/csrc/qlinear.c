@@ -24,6 +24,9 @@
 #include <stdint.h>
 
 #define MAX_ROWS 64  /* the most activation rows per call: a batch of 8 sequences verifying 7 tokens each is 56 */
+/* the most rows of one fp32 call: each row's sums run in the same order for any M, so the verifier's batches past
+ * MAX_ROWS rows (triforce/exact.py) take one pass over the weights instead of one per 64 rows */
+#define F32_MAX_ROWS 1024
 
 /* The fp32 product's last out % 16 columns (an output width that is not a multiple of 16: an LM head over a 32,001-
  * token vocabulary), y[m, o] for o0 <= o < out: one fmaf chain over i = 0 .. in-1 per output, from +0, which is what a
@@ -162,7 +165,7 @@ static inline __attribute__((always_inline)) void colblock_f32(const float* x, c
 /* x: (M, in) fp32 contiguous, w: (in, out) fp32 contiguous, y: (M, out) fp32; the columns past the last multiple of
  * 16 by f32_tail_columns. Returns 0, or -1 for arguments outside what the kernel handles (nothing written). */
 int triforce_f32_linear(const float* x, const float* w, float* y, int M, int in, int out, int nthreads) {
-    if (M < 1 || M > MAX_ROWS || in < 1 || out < 1 || nthreads < 1)
+    if (M < 1 || M > F32_MAX_ROWS || in < 1 || out < 1 || nthreads < 1)
         return -1;
     const int out16 = out - out % 16;  /* the columns of whole vectors; out stays the stride of w and y */
     const int width = out16 / 64 >= 4 * nthreads ? 64 : 32;  /* floats per column block */
@@ -329,7 +332,7 @@ static inline __attribute__((always_inline)) void colblock_f32(const float* x, c
 /* x: (M, in) fp32 contiguous, w: (in, out) fp32 contiguous, y: (M, out) fp32; the columns past the last multiple of
  * 16 by f32_tail_columns. Returns 0, or -1 for arguments outside what the kernel handles (nothing written). */
 int triforce_f32_linear(const float* x, const float* w, float* y, int M, int in, int out, int nthreads) {
-    if (M < 1 || M > MAX_ROWS || in < 1 || out < 1 || nthreads < 1)
+    if (M < 1 || M > F32_MAX_ROWS || in < 1 || out < 1 || nthreads < 1)
         return -1;
     const int blocks = out / 16, passes = (M + F_ROWS - 1) / F_ROWS, tile = passes == 1 ? in : F_TILE;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
