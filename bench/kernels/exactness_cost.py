@@ -130,8 +130,8 @@ def main() -> int:
 
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(i, o, generator=gen) * 0.05 for i, o in SHAPES]
-    out = {"context": args.context, "threads": args.threads, "reps": args.reps,
-           "linear_kernel": kernels.linear_status(), "attention_kernel": kernels.status()}
+    out = {"command": " ".join(["python", *sys.argv]), "context": args.context, "threads": args.threads,
+           "reps": args.reps, "linear_kernel": kernels.linear_status(), "attention_kernel": kernels.status()}
     out["products"] = {rows: _products(rows, weights, args.reps) for rows in (70, 128)}
     head = torch.randn(576, 32001, generator=gen) * 0.05
     out["width"] = {}

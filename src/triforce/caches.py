@@ -191,7 +191,8 @@ class RaggedCache(KVCache):
 #: (where the kernel is available): decode steps and verification blocks (:data:`~triforce.exact.EXACT_MAX_BLOCK`);
 #: longer blocks (prefill) use SDPA, whose matrix-product tiling wins there. A row's result does not depend on the
 #: block it is in (same chunks, same order of operations), so a verification computes the logits a decode step would.
-#: Its speed against SDPA: docs/performance.md, "Kernels (EPYC)".
+#: Its speed against SDPA: docs/performance.md, "Kernels (EPYC)" (and for blocks of 17-64 tokens, "Exactness paths:
+#: what they cost").
 KERNEL_MAX_BLOCK = EXACT_MAX_BLOCK
 
 

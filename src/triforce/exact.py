@@ -50,8 +50,8 @@ from .sdpa import gqa_attention
 
 #: longest block of one sequence (tokens in one forward) that runs on the row-invariant paths: decode steps and
 #: verification blocks up to gamma 63 (``scheduling.SHORT_FORWARD_ROWS``); longer blocks are prefill chunks, which
-#: keep SDPA and PyTorch's products (measured: the attention kernel took 0.74x SDPA's time for a 64-token block of
-#: SmolLM2 at 8K on this project's AVX-512 machine, docs/performance.md)
+#: keep SDPA and PyTorch's products (the attention kernel took 0.77-0.84x SDPA's time for SmolLM2's 17- and 32-token
+#: blocks at 8K, 0.95-1.02x for 64: docs/performance.md, "Exactness paths: what they cost")
 EXACT_MAX_BLOCK = 64
 
 #: False turns the rule off, so that every forward takes the fastest paths by shape as before issue 47: for A/B

@@ -93,7 +93,7 @@ BLOCKCODES_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-
 LINEAR_MAX_ROWS = 64
 #: most rows of one :func:`f32_linear` call (csrc/qlinear.c's F32_MAX_ROWS): a row's value is the same for any number
 #: of rows, so the verifier's batches past :data:`LINEAR_MAX_ROWS` rows (``exact.py``) take one pass over the weights
-#: (1.2-1.4x faster than calls of 64 rows over SmolLM2's LM head at 70 and 128 rows, docs/performance.md)
+#: (calls of 64 rows took 1.0-1.6x its time over SmolLM2's matrices at 70 and 128 rows, docs/performance.md)
 F32_MAX_ROWS = 1024
 #: most rows of one int8 kernel call (a lower tier's decode step or proposal block, a small batch of them): from about
 #: 7 rows on, aten's bf16 int8 product is faster (bench/kernels/qlinear.py --rows 7 14 28), and it takes more
