@@ -14,12 +14,13 @@ this changes no token, only the time (the lossless rule of TriForce, arXiv 2404.
 weights; tests/test_blockcodes.py checks the products bitwise and greedy equality).
 
 A GGUF file loaded for an fp32 CPU model is read as it stores its matrices (``ggufcodes.py``: Q4_0, Q4_1, Q5_0, Q8_0,
-Q4_K, Q5_K, Q6_K), with no fp32 copy: K-quants keep fp32 scales and minima per group (the exact products of their
-fp16 super-block scales and 6- or 8-bit group scales; ``BC_F32``) and Q6_K groups of 16 inputs (``BC_G16``); more
-rows than the kernel takes (prefill) multiply dequantized tiles (:func:`blockcode_matmul`). A bf16 or fp16
-checkpoint loaded for an fp32 CPU model keeps its matrices at 2 bytes a weight (:func:`codes_from_16bit`, width 16:
-the weights themselves, widened exactly in registers), so its products read half the bytes of an fp32 copy for the
-same outputs. fp32 checkpoints are not block codes: the check fails on the first blocks and they stay fp32.
+Q4_K, Q5_K, Q6_K), with no fp32 copy: K-quants keep their scales and minima as the file does, an int8 group scale per
+32 inputs (16: Q6_K's, ``BC_G16``) and an fp16 super-block scale per 256 (``BC_KS``; the kernel forms their exact
+fp32 product in registers); a fusion of K-quants with the fp16-scale types keeps those products as fp32
+(``BC_F32``); more rows than the kernel takes (prefill) multiply dequantized tiles (:func:`blockcode_matmul`). A bf16
+or fp16 checkpoint loaded for an fp32 CPU model keeps its matrices at 2 bytes a weight (:func:`codes_from_16bit`,
+width 16: the weights themselves, widened exactly in registers), so its products read half the bytes of an fp32 copy
+for the same outputs. fp32 checkpoints are not block codes: the check fails on the first blocks and they stay fp32.
 ``TRIFORCE_BLOCK_CODES=0`` turns the codes off.
 """
 
@@ -84,8 +85,11 @@ def blockcodes_status() -> str:
 
 
 #: flags added to a :class:`BlockCodes`' width in the kernel's ``bits`` argument (csrc/blockcodes.c): fp32 scales and
-#: minima (a K-quant's), groups of 16 inputs (Q6_K's), bf16 weights (width 16)
-BC_F32, BC_G16, BC_BF16 = 32, 64, 128
+#: minima (a K-quant's products), groups of 16 inputs (Q6_K's), bf16 weights (width 16), a K-quant's scales and minima
+#: as stored (int8 per group, fp16 per super-block; 256 is decode_step.py's ``Q8_ACTIVATIONS``)
+BC_F32, BC_G16, BC_BF16, BC_KS = 32, 64, 128, 512
+#: inputs per K-quant super-block (ggml's QK_K)
+SUPER = 256
 #: the 2-byte weight dtypes kept as they are stored (width 16)
 WIDTH16_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -99,11 +103,16 @@ class BlockCodes:
         bits: 4 (codes in [0, 15], nibbles), 8 (codes in [-128, 127], int8) or 16 (bf16 or fp16 weights).
         codes: bits 4: (out / 8, in) int32, nibble k the code of output 8c + k; bits 8: (out / 8, in, 8) int8;
             bits 16: (out / 8, in, 8) bf16 or fp16, the weight of output 8c + k at input i.
-        d: (out / 8, in / group, 8) scales per group of inputs: fp16 as GGUF's Q4_0/Q4_1/Q5_0/Q8_0 store them, or fp32
-            (a K-quant's super-block scale times its 6- or 8-bit group scale, exact in fp32); None for bits 16.
-            m: the same shape and dtype, the minima (None: ``w = d q``).
+        d: (out / 8, in / group, 8) scales per group of inputs: fp16 as GGUF's Q4_0/Q4_1/Q5_0/Q8_0 store them; int8
+            (a K-quant's 6- or 8-bit group scale sc, with ``d_super``); or fp32 (the exact product of the two, where a
+            K-quant is fused with an fp16-scale type); None for bits 16. m: the same shape and dtype, the minima
+            (None: ``w = d q``).
         in_features, out_features: the matrix's shape, (in, out).
         group: inputs per scale, 32 or 16 (Q6_K).
+        d_super, m_super: a K-quant's fp16 super-block scale d and negated minimum -dmin, (out / 8, in / 256, 8),
+            or None: the scale of a group is ``d_super sc`` and its minimum ``m_super mc`` (exact in fp32: an fp16
+            times an integer below 2^7 in magnitude), bitwise the fp32 values gguf-py computes. Each is kept in one
+            buffer right after ``d`` (``m``): the kernel finds it at byte ``d.numel()`` (:meth:`__post_init__`).
     """
 
     bits: int
@@ -113,6 +122,29 @@ class BlockCodes:
     in_features: int
     out_features: int
     group: int = GROUP
+    d_super: torch.Tensor | None = None
+    m_super: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        """A K-quant's (int8, fp16) pairs packed into one buffer each, the fp16 values right after the int8 ones (the
+        kernel's ``BC_KS`` layout: one pointer a pair).
+
+        Raises:
+            ValueError: super-block values without int8 group values (or the reverse), or shapes that do not match.
+        """
+        if (self.d_super is None) != (self.d is None or self.d.dtype != torch.int8) or (
+                (self.m_super is None) != (self.m is None or self.m.dtype != torch.int8)):
+            raise ValueError("BlockCodes: int8 group scales (minima) go with fp16 super-block ones, and only they")
+        if self.d_super is None:
+            return
+        want = (self.out_features // 8, self.in_features // SUPER, 8)
+        for sub, sup in ((self.d, self.d_super), (self.m, self.m_super)):
+            if sup is not None and (tuple(sup.shape) != want or sup.dtype != torch.float16
+                                    or self.in_features % SUPER or sub.shape[0] != want[0]):
+                raise ValueError(f"BlockCodes: super-block values must be fp16 {want} (in a multiple of {SUPER})")
+        self.d, self.d_super = _packed(self.d, self.d_super)
+        if self.m is not None:
+            self.m, self.m_super = _packed(self.m, self.m_super)
 
     @property
     def kernel_bits(self) -> int:
@@ -120,22 +152,35 @@ class BlockCodes:
         they apply."""
         if self.bits == 16:
             return 16 | (BC_BF16 if self.codes.dtype == torch.bfloat16 else 0)
-        return self.bits | (BC_F32 if self.d.dtype == torch.float32 else 0) | (BC_G16 if self.group == 16 else 0)
+        return (self.bits | (BC_F32 if self.d.dtype == torch.float32 else 0)
+                | (BC_KS if self.d_super is not None else 0) | (BC_G16 if self.group == 16 else 0))
 
     @cached_property
     def q8_dot_ok(self) -> bool:
-        """Whether :func:`blockcode_linear_q8` takes these codes: fp16 (Q4_0, Q4_1, Q5_0, Q8_0) or fp32 (Q4_K, Q5_K)
-        scales over groups of 32, with 4-bit codes or 8-bit codes within [-127, 127] (the kernel's ``vpsignb`` cannot
-        negate -128; ggml's own Q8_0 quantization never writes it). Groups of 16 (Q6_K, mixed fusions) are not taken.
-        Checked once."""
-        if self.kernel_bits not in (4, 8, 4 | BC_F32, 8 | BC_F32):
+        """Whether :func:`blockcode_linear_q8` takes these codes: fp16 (Q4_0, Q4_1, Q5_0, Q8_0), stored K-quant (Q4_K,
+        Q5_K) or fp32 scales over groups of 32, with 4-bit codes or 8-bit codes within [-127, 127] (the kernel's
+        ``vpsignb`` cannot negate -128; ggml's own Q8_0 quantization never writes it). Groups of 16 (Q6_K, mixed
+        fusions) are not taken. Checked once."""
+        if self.kernel_bits not in (4, 8, 4 | BC_F32, 8 | BC_F32, 4 | BC_KS, 8 | BC_KS):
             return False
         return self.bits == 4 or int(self.codes.min()) > -128
 
     @property
     def nbytes(self) -> int:
-        """Bytes a product reads: codes, scales and minima."""
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m) if t is not None)
+        """Bytes a product reads: codes, scales and minima (a K-quant's group and super-block values)."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m, self.d_super, self.m_super)
+                   if t is not None)
+
+    def group_scales(self, c_from: int = 0, c_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The scales and minima of column blocks [c_from, c_to) as (C, in / group, 8) fp32: a K-quant's ``d_super sc``
+        and ``m_super mc`` (exact), or the stored values widened."""
+        def full(sub: torch.Tensor | None, sup: torch.Tensor | None) -> torch.Tensor | None:
+            if sub is None:
+                return None
+            if sup is None:
+                return sub[c_from:c_to].float()
+            return sup[c_from:c_to].float().repeat_interleave(SUPER // self.group, dim=1) * sub[c_from:c_to].float()
+        return full(self.d, self.d_super), full(self.m, self.m_super)
 
     def unpacked(self) -> torch.Tensor:
         """The codes as (out / 8, in, 8) int8 (4-bit codes unpacked; 8-bit codes as they are).
@@ -168,26 +213,31 @@ class BlockCodes:
         if self.bits == 16:
             return self.codes[c_from:c_to].float().permute(1, 0, 2).reshape(self.in_features, -1)
         q = self.unpacked()[c_from:c_to].float()  # (C, in, 8)
-        w = self.d[c_from:c_to].float().repeat_interleave(self.group, dim=1) * q
-        if self.m is not None:
-            w = w + self.m[c_from:c_to].float().repeat_interleave(self.group, dim=1)
+        d, m = self.group_scales(c_from, c_to)
+        w = d.repeat_interleave(self.group, dim=1) * q
+        if m is not None:
+            w = w + m.repeat_interleave(self.group, dim=1)
         return w.permute(1, 0, 2).reshape(self.in_features, -1)
 
     def promoted(self, bits: int, f32: bool, group: int, has_m: bool) -> "BlockCodes":
         """The same weights in a wider format (8-bit codes, fp32 scales, groups of 16, minima of 0), so that matrices
         of different GGUF types can share one product (q, k and v; gate and up). Exact: fp16 scales are fp32 values,
-        a group's scale serves both its halves, and ``fl(d q) + 0`` is ``d q`` (a zero weight's sign aside, which no
-        FMA chain starting at +0 can see)."""
+        a K-quant's ``d_super sc`` is exact in fp32, a group's scale serves both its halves, and ``fl(d q) + 0`` is
+        ``d q`` (a zero weight's sign aside, which no FMA chain starting at +0 can see). A K-quant's stored scales stay
+        stored unless ``f32``."""
         codes = self.codes if bits == self.bits else self.unpacked()
-        d, m = self.d, self.m
+        d, m, d_super, m_super = self.d, self.m, self.d_super, self.m_super
+        if f32 and d_super is not None:
+            (d, m), d_super, m_super = self.group_scales(), None, None
         if has_m and m is None:
             m = torch.zeros_like(d)
+            m_super = None if d_super is None else torch.zeros_like(d_super)
         if f32:
             d, m = d.float(), None if m is None else m.float()
         if group != self.group:
             d, m = d.repeat_interleave(2, dim=1), None if m is None else m.repeat_interleave(2, dim=1)
         return BlockCodes(bits, codes, d.contiguous(), None if m is None else m.contiguous(), self.in_features,
-                          self.out_features, group)
+                          self.out_features, group, d_super, m_super)
 
 
 def concat_outputs(parts: list[BlockCodes]) -> BlockCodes:
@@ -204,19 +254,46 @@ def concat_outputs(parts: list[BlockCodes]) -> BlockCodes:
             raise ValueError("concat_outputs: 2-byte weights (bits 16) join only 2-byte weights of the same dtype")
         return BlockCodes(16, torch.cat([p.codes for p in parts]), None, None, parts[0].in_features,
                           sum(p.out_features for p in parts))
-    bits, f32 = max(p.bits for p in parts), any(p.d.dtype == torch.float32 for p in parts)
-    group, has_m = min(p.group for p in parts), any(p.m is not None for p in parts)
-    if f32 and bits == 4 and not has_m:  # the kernel's fp32-scale formats: 4-bit codes with minima, or 8-bit codes
+    bits, group, has_m = max(p.bits for p in parts), min(p.group for p in parts), any(p.m is not None for p in parts)
+    ks = all(p.d_super is not None for p in parts)  # K-quants only: their stored scales, fused as they are
+    f32 = not ks and any(p.d.dtype == torch.float32 or p.d_super is not None for p in parts)
+    if ks and group == 32:  # the kernel's stored K-quant formats over groups of 32 have minima (Q4_K's, Q5_K's)
+        has_m = True
+    if (f32 or ks) and bits == 4 and not has_m:  # the fp32-scale formats: 4-bit codes with minima, or 8-bit codes
         bits = 8
-    if f32 and group == 16:
+    if (f32 or ks) and group == 16:
         bits = 8
     parts = [p.promoted(bits, f32, group, has_m) for p in parts]
     if len(parts) == 1:
         return parts[0]
-    cat = lambda ts: torch.cat(ts, dim=0)  # noqa: E731  (the column-block axis)
+    cat = lambda ts: torch.cat(ts, dim=0) if ts[0] is not None else None  # noqa: E731  (the column-block axis)
     return BlockCodes(bits, cat([p.codes for p in parts]), cat([p.d for p in parts]),
                       cat([p.m for p in parts]) if has_m else None, parts[0].in_features,
-                      sum(p.out_features for p in parts), group)
+                      sum(p.out_features for p in parts), group, cat([p.d_super for p in parts]),
+                      cat([p.m_super for p in parts]) if has_m else None)
+
+
+def _packed(sub: torch.Tensor, sup: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 (C, groups, 8) array and an fp16 (C, supers, 8) one as views of one buffer, the fp16 values right after
+    the int8 ones (csrc/blockcodes.c's ``BC_KS``: the kernel finds them at byte ``sub.numel()``); as they are where
+    they already lie so."""
+    sup_at = sub.data_ptr() + sub.numel()
+    if (sub.is_contiguous() and sup.is_contiguous() and sup.data_ptr() == sup_at
+            and sub.untyped_storage().data_ptr() == sup.untyped_storage().data_ptr()):
+        return sub, sup
+    a, b = empty_stored_scales(sub.shape[0], sub.shape[1], sup.shape[1])
+    a.copy_(sub)
+    b.copy_(sup)
+    return a, b
+
+
+def empty_stored_scales(blocks: int, groups: int, supers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised int8 (blocks, groups, 8) and fp16 (blocks, supers, 8) views of one buffer, the fp16 values right
+    after the int8 ones: a K-quant's scales or minima as :class:`BlockCodes` keeps them (``BC_KS``)."""
+    n = blocks * groups * 8
+    buf = torch.empty(n + 2 * blocks * supers * 8, dtype=torch.uint8)
+    return (buf[:n].view(torch.int8).view(blocks, groups, 8),
+            buf[n:].view(torch.float16).view(blocks, supers, 8))
 
 
 def codes_from_16bit(weight: torch.Tensor) -> BlockCodes | None:

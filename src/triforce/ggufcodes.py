@@ -4,24 +4,28 @@ ggml's block formats (llama.cpp ``ggml-quants.c``; gguf-py's ``dequantize``, whi
 define every weight as ``w = fl(d q) + m`` for a group of 32 (16 for Q6_K) inputs of one output, with ``d q`` exact in
 fp32:
 
-====== ===================================================== ====================================================
-type   per block (bytes a weight in the file)                 as :class:`~triforce.blockcodes.BlockCodes`
-====== ===================================================== ====================================================
-Q4_0   fp16 d, 4-bit q: ``d (q - 8)`` (0.5625)                 4-bit codes, fp16 d, m = -8 d (fp16, exact)
-Q4_1   fp16 d, m, 4-bit q: ``d q + m`` (0.625)                 4-bit codes, fp16 d, m
-Q5_0   fp16 d, 5-bit q: ``d (q - 16)`` (0.6875)                8-bit codes, fp16 d
-Q8_0   fp16 d, int8 q: ``d q`` (1.0625)                        8-bit codes, fp16 d
-Q4_K   fp16 d, dmin per 256; 6-bit sc, mc per 32; 4-bit q:     4-bit codes, fp32 (d sc), fp32 -(dmin mc)
-       ``(d sc) q - dmin mc`` (0.5625)
-Q5_K   as Q4_K with 5-bit q (0.6875)                           8-bit codes, fp32 (d sc), fp32 -(dmin mc)
-Q6_K   fp16 d per 256, int8 sc per 16, 6-bit q: ``(d sc) (q - 32)`` (0.8203)  8-bit codes, fp32 (d sc), groups of 16
-====== ===================================================== ====================================================
+====== ===================================================== ======================================================
+type   per block (bytes a weight in the file)                 as :class:`~triforce.blockcodes.BlockCodes` (bytes)
+====== ===================================================== ======================================================
+Q4_0   fp16 d, 4-bit q: ``d (q - 8)`` (0.5625)                 4-bit codes, fp16 d, m = -8 d (fp16, exact) (0.625)
+Q4_1   fp16 d, m, 4-bit q: ``d q + m`` (0.625)                 4-bit codes, fp16 d, m (0.625)
+Q5_0   fp16 d, 5-bit q: ``d (q - 16)`` (0.6875)                8-bit codes, fp16 d (1.0625)
+Q8_0   fp16 d, int8 q: ``d q`` (1.0625)                        8-bit codes, fp16 d (1.0625)
+Q4_K   fp16 d, dmin per 256; 6-bit sc, mc per 32; 4-bit q:     4-bit codes; int8 sc, mc per 32; fp16 d, -dmin per 256
+       ``(d sc) q - dmin mc`` (0.5625)                         (0.578; fp32 d sc, -(dmin mc) per 32 before: 0.75)
+Q5_K   as Q4_K with 5-bit q (0.6875)                           8-bit codes, scales as Q4_K's (1.078; before: 1.25)
+Q6_K   fp16 d per 256, int8 sc per 16, 6-bit q:                8-bit codes; int8 sc per 16, fp16 d per 256
+       ``(d sc) (q - 32)`` (0.8203)                            (1.070; fp32 d sc per 16 before: 1.25)
+====== ===================================================== ======================================================
 
-The products d sc, dmin mc (an fp16 times an integer below 2^8) and d q are exact in fp32, so each weight is the one
-rounding of ``d q + m`` that gguf-py's numpy computes (``tests/test_ggufcodes.py`` checks every type bitwise against
-``gguf.quants.dequantize``). The verifier then multiplies by exactly the file's dequantized weights (csrc/blockcodes.c)
-while reading its codes: the model is the same, only the bytes a decode step reads change (TriForce's lossless rule,
-arXiv 2404.11912, Sec. 4, holds as with fp32 weights).
+A K-quant's scales are kept as the file keeps them in spirit (``BC_KS``: the 6-bit or int8 group values widened to
+int8, the fp16 super-block values as they are, -dmin for the minima), and the kernel forms ``d sc`` and
+``(-dmin) mc`` in fp32 in registers. The products d sc, dmin mc (an fp16 times an integer below 2^8) and d q are exact
+in fp32, so each weight is the one rounding of ``d q + m`` that gguf-py's numpy computes (``tests/test_ggufcodes.py``
+checks every type bitwise against ``gguf.quants.dequantize``, and the stored scales' products against gguf-py's fp32
+ones). The verifier then multiplies by exactly the file's dequantized weights (csrc/blockcodes.c) while reading its
+codes: the model is the same, only the bytes a decode step reads change (TriForce's lossless rule, arXiv 2404.11912,
+Sec. 4, holds as with fp32 weights).
 """
 
 from __future__ import annotations
@@ -32,17 +36,12 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
-from .blockcodes import BlockCodes
+from .blockcodes import SUPER, BlockCodes, empty_stored_scales
 
 #: the GGUF types read as block codes; others (F32, F16, BF16, the rest) are dequantized to fp32 tensors
 CODED_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
 #: rows converted at a time (a multiple of 8): bounds the conversion's temporaries for a large vocabulary
 _ROWS_PER_PASS = 8192
-
-
-def _f16(b: np.ndarray) -> np.ndarray:
-    """(..., 2) uint8 -> (...) fp32, the fp16 value the bytes hold (exact)."""
-    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
 
 
 def _nibbles(qs: np.ndarray, span: int) -> np.ndarray:
@@ -59,7 +58,7 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def decode_blocks(raw: np.ndarray, qtype: QT) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None, int]:
+def decode_blocks(raw: np.ndarray, qtype: QT) -> tuple[int, np.ndarray, object, object, int]:
     """One type's blocks -> ``(bits, q, d, m, group)``.
 
     Args:
@@ -67,8 +66,10 @@ def decode_blocks(raw: np.ndarray, qtype: QT) -> tuple[int, np.ndarray, np.ndarr
         qtype: one of :data:`CODED_TYPES`.
 
     Returns:
-        bits (4 or 8); q: (rows, in) int8 codes; d, m: (rows, in / group) scales and minima (fp16 or fp32 numpy; m
-        None for ``w = d q``); group (32 or 16). ``w = fl(d q) + m`` is gguf-py's dequantized weight, bitwise.
+        bits (4 or 8); q: (rows, in) int8 codes; d, m: (rows, in / group) fp16 scales and minima (m None for
+        ``w = d q``), or for a K-quant the pairs (int8 (rows, in / group) group values, fp16 (rows, in / 256)
+        super-block values) whose products are the scales (d sc) and minima ((-dmin) mc), exact in fp32; group (32 or
+        16). ``w = fl(d q) + m`` is gguf-py's dequantized weight, bitwise.
 
     Raises:
         ValueError: a type outside :data:`CODED_TYPES`.
@@ -95,9 +96,10 @@ def decode_blocks(raw: np.ndarray, qtype: QT) -> tuple[int, np.ndarray, np.ndarr
         return 8, q.reshape(rows, -1).astype(np.int8), d, None, 32
     if qtype in (QT.Q4_K, QT.Q5_K):
         b = raw.reshape(rows, -1, 144 if qtype == QT.Q4_K else 176)
-        sc, mn = _k_scale_min(b[..., 4:16])
-        d = _f16(b[..., 0:2])[..., None] * sc.astype(np.float32)  # (rows, n, 8): exact
-        m = -(_f16(b[..., 2:4])[..., None] * mn.astype(np.float32))
+        sc, mn = _k_scale_min(b[..., 4:16])  # (rows, n, 8) in [0, 63]
+        # d sc and (-dmin) mc = -(dmin mc), exact in fp32 (fp16 times an integer below 2^6): the kernel's products
+        d = (sc.astype(np.int8).reshape(rows, -1), np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0])
+        m = (mn.astype(np.int8).reshape(rows, -1), -np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0])
         qs = b[..., -128:].reshape(rows, -1, 4, 32)
         q = _nibbles(qs, 32).reshape(rows, -1, 8, 32)  # sub-block 2j, 2j + 1 from the j-th 32 bytes
         bits = 4
@@ -105,7 +107,7 @@ def decode_blocks(raw: np.ndarray, qtype: QT) -> tuple[int, np.ndarray, np.ndarr
             qh = b[..., 16:48].reshape(rows, -1, 1, 32)
             q = q | (((qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1) << 4)
             bits = 8
-        return bits, q.reshape(rows, -1).astype(np.int8), d.reshape(rows, -1), m.reshape(rows, -1), 32
+        return bits, q.reshape(rows, -1).astype(np.int8), d, m, 32
     if qtype == QT.Q6_K:
         b = raw.reshape(rows, -1, 210)
         ql = b[..., 0:128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
@@ -113,8 +115,9 @@ def decode_blocks(raw: np.ndarray, qtype: QT) -> tuple[int, np.ndarray, np.ndarr
         qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32)
         qh = ((qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3).reshape(rows, -1, 8, 32)
         q = (ql | (qh << 4)).astype(np.int16) - 32
-        d = _f16(b[..., 208:210])[..., None] * np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
-        return 8, q.reshape(rows, -1).astype(np.int8), d.reshape(rows, -1), None, 16
+        d = (np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(rows, -1),  # d sc: exact in fp32
+             np.ascontiguousarray(b[..., 208:210]).view(np.float16)[..., 0])
+        return 8, q.reshape(rows, -1).astype(np.int8), d, None, 16
     raise ValueError(f"decode_blocks: GGUF type {qtype!r} is not one of {[t.name for t in CODED_TYPES]}")
 
 
@@ -133,18 +136,27 @@ def codes_from_gguf(raw: np.ndarray, qtype: QT, n_in: int) -> BlockCodes:
     n_out = raw.shape[0]
     if n_out % 32 or n_in % 32:
         raise ValueError(f"codes_from_gguf: a ({n_out}, {n_in}) matrix: outputs and inputs must be multiples of 32")
-    codes = d_all = m_all = None
+    codes = d_all = m_all = d_sup = m_sup = None
+
+    def blocked(a: np.ndarray, n: int) -> torch.Tensor:  # (8 n, k) -> (n, k, 8): output 8c + j in lane j
+        return torch.from_numpy(np.ascontiguousarray(a.reshape(n, 8, -1).transpose(0, 2, 1)))
+
     for r0 in range(0, n_out, _ROWS_PER_PASS):
         bits, q, d, m, group = decode_blocks(raw[r0:r0 + _ROWS_PER_PASS], qtype)
         c0, n = r0 // 8, q.shape[0] // 8
+        stored = isinstance(d, tuple)  # a K-quant's (int8 group, fp16 super-block) values
         if codes is not None and (bits == 4) != (codes.dtype == torch.int32):
             raise ValueError("codes_from_gguf: a Q4_0 matrix whose -8 d overflows fp16 in some rows only")
         if codes is None:
             codes = (torch.empty(n_out // 8, n_in, dtype=torch.int32) if bits == 4
                      else torch.empty(n_out // 8, n_in, 8, dtype=torch.int8))
-            sdt = torch.float16 if d.dtype == np.float16 else torch.float32
-            d_all = torch.empty(n_out // 8, n_in // group, 8, dtype=sdt)
-            m_all = None if m is None else torch.empty_like(d_all)
+            if stored:
+                d_all, d_sup = empty_stored_scales(n_out // 8, n_in // group, n_in // SUPER)
+                m_all, m_sup = (None, None) if m is None else empty_stored_scales(n_out // 8, n_in // group,
+                                                                                  n_in // SUPER)
+            else:
+                d_all = torch.empty(n_out // 8, n_in // group, 8, dtype=torch.float16)
+                m_all = None if m is None else torch.empty_like(d_all)
         qb = q.reshape(n, 8, n_in).transpose(0, 2, 1)  # (n, in, 8): output 8c + k in lane k
         if bits == 4:
             packed = np.zeros((n, n_in), dtype=np.uint32)
@@ -153,10 +165,14 @@ def codes_from_gguf(raw: np.ndarray, qtype: QT, n_in: int) -> BlockCodes:
             codes[c0:c0 + n] = torch.from_numpy(packed.view(np.int32))
         else:
             codes[c0:c0 + n] = torch.from_numpy(np.ascontiguousarray(qb))
-        d_all[c0:c0 + n] = torch.from_numpy(np.ascontiguousarray(d.reshape(n, 8, -1).transpose(0, 2, 1)))
-        if m is not None:
-            m_all[c0:c0 + n] = torch.from_numpy(np.ascontiguousarray(m.reshape(n, 8, -1).transpose(0, 2, 1)))
-    return BlockCodes(bits, codes, d_all, m_all, n_in, n_out, group)
+        for pair, sub, sup in ((d, d_all, d_sup), (m, m_all, m_sup)):
+            if pair is None:
+                continue
+            if stored:
+                sub[c0:c0 + n], sup[c0:c0 + n] = blocked(pair[0], n), blocked(pair[1], n)
+            else:
+                sub[c0:c0 + n] = blocked(pair, n)
+    return BlockCodes(bits, codes, d_all, m_all, n_in, n_out, group, d_sup, m_sup)
 
 
 class GGUFRows(torch.nn.Module):

@@ -14,6 +14,9 @@
  *     bits 8: codes (out / 8, in, 8) int8
  *     d, m:   (out / 8, in / 32, 8) fp16 per block of 32 inputs, as the GGUF file stores them (converted to fp32
  *             exactly in registers); m NULL for m = 0 (the add is skipped: d * q exactly)
+ *     BC_KS:  a K-quant's (Q4_K, Q5_K, Q6_K) as its file keeps them: int8 group values (out / 8, in / G, 8) (sc, mc),
+ *             then fp16 super-block values (out / 8, in / 256, 8) (d, -dmin), their product formed in registers
+ *             (kscale8: exact, so the same weights as fp32 products per group, BC_F32, at 0.578 bytes a Q4_K weight)
  *     bits 16: (out / 8, in, 8) the weights themselves, bf16 or fp16 (a 2-byte checkpoint kept as it is stored), each
  *             widened exactly to fp32 in registers; d and m NULL
  *
@@ -45,6 +48,25 @@ static inline __attribute__((always_inline)) __m256 scale8(const void* p, int64_
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + k)));
 }
 
+/* BC_KS: a K-quant's scales (or minima) as the file keeps them: p holds int8 sub-block values (out / 8, groups, 8)
+ * (Q4_K/Q5_K's 6-bit sc or mc, Q6_K's int8 sc), then at byte sup = out groups the fp16 super-block values
+ * (out / 8, in / 256, 8) (d, or -dmin for the minima). The 8 values of column block c at group g, as fp32: an fp16
+ * times an integer below 2^7 in magnitude is exact in fp32 (11 + 7 significant bits), so these are bitwise the fp32
+ * products d sc the BC_F32 format stores. */
+static inline __attribute__((always_inline)) __m256 kscale8(const void* p, int64_t c, int groups, int g, const int G,
+                                                            int64_t sup) {
+    const int per = 256 / G;  /* groups a super-block */
+    const __m128i s = _mm_loadl_epi64((const __m128i*)((const int8_t*)p + (c * groups + g) * 8));
+    const __m128i h = _mm_loadu_si128((const __m128i*)((const char*)p + sup + (c * (groups / per) + g / per) * 16));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s)));
+}
+
+/* the 8 scales or minima of column block c at group g: fp16, fp32 (F32) or a K-quant's pair (KS) */
+static inline __attribute__((always_inline)) __m256 group8(const void* p, int64_t c, int groups, int g, const int F32,
+                                                           const int KS, const int G, int64_t sup) {
+    return KS ? kscale8(p, c, groups, g, G, sup) : scale8(p, (c * groups + g) * 8, F32);
+}
+
 /* BLOCK_PRODUCT_EXACT: a weight's d q is exact in fp32 (an fp16 scale's 11 significant bits times a code's 4 or 8,
  * at least 2^-24 in magnitude where not 0), so fl(fl(d q) + m), the weight, is the one rounding of d q + m that an FMA
  * computes: one instruction instead of a multiply and an add (the same weights bitwise; SmolLM2's codes, one row, 2
@@ -72,14 +94,20 @@ static inline __attribute__((always_inline)) __m256 weights8(const void* codes, 
 /* L1 prefetch of group g of column blocks [c_from, c_to): their codes, scales and minima */
 static inline __attribute__((always_inline)) void prefetch_group(const void* codes, const int BITS, const void* d,
                                                                  const void* m, const int HAS_M, const int F32,
-                                                                 const int G, int64_t c_from, int64_t c_to, int in,
-                                                                 int groups, int g) {
+                                                                 const int KS, const int G, int64_t c_from,
+                                                                 int64_t c_to, int in, int groups, int g, int64_t sup) {
+    const int ds = KS ? 1 : F32 ? 4 : 2;  /* bytes of a (sub-block) scale */
     for (int64_t u = c_from; u < c_to; ++u) {
         const char* cn = (const char*)codes + (u * in + g * G) * BITS;  /* 4 or 8 bytes an input */
         for (int o = 0; o < G * BITS; o += 64) _mm_prefetch(cn + o, _MM_HINT_T0);
         if (BITS == 16) continue;  /* no scales */
-        _mm_prefetch((const char*)d + (u * groups + g) * 8 * (F32 ? 4 : 2), _MM_HINT_T0);
-        if (HAS_M) _mm_prefetch((const char*)m + (u * groups + g) * 8 * (F32 ? 4 : 2), _MM_HINT_T0);
+        _mm_prefetch((const char*)d + (u * groups + g) * 8 * ds, _MM_HINT_T0);
+        if (HAS_M) _mm_prefetch((const char*)m + (u * groups + g) * 8 * ds, _MM_HINT_T0);
+        if (KS && g % (256 / G) == 0) {  /* the super-block's fp16 values */
+            const int64_t s = sup + (u * (groups / (256 / G)) + g / (256 / G)) * 16;
+            _mm_prefetch((const char*)d + s, _MM_HINT_T0);
+            if (HAS_M) _mm_prefetch((const char*)m + s, _MM_HINT_T0);
+        }
     }
 }
 
@@ -91,18 +119,19 @@ static inline __attribute__((always_inline)) void prefetch_group(const void* cod
  * bench/kernels/blockcodes.py, bench/results/blockcodes_prefetch_2026-12-03.json). */
 static inline __attribute__((always_inline)) void tile(const float* x, const int R, int in, const void* codes,
                                                        const int BITS, const int BF, const void* d, const void* m, const int HAS_M,
-                                                       const int F32, const int G, int64_t c0, const int NC, int out,
-                                                       float* y, const int PF) {
+                                                       const int F32, const int KS, const int G, int64_t c0, const int NC,
+                                                       int out, float* y, const int PF) {
     __m256 acc[8];  /* R * NC <= 8 */
     for (int a = 0; a < R * NC; ++a) acc[a] = _mm256_setzero_ps();
     const int groups = in / G;
+    const int64_t sup = (int64_t)out * groups;  /* KS: the super-block values' byte offset */
     for (int g = 0; g < groups; ++g) {
         __m256 dv[4], mv[4];
         for (int u = 0; u < NC; ++u) {
-            dv[u] = BITS == 16 ? _mm256_setzero_ps() : scale8(d, ((c0 + u) * groups + g) * 8, F32);
-            mv[u] = HAS_M ? scale8(m, ((c0 + u) * groups + g) * 8, F32) : _mm256_setzero_ps();
+            dv[u] = BITS == 16 ? _mm256_setzero_ps() : group8(d, c0 + u, groups, g, F32, KS, G, sup);
+            mv[u] = HAS_M ? group8(m, c0 + u, groups, g, F32, KS, G, sup) : _mm256_setzero_ps();
         }
-        if (PF) prefetch_group(codes, BITS, d, m, HAS_M, F32, G, c0 + NC, c0 + 2 * NC, in, groups, g);
+        if (PF) prefetch_group(codes, BITS, d, m, HAS_M, F32, KS, G, c0 + NC, c0 + 2 * NC, in, groups, g, sup);
         for (int i = g * G; i < (g + 1) * G; ++i) {
             __m256 w[4];
             for (int u = 0; u < NC; ++u) w[u] = weights8(codes, BITS, BF, c0 + u, in, i, dv[u], mv[u], HAS_M);
@@ -121,8 +150,8 @@ static inline __attribute__((always_inline)) void tile(const float* x, const int
  * they are the thread's (below c1) */
 #define PASS(BITS, HAS_M, R, NC)                                                                           \
     for (int64_t c = cq; c < cq + 4; c += NC)                                                                      \
-        if (pf && c + NC < c1) tile(xm, R, in, codes, BITS, BF, d, m, HAS_M, F32, G, c, NC, out, ym, 1);               \
-        else tile(xm, R, in, codes, BITS, BF, d, m, HAS_M, F32, G, c, NC, out, ym, 0);
+        if (pf && c + NC < c1) tile(xm, R, in, codes, BITS, BF, d, m, HAS_M, F32, KS, G, c, NC, out, ym, 1);       \
+        else tile(xm, R, in, codes, BITS, BF, d, m, HAS_M, F32, KS, G, c, NC, out, ym, 0);
 #define ROWS(BITS, HAS_M)                                                                                            \
     switch (rows) {                                                                                                \
         case 1: PASS(BITS, HAS_M, 1, 4) break;                                                             \
@@ -176,7 +205,12 @@ static inline __attribute__((always_inline)) __m512 weights16(const void* codes,
 
 /* the 8 + 8 values of column blocks c and c + 1 at group g of a (out / 8, groups, 8) array, as fp32 (exact): fp16,
  * or fp32 (F32) */
-static inline __attribute__((always_inline)) __m512 pair16(const void* a, int64_t c, int groups, int g, const int F32) {
+static inline __attribute__((always_inline)) __m512 pair16(const void* a, int64_t c, int groups, int g, const int F32,
+                                                           const int KS, const int G, int64_t sup) {
+    if (KS) {
+        const __m256 lo = kscale8(a, c, groups, g, G, sup), hi = kscale8(a, c + 1, groups, g, G, sup);
+        return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+    }
     if (F32) {
         const float* f = (const float*)a;
         const __m256 lo = _mm256_loadu_ps(f + (c * groups + g) * 8), hi = _mm256_loadu_ps(f + ((c + 1) * groups + g) * 8);
@@ -192,20 +226,22 @@ static inline __attribute__((always_inline)) __m512 pair16(const void* a, int64_
  * PF, each group also prefetches the same group of the next 2 NP column blocks below c1 (the thread's end) */
 static inline __attribute__((always_inline)) void tile16(const float* x, const int R, int in, const void* codes,
                                                          const int BITS, const int BF, const void* d, const void* m,
-                                                         const int HAS_M, const int F32, const int G, int64_t c0,
-                                                         const int NP, float* y, int out, const int PF, int64_t c1) {
+                                                         const int HAS_M, const int F32, const int KS, const int G,
+                                                         int64_t c0, const int NP, float* y, int out, const int PF,
+                                                         int64_t c1) {
     __m512 acc[16];  /* R * NP <= 16 */
     for (int a = 0; a < R * NP; ++a) acc[a] = _mm512_setzero_ps();
     const int groups = in / G;
+    const int64_t sup = (int64_t)out * groups;  /* KS: the super-block values' byte offset */
     for (int g = 0; g < groups; ++g) {
         __m512 dv[4], mv[4];
         for (int p = 0; p < NP; ++p) {
-            dv[p] = BITS == 16 ? _mm512_setzero_ps() : pair16(d, c0 + 2 * p, groups, g, F32);
+            dv[p] = BITS == 16 ? _mm512_setzero_ps() : pair16(d, c0 + 2 * p, groups, g, F32, KS, G, sup);
             if (BITS == 4) dv[p] = _mm512_mul_ps(dv[p], _mm512_loadu_ps(UNSHIFT16));  /* d 2^-s: exact */
-            mv[p] = HAS_M ? pair16(m, c0 + 2 * p, groups, g, F32) : _mm512_setzero_ps();
+            mv[p] = HAS_M ? pair16(m, c0 + 2 * p, groups, g, F32, KS, G, sup) : _mm512_setzero_ps();
         }
-        if (PF) prefetch_group(codes, BITS, d, m, HAS_M, F32, G, c0 + 2 * NP, c0 + 4 * NP < c1 ? c0 + 4 * NP : c1, in,
-                               groups, g);
+        if (PF) prefetch_group(codes, BITS, d, m, HAS_M, F32, KS, G, c0 + 2 * NP, c0 + 4 * NP < c1 ? c0 + 4 * NP : c1,
+                               in, groups, g, sup);
         for (int i = g * G; i < (g + 1) * G; ++i) {
             __m512 w[4];
             for (int p = 0; p < NP; ++p) w[p] = weights16(codes, BITS, BF, c0 + 2 * p, in, i, dv[p], mv[p], HAS_M);
@@ -222,7 +258,7 @@ static inline __attribute__((always_inline)) void tile16(const float* x, const i
 /* One thread's column blocks [c0, c1) (a multiple of 4), all M rows: one or two rows over 8 column blocks at a time
  * (4 independent FMA chains a row, so a one-row product is not bound by FMA latency), more rows over 4 (2 pairs),
  * up to 8 rows a pass; a pass over a span's first rows prefetches the next span while it is the thread's. */
-#define TILE16(BITS, HAS_M, R, NP, PF) tile16(xm, R, in, codes, BITS, BF, d, m, HAS_M, F32, G, cq, NP, ym, out, PF, c1)
+#define TILE16(BITS, HAS_M, R, NP, PF) tile16(xm, R, in, codes, BITS, BF, d, m, HAS_M, F32, KS, G, cq, NP, ym, out, PF, c1)
 #define SPAN16(BITS, HAS_M)                                                                                        \
     for (int64_t cq = c0, span; cq < c1; cq += span) {                                                             \
         span = M <= 2 && cq + 8 <= c1 ? 8 : 4;                                                                     \
@@ -257,45 +293,56 @@ static inline __attribute__((always_inline)) void tile16(const float* x, const i
 
 /* bits: the code width (4, 8, or 16: the weights themselves, fp16 or with BC_BF16 bf16, no scales) plus BC_F32 (d and m
  * are fp32 arrays: a K-quant's per-group scale d_sb sc and minimum dmin_sb mc, exact products of an fp16 and a 6- or
- * 8-bit integer) and BC_G16 (groups of 16 inputs: Q6_K's) */
+ * 8-bit integer), BC_KS (d and m are those factors as the file keeps them: int8 sub-block values, then fp16 super-block
+ * values, kscale8; in a multiple of 256) and BC_G16 (groups of 16 inputs: Q6_K's). 256 is taken (decode_step.c's
+ * Q8_ACTIVATIONS). */
 #define BC_F32 32
 #define BC_G16 64
 #define BC_BF16 128
-/* the formats the exact product is built for: fp16 scales, groups of 32 (Q4_0, Q4_1, Q5_0, Q8_0); fp32 scales, groups
- * of 32 (Q4_K 4-bit with minima, Q5_K 8-bit with minima, a fused matrix's promotion) or 16 (Q6_K, and with minima a
- * fusion of Q6_K with Q4_K or Q5_K); 2-byte weights (a bf16 or fp16 checkpoint). DISPATCH(BODY) runs BODY(BITS,
- * HAS_M) with F32, G and BF constants in scope. */
+#define BC_KS 512
+/* the formats the exact product is built for: fp16 scales, groups of 32 (Q4_0, Q4_1, Q5_0, Q8_0); a K-quant's stored
+ * scales (KS), groups of 32 (Q4_K 4-bit with minima, Q5_K 8-bit with minima, their fusion) or 16 (Q6_K, and with
+ * minima a fusion of Q6_K with Q4_K or Q5_K); fp32 scales in the same shapes (a fusion of K-quants with the fp16-scale
+ * types); 2-byte weights (a bf16 or fp16 checkpoint). DISPATCH(BODY) runs BODY(BITS, HAS_M) with F32, KS, G and BF
+ * constants in scope. */
 #define DISPATCH(BODY)                                                                                             \
     switch (bits | (m ? 1 : 0)) {                                                                                  \
-        case 4 | 1: { const int F32 = 0, G = 32, BF = 0; BODY(4, 1) } break;                                       \
-        case 4: { const int F32 = 0, G = 32, BF = 0; BODY(4, 0) } break;                                           \
-        case 8 | 1: { const int F32 = 0, G = 32, BF = 0; BODY(8, 1) } break;                                       \
-        case 8: { const int F32 = 0, G = 32, BF = 0; BODY(8, 0) } break;                                           \
-        case 4 | BC_F32 | 1: { const int F32 = 1, G = 32, BF = 0; BODY(4, 1) } break;                              \
-        case 8 | BC_F32 | 1: { const int F32 = 1, G = 32, BF = 0; BODY(8, 1) } break;                              \
-        case 8 | BC_F32: { const int F32 = 1, G = 32, BF = 0; BODY(8, 0) } break;                                  \
-        case 8 | BC_F32 | BC_G16: { const int F32 = 1, G = 16, BF = 0; BODY(8, 0) } break;                         \
-        case 8 | BC_F32 | BC_G16 | 1: { const int F32 = 1, G = 16, BF = 0; BODY(8, 1) } break;                     \
-        case 16: { const int F32 = 0, G = 32, BF = 0; BODY(16, 0) } break;                                         \
-        default: { const int F32 = 0, G = 32, BF = 1; BODY(16, 0) } break; /* 16 | BC_BF16 */                      \
+        case 4 | 1: { const int F32 = 0, KS = 0, G = 32, BF = 0; BODY(4, 1) } break;                               \
+        case 4: { const int F32 = 0, KS = 0, G = 32, BF = 0; BODY(4, 0) } break;                                   \
+        case 8 | 1: { const int F32 = 0, KS = 0, G = 32, BF = 0; BODY(8, 1) } break;                               \
+        case 8: { const int F32 = 0, KS = 0, G = 32, BF = 0; BODY(8, 0) } break;                                   \
+        case 4 | BC_KS | 1: { const int F32 = 0, KS = 1, G = 32, BF = 0; BODY(4, 1) } break;                       \
+        case 8 | BC_KS | 1: { const int F32 = 0, KS = 1, G = 32, BF = 0; BODY(8, 1) } break;                       \
+        case 8 | BC_KS | BC_G16: { const int F32 = 0, KS = 1, G = 16, BF = 0; BODY(8, 0) } break;                  \
+        case 8 | BC_KS | BC_G16 | 1: { const int F32 = 0, KS = 1, G = 16, BF = 0; BODY(8, 1) } break;              \
+        case 4 | BC_F32 | 1: { const int F32 = 1, KS = 0, G = 32, BF = 0; BODY(4, 1) } break;                      \
+        case 8 | BC_F32 | 1: { const int F32 = 1, KS = 0, G = 32, BF = 0; BODY(8, 1) } break;                      \
+        case 8 | BC_F32: { const int F32 = 1, KS = 0, G = 32, BF = 0; BODY(8, 0) } break;                          \
+        case 8 | BC_F32 | BC_G16: { const int F32 = 1, KS = 0, G = 16, BF = 0; BODY(8, 0) } break;                 \
+        case 8 | BC_F32 | BC_G16 | 1: { const int F32 = 1, KS = 0, G = 16, BF = 0; BODY(8, 1) } break;             \
+        case 16: { const int F32 = 0, KS = 0, G = 32, BF = 0; BODY(16, 0) } break;                                 \
+        default: { const int F32 = 0, KS = 0, G = 32, BF = 1; BODY(16, 0) } break; /* 16 | BC_BF16 */              \
     }
 
-static int format_ok(int bits, const void* m) {
+static int format_ok(int bits, const void* m, int in) {
     switch (bits | (m ? 1 : 0)) {
         case 4 | 1: case 4: case 8 | 1: case 8: case 4 | BC_F32 | 1: case 8 | BC_F32 | 1: case 8 | BC_F32:
         case 8 | BC_F32 | BC_G16: case 8 | BC_F32 | BC_G16 | 1: case 16: case 16 | BC_BF16:
             return 1;
+        case 4 | BC_KS | 1: case 8 | BC_KS | 1: case 8 | BC_KS | BC_G16: case 8 | BC_KS | BC_G16 | 1:
+            return in % 256 == 0;  /* whole super-blocks */
         default:
             return 0;
     }
 }
 
-/* x: (M, in) fp32 contiguous, y: (M, out) fp32; codes, d, m as above (d, m fp32 with BC_F32, (out / 8, in / G, 8)); in
+/* x: (M, in) fp32 contiguous, y: (M, out) fp32; codes, d, m as above (d, m fp32 with BC_F32, (out / 8, in / G, 8);
+ * with BC_KS int8 (out / 8, in / G, 8) then fp16 (out / 8, in / 256, 8)); in
  * a multiple of 32, out of 32 (4 column blocks per one-row step). Returns 0, or -1 for arguments outside what the
  * kernel handles (nothing written). */
 int triforce_blockcode_linear(const float* x, const void* codes, int bits, const void* d, const void* m, float* y,
                               int M, int in, int out, int nthreads) {
-    if (M < 1 || M > MAX_ROWS || in < GROUP || in % GROUP || out < 32 || out % 32 || !format_ok(bits, m)
+    if (M < 1 || M > MAX_ROWS || in < GROUP || in % GROUP || out < 32 || out % 32 || !format_ok(bits, m, in)
         || nthreads < 1)
         return -1;
     const int64_t quads = out / 32;  /* 4 column blocks each, a contiguous range of them per thread */
@@ -383,9 +430,10 @@ static inline __attribute__((always_inline)) void dot8_step(__m256i v0, __m256i 
 static inline __attribute__((always_inline)) void dot_tile(const __m256i* xp, const float* dx, const float* sx,
                                                            const int R, int in, const void* codes, const int BITS,
                                                            const void* d, const void* m, const int HAS_M, const int F32,
-                                                           int64_t c, int out, float* y, const int PF) {
-    const int ds = F32 ? 4 : 2;  /* bytes of a scale or minimum: fp32 (a K-quant's) or fp16 */
+                                                           const int KS, int64_t c, int out, float* y, const int PF) {
+    const int ds = KS ? 1 : F32 ? 4 : 2;  /* bytes of a (sub-block) scale or minimum: int8 (KS), fp32 or fp16 */
     const int groups = in / GROUP;
+    const int64_t sup = (int64_t)out * groups;  /* KS: the super-block values' byte offset */
     const int64_t xstride = (int64_t)in * BITS / 32;  /* 32-byte vectors per row: 4 bytes (BITS 4) or 8 an input */
     __m256 acc[4];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -396,6 +444,11 @@ static inline __attribute__((always_inline)) void dot_tile(const __m256i* xp, co
             for (int o = 0; o < GROUP * BITS; o += 64) _mm_prefetch(cn + o, _MM_HINT_T0);
             _mm_prefetch((const char*)d + ((c + 1) * groups + g) * 8 * ds, _MM_HINT_T0);
             if (HAS_M) _mm_prefetch((const char*)m + ((c + 1) * groups + g) * 8 * ds, _MM_HINT_T0);
+            if (KS && g % 8 == 0) {  /* the super-block's fp16 values */
+                const int64_t s = sup + ((c + 1) * (groups / 8) + g / 8) * 16;
+                _mm_prefetch((const char*)d + s, _MM_HINT_T0);
+                if (HAS_M) _mm_prefetch((const char*)m + s, _MM_HINT_T0);
+            }
         }
         __m256i s0[4], s1[4];
         for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
@@ -407,8 +460,8 @@ static inline __attribute__((always_inline)) void dot_tile(const __m256i* xp, co
             for (int k = 0; k < 8; k += 2)
                 dot8_step(_mm256_loadu_si256((const __m256i*)cg + k), _mm256_loadu_si256((const __m256i*)cg + k + 1),
                           xg + k, R, xstride, s0, s1);
-        const __m256 dv = scale8(d, (c * groups + g) * 8, F32);
-        const __m256 mv = HAS_M ? scale8(m, (c * groups + g) * 8, F32) : _mm256_setzero_ps();
+        const __m256 dv = group8(d, c, groups, g, F32, KS, GROUP, sup);
+        const __m256 mv = HAS_M ? group8(m, c, groups, g, F32, KS, GROUP, sup) : _mm256_setzero_ps();
         for (int r = 0; r < R; ++r) {
             const __m128i u = _mm_add_epi32(_mm256_castsi256_si128(s0[r]), _mm256_extracti128_si256(s0[r], 1));
             const __m128i w = _mm_add_epi32(_mm256_castsi256_si128(s1[r]), _mm256_extracti128_si256(s1[r], 1));
@@ -469,10 +522,11 @@ static void prepare_rows(const float* x, int M, int in, int bits, int8_t* xp, fl
  * 32-byte aligned, then 2 M in / 32 floats. Returns 0, or -1 for arguments outside what the kernel handles. */
 int triforce_blockcode_linear_q8(const float* x, const void* codes, int bits, const void* d, const void* m,
                                  float* y, int M, int in, int out, int nthreads, void* work) {
-    const int f32 = (bits & BC_F32) != 0;  /* fp32 scales and minima per 32 inputs: Q4_K (4-bit), Q5_K (8-bit) */
-    bits &= ~BC_F32;
+    /* fp32 scales and minima per 32 inputs, or the file's (KS): Q4_K (4-bit), Q5_K (8-bit) */
+    const int f32 = (bits & BC_F32) != 0, ks = (bits & BC_KS) != 0;
+    bits &= ~(BC_F32 | BC_KS);
     if (M < 1 || M > MAX_ROWS || in < GROUP || in % GROUP || out < 32 || out % 32 || (bits != 4 && bits != 8)
-        || nthreads < 1 || ((uintptr_t)work & 31))
+        || nthreads < 1 || ((uintptr_t)work & 31) || (f32 && ks) || (ks && in % 256))
         return -1;
     int8_t* const xp = (int8_t*)work;
     float* const dx = (float*)(xp + (int64_t)M * in * bits);
@@ -489,26 +543,31 @@ int triforce_blockcode_linear_q8(const float* x, const void* codes, int bits, co
                 const __m256i* xr = (const __m256i*)xp + r0 * xrow;
                 const float *dr = dx + r0 * groups, *sr = sx + r0 * groups;
                 float* yr = y + (int64_t)r0 * out;
-#define DOT_TILE(BITS, HAS_M, F32)                                                                                 \
-    switch (R * 2 + (pf ? 1 : 0)) {                                                                                \
-        case 2: dot_tile(xr, dr, sr, 1, in, codes, BITS, d, m, HAS_M, F32, c, out, yr, 0); break;                  \
-        case 3: dot_tile(xr, dr, sr, 1, in, codes, BITS, d, m, HAS_M, F32, c, out, yr, 1); break;                  \
-        case 4: dot_tile(xr, dr, sr, 2, in, codes, BITS, d, m, HAS_M, F32, c, out, yr, 0); break;                  \
-        case 5: dot_tile(xr, dr, sr, 2, in, codes, BITS, d, m, HAS_M, F32, c, out, yr, 1); break;                  \
-        case 6: dot_tile(xr, dr, sr, 3, in, codes, BITS, d, m, HAS_M, F32, c, out, yr, 0); break;                  \
-        case 7: dot_tile(xr, dr, sr, 3, in, codes, BITS, d, m, HAS_M, F32, c, out, yr, 1); break;                  \
-        case 8: dot_tile(xr, dr, sr, 4, in, codes, BITS, d, m, HAS_M, F32, c, out, yr, 0); break;                  \
-        default: dot_tile(xr, dr, sr, 4, in, codes, BITS, d, m, HAS_M, F32, c, out, yr, 1); break;                 \
+#define DOT_TILE(BITS, HAS_M, F32, KS)                                                                                 \
+    switch (R * 2 + (pf ? 1 : 0)) {                                                                                    \
+        case 2: dot_tile(xr, dr, sr, 1, in, codes, BITS, d, m, HAS_M, F32, KS, c, out, yr, 0); break;                  \
+        case 3: dot_tile(xr, dr, sr, 1, in, codes, BITS, d, m, HAS_M, F32, KS, c, out, yr, 1); break;                  \
+        case 4: dot_tile(xr, dr, sr, 2, in, codes, BITS, d, m, HAS_M, F32, KS, c, out, yr, 0); break;                  \
+        case 5: dot_tile(xr, dr, sr, 2, in, codes, BITS, d, m, HAS_M, F32, KS, c, out, yr, 1); break;                  \
+        case 6: dot_tile(xr, dr, sr, 3, in, codes, BITS, d, m, HAS_M, F32, KS, c, out, yr, 0); break;                  \
+        case 7: dot_tile(xr, dr, sr, 3, in, codes, BITS, d, m, HAS_M, F32, KS, c, out, yr, 1); break;                  \
+        case 8: dot_tile(xr, dr, sr, 4, in, codes, BITS, d, m, HAS_M, F32, KS, c, out, yr, 0); break;                  \
+        default: dot_tile(xr, dr, sr, 4, in, codes, BITS, d, m, HAS_M, F32, KS, c, out, yr, 1); break;                 \
     }
-                if (f32) {  /* K-quants' scales and minima: d sc and -(dmin mc) as fp32 */
-                    if (bits == 4 && m) { DOT_TILE(4, 1, 1) }
-                    else if (bits == 4) { DOT_TILE(4, 0, 1) }
-                    else if (m) { DOT_TILE(8, 1, 1) }
-                    else { DOT_TILE(8, 0, 1) }
-                } else if (bits == 4 && m) { DOT_TILE(4, 1, 0) }
-                else if (bits == 4) { DOT_TILE(4, 0, 0) }
-                else if (m) { DOT_TILE(8, 1, 0) }
-                else { DOT_TILE(8, 0, 0) }
+                if (ks) {  /* K-quants' scales and minima as stored: sc, mc and d, -dmin */
+                    if (bits == 4 && m) { DOT_TILE(4, 1, 0, 1) }
+                    else if (bits == 4) { DOT_TILE(4, 0, 0, 1) }
+                    else if (m) { DOT_TILE(8, 1, 0, 1) }
+                    else { DOT_TILE(8, 0, 0, 1) }
+                } else if (f32) {  /* K-quants' scales and minima: d sc and -(dmin mc) as fp32 */
+                    if (bits == 4 && m) { DOT_TILE(4, 1, 1, 0) }
+                    else if (bits == 4) { DOT_TILE(4, 0, 1, 0) }
+                    else if (m) { DOT_TILE(8, 1, 1, 0) }
+                    else { DOT_TILE(8, 0, 1, 0) }
+                } else if (bits == 4 && m) { DOT_TILE(4, 1, 0, 0) }
+                else if (bits == 4) { DOT_TILE(4, 0, 0, 0) }
+                else if (m) { DOT_TILE(8, 1, 0, 0) }
+                else { DOT_TILE(8, 0, 0, 0) }
 #undef DOT_TILE
             }
     }
@@ -611,10 +670,12 @@ int triforce_blockcode_fit(const float* w, int in, int out, int bits, void* code
  * weights for the GEMM, so no fp32 copy of the matrix is kept. Plain C. Returns 0, or -1 (nothing written). */
 int triforce_blockcode_dequantize(const void* codes, int bits, const void* d, const void* m, float* w, int in, int out,
                                   int c_from, int c_to, int nthreads) {
-    if (in < GROUP || in % GROUP || out < 32 || out % 32 || !format_ok(bits, m) || c_from < 0 || c_to > out / 8
+    if (in < GROUP || in % GROUP || out < 32 || out % 32 || !format_ok(bits, m, in) || c_from < 0 || c_to > out / 8
         || c_from >= c_to || nthreads < 1)
         return -1;
-    const int G = bits & BC_G16 ? 16 : 32, F32 = (bits & BC_F32) != 0, width = bits & 31, groups = in / G;
+    const int G = bits & BC_G16 ? 16 : 32, F32 = (bits & BC_F32) != 0, KS = (bits & BC_KS) != 0, width = bits & 31;
+    const int groups = in / G, per = 256 / G;
+    const int64_t sup = (int64_t)out * groups;  /* KS: the super-block values' byte offset */
     const int64_t ld = 8 * (int64_t)(c_to - c_from);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int c = c_from; c < c_to; ++c)
@@ -622,6 +683,13 @@ int triforce_blockcode_dequantize(const void* codes, int bits, const void* d, co
             float dv[8], mv[8];
             for (int k = 0; k < 8 && width != 16; ++k) {
                 const int64_t s = ((int64_t)c * groups + g) * 8 + k;
+                if (KS) {  /* an fp16 times an int8: exact */
+                    const int64_t h = ((int64_t)c * (groups / per) + g / per) * 8 + k;
+                    dv[k] = _cvtsh_ss(((const uint16_t*)((const char*)d + sup))[h]) * (float)((const int8_t*)d)[s];
+                    mv[k] = !m ? 0.f
+                               : _cvtsh_ss(((const uint16_t*)((const char*)m + sup))[h]) * (float)((const int8_t*)m)[s];
+                    continue;
+                }
                 dv[k] = F32 ? ((const float*)d)[s] : _cvtsh_ss(((const uint16_t*)d)[s]);
                 mv[k] = !m ? 0.f : F32 ? ((const float*)m)[s] : _cvtsh_ss(((const uint16_t*)m)[s]);
             }
