@@ -621,3 +621,29 @@ def test_a_batched_generation_does_not_stall_the_others_to_measure_step_times():
     assert seen == {"a": None} and engine.measured_steps == {}
     BatchScheduler(2).run([ask("alone")])
     assert seen["alone"] is not None and len(engine.measured_steps) == 1
+
+
+def test_step_times_are_measured_in_the_kept_cache_without_changing_it():
+    """With a kept prefix (a prompt cache, a previous turn), the measurement times its forwards in that cache instead
+    of allocating a second one of the context's size: the kept positions, its length and its flags come back as they
+    were, and the request after it gives autoregressive decoding's tokens."""
+    from triforce.caches import FullKVCache
+    from triforce.steptimes import measure_step_times
+
+    target = ours(hf_model(seed=18))
+    cache = FullKVCache(target.cfg, 420, torch.float32, record_queries=True)
+    cache.k.normal_(generator=torch.Generator().manual_seed(1))
+    cache.v.normal_(generator=torch.Generator().manual_seed(2))
+    cache.length = 300
+    k, v = cache.k[:, :, :, :300].clone(), cache.v[:, :, :, :300].clone()
+    times = measure_step_times(target, target, 400, 64, 3, 4, torch.float32, torch.float32, reps=1, reuse=cache)
+    assert min(times.decode, times.verify, times.lower) > 0
+    assert cache.length == 300 and cache.record_queries
+    assert torch.equal(cache.k[:, :, :, :300], k) and torch.equal(cache.v[:, :, :, :300], v)
+    assert not torch.equal(cache.k[:, :, :, 400:404], torch.zeros_like(cache.k[:, :, :, 400:404]))  # timed in it
+    engine = Engine(target)
+    prompt = torch.randint(3, 96, (300,), generator=torch.Generator().manual_seed(19)).tolist()
+    ref, _ = engine.generate(prompt, max_new_tokens=12, sampling=GREEDY)
+    engine.generate(prompt[:250], max_new_tokens=2, sampling=GREEDY)  # a kept prefix of 251 tokens
+    out, stats = engine.generate(prompt, max_new_tokens=12, sampling=GREEDY, spec=SpeculationConfig(mode="auto"))
+    assert out == ref and "measured at 300 tokens" in stats.auto["reason"]

@@ -26,6 +26,7 @@ from .engine import Engine, GenerationStats, SpeculationConfig
 from .grammar import constraint_for
 from .loading import LoadedModel, ModelLoadError, load_model
 from .logprobs import TokenLogprob, check_top_logprobs, prompt_logprobs
+from .plan import cache_capacity
 from .prompts import encode_prompt_cut
 from .sampling import SamplingParams
 
@@ -280,7 +281,10 @@ class TriForce:
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         constraint = constraint_for(response_format, self.tokenizer, self.target.model.cfg.vocab_size,
                                     self.engine.eos_ids) if response_format is not None else None
-        cached, file_hit = self.prompt_cache.before_request(self.engine, ids) if self.prompt_cache else (0, None)
+        cached, file_hit = 0, None
+        if self.prompt_cache:  # a file's KV goes straight into a cache of this request's capacity
+            capacity = cache_capacity(len(ids), max_new_tokens, spec)
+            cached, file_hit = self.prompt_cache.before_request(self.engine, ids, capacity)
         gen = self.engine.stream(ids, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=seed,
                                  prefill_progress=prefill_progress, constraint=constraint)
         out: list[int] = []

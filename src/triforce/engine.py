@@ -189,7 +189,7 @@ class Engine:
                 return None
             lower = self.lower_model(self.target, lower_weights)
             self.measured_steps[key] = measure_step_times(self.target, lower, context, budget, gamma, chunk_size,
-                                                          self.kv_dtype, lower_kv)
+                                                          self.kv_dtype, lower_kv, reuse=self._full)
         return self.measured_steps[key]
 
     def plan_auto(self, prompt_tokens: int, sampling: SamplingParams, spec: SpeculationConfig):

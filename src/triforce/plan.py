@@ -77,6 +77,14 @@ def size_request(prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfi
     return prompt_tokens + max_new_tokens + block + 1, lookahead, draft
 
 
+def cache_capacity(prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig) -> int:
+    """Positions of a full cache that a request fits whatever hierarchy ``spec`` resolves to: :func:`size_request`'s,
+    and with ``mode='auto'`` room for the largest block any plan may verify (``gamma_cap``), so that a cache made
+    before planning (a prompt cache's file loaded into it) is never copied into a larger one."""
+    auto = spec.mode == "auto" and spec.tiers is None
+    return size_request(prompt_tokens, max_new_tokens, spec)[0] + (gamma_cap(max_new_tokens) if auto else 0)
+
+
 def plan_request(target: Transformer, draft: Transformer | None, spec: SpeculationConfig, prompt_tokens: int,
                  max_new_tokens: int, kv_dtype: torch.dtype, *, existing_copies: Collection[tuple[int, str]] = (),
                  offload_kv: bool = False, on_chip_layers: int | None = None) -> RequestPlan:

@@ -65,6 +65,10 @@ def model_key(source: str, cfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
+#: safetensors' dtype names of the KV a file may hold
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
 def _crc(*tensors: torch.Tensor) -> str:
     crc = 0
     for t in tensors:
@@ -165,13 +169,16 @@ class PromptCache:
             return None
 
     def lookup(self, prompt: list[int], cfg: ModelConfig, device: torch.device | str = "cpu",
-               longer_than: int = 0) -> PromptCacheHit | None:
-        """The longest prefix of ``prompt`` that a file holds, loaded into a full KV cache, or None.
+               longer_than: int = 0, capacity: int = 0) -> PromptCacheHit | None:
+        """The longest prefix of ``prompt`` that a file holds, loaded into a full KV cache, or None. The file is read
+        one layer at a time into the cache (memory-mapped), so loading holds one layer beside the cache.
 
         Args:
             prompt: the request's token ids.
             cfg: the target's configuration (the cache's shape); device: where the cache goes.
             longer_than: only prefixes of more tokens count (what the engine already holds).
+            capacity: positions to allocate (the request's full-cache capacity, so the engine need not copy the
+                cache into a larger one); at least the prefix's.
 
         Returns:
             :class:`PromptCacheHit` (its file's modification time is refreshed: least recently used goes first), or
@@ -194,12 +201,8 @@ class PromptCache:
             if n > longer_than:
                 candidates.append((n, path, len(tokens)))
         for n, path, held in sorted(candidates, reverse=True):  # the longest prefix whose file passes its checks
-            kv = self._read_kv(path, cfg, held)
-            if kv is not None:
-                cache = FullKVCache(cfg, n, kv[0].dtype, device)
-                cache.k.copy_(kv[0][:, :, :, :n])
-                cache.v.copy_(kv[1][:, :, :, :n])
-                cache.length = n
+            cache = self._read_kv(path, cfg, held, n, max(n, capacity), device)
+            if cache is not None:
                 try:
                     os.utime(path)  # most recently used
                 except FileNotFoundError:  # evicted by another process after it was read: the KV is in memory
@@ -207,36 +210,54 @@ class PromptCache:
                 return PromptCacheHit(cache, list(prompt[:n]), path)
         return None
 
-    def _read_kv(self, path: Path, cfg: ModelConfig, held: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A file's keys and values (memory-mapped), after the shape and checksum checks (None, warned, where one
-        fails); ``held``: the tokens its header lists, each of which needs a position."""
-        from safetensors import safe_open
-
+    def _read_kv(self, path: Path, cfg: ModelConfig, held: int, n: int, capacity: int,
+                 device: torch.device | str) -> FullKVCache | None:
+        """A full KV cache of ``capacity`` positions holding a file's first ``n`` positions, read one layer at a time
+        with plain reads (a memory map's pages would count in the resident set until unmapped: the whole file), after
+        the shape checks and the checksum over the whole file's keys and values (None, warned, where one fails);
+        ``held``: the tokens its header lists, each of which needs a position. The safetensors layout: an 8-byte
+        little-endian header length, the JSON header (each tensor's dtype, shape and ``data_offsets``), the data."""
+        L, nkv, hs = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
         try:
-            with safe_open(str(path), framework="pt") as f:
-                k, v = f.get_tensor("k"), f.get_tensor("v")
-                crc = (f.metadata() or {}).get("crc32")
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+                k, v = header["k"], header["v"]
+                shape, dtype = tuple(k["shape"]), _DTYPES.get(k["dtype"])
+                if len(shape) != 5 or shape[:3] != (L, 1, nkv) or shape[4] != hs or tuple(v["shape"]) != shape \
+                        or dtype is None or v["dtype"] != k["dtype"]:
+                    self._skip(path, f"KV of shape {shape}, this model's is ({L}, 1, {nkv}, T, {hs})")
+                    return None
+                if shape[3] < held:
+                    self._skip(path, f"KV of {shape[3]} positions for {held} tokens")
+                    return None
+                cache = FullKVCache(cfg, capacity, dtype, device)
+                layer = torch.empty(shape[1:], dtype=dtype)  # (1, nkv, T, hs): one layer's keys or values
+                raw = layer.view(torch.uint8).numpy().reshape(-1)
+                crc = 0
+                for entry, dst in ((k, cache.k), (v, cache.v)):
+                    f.seek(8 + size + entry["data_offsets"][0])
+                    for i in range(L):  # the checksum runs over the file's bytes in order, a layer at a time
+                        if f.readinto(raw) != raw.nbytes:
+                            raise EOFError("the file ends inside its data")
+                        crc = zlib.crc32(raw.data, crc)
+                        dst[i, :, :, :n].copy_(layer[:, :, :n])
+                crc_expected = (header.get("__metadata__") or {}).get("crc32")
         except Exception as e:
             if not path.exists():  # deleted by another process meanwhile
                 return None
             self._skip(path, f"unreadable ({type(e).__name__})")
             return None
-        L, nkv, hs = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-        if k.dim() != 5 or tuple(k.shape[:3]) != (L, 1, nkv) or k.shape[4] != hs or k.shape != v.shape:
-            self._skip(path, f"KV of shape {tuple(k.shape)}, this model's is ({L}, 1, {nkv}, T, {hs})")
-            return None
-        if k.shape[3] < held:
-            self._skip(path, f"KV of {k.shape[3]} positions for {held} tokens")
-            return None
-        if _crc(k, v) != crc:
+        if f"{crc:08x}" != crc_expected:
             self._skip(path, "checksum mismatch (a corrupted file)")
             return None
-        return k, v
+        cache.length = n
+        return cache
 
-    def before_request(self, engine, ids: list[int]) -> tuple[int, PromptCacheHit | None]:
+    def before_request(self, engine, ids: list[int], capacity: int = 0) -> tuple[int, PromptCacheHit | None]:
         """Before a request on ``engine`` (an :class:`~triforce.engine.Engine`): the longest prefix of ``ids`` that a
         file holds beyond what the engine already keeps is adopted as its prefix (prefix reuse then prefills only the
-        rest).
+        rest), in a cache of ``capacity`` positions (the request's, :func:`~triforce.plan.size_request`) where given.
 
         Returns:
             ``(cached, hit)``: the prompt tokens whose KV the request starts with (the engine's kept prefix or the
@@ -247,7 +268,7 @@ class PromptCache:
         while cached < min(len(held), len(ids)) and held[cached] == ids[cached]:
             cached += 1
         target = engine.target
-        hit = self.lookup(ids, target.cfg, target.device, longer_than=cached)
+        hit = self.lookup(ids, target.cfg, target.device, longer_than=cached, capacity=capacity)
         if hit is not None:
             engine.adopt_prefix(hit.cache, hit.tokens)
             cached = len(hit.tokens)

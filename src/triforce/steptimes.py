@@ -161,7 +161,8 @@ def forward_call(model: Transformer, cache, start: int, t: int,
 
 
 def measure_step_times(target: Transformer, lower: Transformer, context: int, budget: int, gamma: int,
-                       chunk_size: int, kv_dtype: torch.dtype, lower_kv: torch.dtype, reps: int = 7) -> StepTimes:
+                       chunk_size: int, kv_dtype: torch.dtype, lower_kv: torch.dtype, reps: int = 7,
+                       reuse: FullKVCache | None = None) -> StepTimes:
     """Time the verifier's decode step and its verification of ``gamma + 1`` tokens over a full KV cache of
     ``context`` tokens, and the retrieval tier's step (``lower``, 1 token) over a ``budget``-slot retrieval cache built
     from it, the three in each of ``reps`` interleaved repetitions (:func:`time_interleaved`). The caches hold zeros and
@@ -173,9 +174,12 @@ def measure_step_times(target: Transformer, lower: Transformer, context: int, bu
         gamma: proposals per verification (>= 1); chunk_size: retrieval chunk size (>= 1).
         kv_dtype, lower_kv: dtypes of the full and the retrieval cache.
         reps: timed repetitions of each forward (>= 1).
+        reuse: the engine's kept full cache (a prefix the request reuses), timed in place of a new one where it fits:
+            the timed forwards write only positions from ``context`` on, past every token it holds, and its length
+            is restored.
 
-    Memory: a full cache of ``context + gamma + 1`` positions is allocated for the measurement (the request's own is
-    allocated after it is freed).
+    Memory: without a cache to reuse, one of ``context + gamma + 1`` positions is allocated for the measurement (the
+    request's own is allocated after it is freed).
 
     Raises:
         ValueError: a size out of the ranges above.
@@ -185,11 +189,14 @@ def measure_step_times(target: Transformer, lower: Transformer, context: int, bu
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
     rope = target.rope
+    fits = reuse is not None and not reuse.offload and reuse.capacity >= context + gamma + 1 and \
+        reuse.length <= context and reuse.k.dtype == kv_dtype and reuse.device == torch.device(target.device)
     try:
         target.set_request_length(context + gamma + 1)
         lower.rope = target.rope
-        full = FullKVCache(target.cfg, context + gamma + 1, kv_dtype, target.device, record_queries=False)
-        full.length = context  # zeros: a step's time does not depend on the values
+        full = reuse if fits else FullKVCache(target.cfg, context + gamma + 1, kv_dtype, target.device)
+        kept = (full.length, full.record_queries)
+        full.length, full.record_queries = context, False  # a step's time does not depend on the values
         retrieval = RetrievalCache(target.cfg, full, budget, chunk_size, dtype=lower_kv)
         cfg = target.cfg
         retrieval.build(context, torch.zeros(cfg.num_hidden_layers, 1, cfg.num_attention_heads, cfg.head_dim,
@@ -199,4 +206,6 @@ def measure_step_times(target: Transformer, lower: Transformer, context: int, bu
                                   "lower": forward_call(lower, retrieval, context, 1)}, reps, target.device)
     finally:
         target.rope = lower.rope = rope
+        if fits:
+            reuse.length, reuse.record_queries = kept
     return StepTimes(context, budget, gamma + 1, tuple(zip(times["decode"], times["verify"], times["lower"])))

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ...defaults import DEFAULTS
+from ...plan import cache_capacity
 from .methods import PREDICT_TEXT_TOKENS, SYNTHETIC_DRAFT, _costmodel_module, _gguf_for, _synthetic_module
 from .stats import acceptance_inputs
 
@@ -152,7 +153,8 @@ class _OursRunner:
         self._prompt_tail = list(ids[-PREDICT_TEXT_TOKENS:])
         t0 = time.perf_counter()
         if self.prompt_cache is not None:  # the file's load counts in the time to first token, as a prefill would
-            cached, hit = self.prompt_cache.before_request(self.engine, ids)
+            cached, hit = self.prompt_cache.before_request(self.engine, ids,
+                                                           cache_capacity(len(ids), new_tokens, self.spec))
         gen = self.engine.stream(ids, max_new_tokens=new_tokens, sampling=self.sampling, spec=self.spec, seed=seed)
         tokens, times = [], []
         for tok in gen:
