@@ -28,10 +28,8 @@
  * Built with -ffp-contract=off (d * q + m rounds twice, as PyTorch's elementwise ops and gguf-py's numpy do) and
  * -mavx2 -mfma -fopenmp by triforce/kernels.py's builder, plus -mavx512f -mavx512bw -mavx512vl where the CPU has
  * AVX-512 (the exact product's 16-lane path below), and -mavx512vnni where it has VNNI (the integer dot products'
- * vpdpbusd). SmolLM2's codes, every matrix once, 2 threads, against the source before these paths built with the
- * same flags: the exact product 1.15x faster for one row, 1.53x for 4 and 1.68x for 7, the integer dot products
- * 1.15x for 4 rows and 1.21x for 7, bitwise the same outputs (bench/kernels/blockcodes.py,
- * bench/results/blockcodes_avx512_2026-12-05.json); the Python side checks every precondition before calling.
+ * vpdpbusd): faster for every row count, bitwise the same outputs (docs/performance.md, "Kernels"); the Python side
+ * checks every precondition before calling.
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -69,8 +67,8 @@ static inline __attribute__((always_inline)) __m256 group8(const void* p, int64_
 
 /* BLOCK_PRODUCT_EXACT: a weight's d q is exact in fp32 (an fp16 scale's 11 significant bits times a code's 4 or 8,
  * at least 2^-24 in magnitude where not 0), so fl(fl(d q) + m), the weight, is the one rounding of d q + m that an FMA
- * computes: one instruction instead of a multiply and an add (the same weights bitwise; SmolLM2's codes, one row, 2
- * threads: bench/results/blockcodes_fma_2026-12-05.json) */
+ * computes: one instruction instead of a multiply and an add, the same weights bitwise (docs/history.md has the
+ * timing) */
 
 /* 8 weights of column block c at input i, exactly as fp32 */
 static inline __attribute__((always_inline)) __m256 weights8(const void* codes, const int BITS, const int BF, int64_t c,
@@ -114,9 +112,8 @@ static inline __attribute__((always_inline)) void prefetch_group(const void* cod
 /* y[m, 8 (c0 + u) : ... + 8) for R rows (constants after inlining) and NC column blocks c0 .. c0 + NC - 1; with PF,
  * each group of inputs also prefetches the same group of the next NC column blocks (their codes, scales, minima).
  * A tile reads 2 NC + NC short streams (a column block's codes are 2.3 KB for 576 inputs), too short for the hardware
- * prefetcher to run ahead: without it a one-row product's memory reads and dequantization took turns (SmolLM2's
- * codes, every matrix once, one row, 2 threads: 10.4 ms before, 8.3 ms with it, the same outputs bitwise;
- * bench/kernels/blockcodes.py, bench/results/blockcodes_prefetch_2026-12-03.json). */
+ * prefetcher to run ahead: without it a one-row product's memory reads and dequantization took turns (1.25x
+ * slower on SmolLM2's codes; docs/history.md has the timing). */
 static inline __attribute__((always_inline)) void tile(const float* x, const int R, int in, const void* codes,
                                                        const int BITS, const int BF, const void* d, const void* m, const int HAS_M,
                                                        const int F32, const int KS, const int G, int64_t c0, const int NC,
