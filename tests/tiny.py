@@ -46,21 +46,26 @@ def pair(seed: int = 0, vocab: int = 96, **kw):
     return target, draft
 
 
-def char_tokenizer():
-    """A 96-token character-level tokenizer (ids 0-2 special, then ASCII 32..124) with a chat template."""
+def _char_level(chars: str, split: str, template: str):
+    """A character-level fast tokenizer: ids 0-2 ``<unk>``, ``<s>``, ``</s>``, then one id per character of ``chars``
+    in order; ``split`` is the pre-tokenizer's regex of one piece; ``template`` the chat template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for c in range(32, 125):
-        vocab[chr(c)] = len(vocab)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: 3 + i for i, c in enumerate(chars)}}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(split), behavior="isolated")
     tk.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tok.chat_template = template
     return tok
+
+
+def char_tokenizer():
+    """A 96-token character-level tokenizer (ids 0-2 special, then ASCII 32..124) with a chat template."""
+    return _char_level("".join(map(chr, range(32, 125))), ".",
+                       "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                       "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 #: a Hermes-style chat template with tools (as Qwen2.5's renders them, shortened): the tools' JSON in the system
@@ -77,18 +82,7 @@ HERMES_TEMPLATE = (
 def tool_tokenizer():
     """A 99-token character-level tokenizer (ids 0-2 special, a newline, then ASCII 32..126, braces included) with
     :data:`HERMES_TEMPLATE`, for tool calls and JSON."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "\n": 3}
-    for c in range(32, 127):
-        vocab[chr(c)] = len(vocab)
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    tok.chat_template = HERMES_TEMPLATE
-    return tok
+    return _char_level("\n" + "".join(map(chr, range(32, 127))), "[\\s\\S]", HERMES_TEMPLATE)
 
 
 def save_folder(path, seed: int = 0, **kw):
