@@ -18,15 +18,32 @@ def use_avx2_build(monkeypatch, module, attr: str, native_status: str, build):
     monkeypatch.setattr(module, attr, forced)
 
 
-@pytest.fixture(params=["native", "avx2"])
+def use_portable_build(monkeypatch, module, attr: str, native_status: str, build):
+    """Swap ``module.attr`` (a kernel library) for its portable build ``build("portable")`` (plain C, no ISA flags:
+    what a CPU without AVX2, or aarch64, runs), so that it is checked on an AVX2 or AVX-512 machine; skips where the
+    native build is the portable one or the portable build does not load."""
+    if "portable" in native_status:
+        pytest.skip("the native build is the portable one")
+    forced = build("portable")
+    if forced.load() is None:
+        pytest.skip(f"portable build {forced.status}")
+    monkeypatch.setattr(module, attr, forced)
+
+
+@pytest.fixture(params=["native", "avx2", "portable"])
 def blockcode_build(request, monkeypatch):
-    """The block-code kernels as this CPU's build (AVX-512 or AVX2), and the AVX2 build too where the native one is
-    AVX-512, so both paths of csrc/blockcodes.c are checked on an AVX-512 machine."""
-    from triforce import blockcodes
+    """The block-code kernels as this CPU's build (AVX-512 or AVX2), the AVX2 build too where the native one is
+    AVX-512, and the portable build (with the portable linear kernels, which its exact products equal bitwise), so
+    every path of csrc/blockcodes.c this CPU runs is checked."""
+    from triforce import blockcodes, kernels
 
     if request.param == "avx2":
         use_avx2_build(monkeypatch, blockcodes, "_blockcodes", blockcodes.blockcodes_status(),
                        blockcodes.blockcodes_build)
+    if request.param == "portable":
+        use_portable_build(monkeypatch, blockcodes, "_blockcodes", blockcodes.blockcodes_status(),
+                           blockcodes.blockcodes_build)
+        use_portable_build(monkeypatch, kernels, "_linear", kernels.linear_status(), kernels.linear_build)
     return request.param
 
 

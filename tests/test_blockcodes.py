@@ -137,7 +137,8 @@ def test_int8_activation_products_compute_their_definition(fmt, bits, n_in, n_ou
 def test_every_build_gives_bitwise_the_same_products(fmt, monkeypatch):
     """The AVX2, AVX-512 and AVX-512 VNNI builds of csrc/blockcodes.c (those this CPU runs): the exact products
     bitwise equal (one chain of FMAs per output in each), and the integer dot products too (the same integer sums,
-    vpdpbusd or vpmaddubsw + vpmaddwd)."""
+    vpdpbusd or vpmaddubsw + vpmaddwd). Not the portable build: without hardware FMA its chains multiply and add
+    (two roundings), so it keeps the rule within itself, bitwise the portable fp32 kernel (``blockcode_build``)."""
     torch.manual_seed(7)
     threads = torch.get_num_threads()
     results = {}
@@ -147,7 +148,7 @@ def test_every_build_gives_bitwise_the_same_products(fmt, monkeypatch):
             w_t = fmt(torch.randn(n_out, n_in) * 0.05).T.contiguous()
             codes = find_block_codes(w_t)
             x = torch.randn(9, n_in)
-            for isa in blockcodes._BUILDS:
+            for isa in [name for name in blockcodes._BUILDS if name != "portable"]:
                 build = blockcodes.blockcodes_build(isa)
                 if build.load() is None:
                     continue
@@ -158,12 +159,43 @@ def test_every_build_gives_bitwise_the_same_products(fmt, monkeypatch):
                         (blockcode_linear(x[:m], codes), blockcode_linear_q8(x[:m], codes)) for m in (1, 2, 4, 7, 9))
     finally:
         torch.set_num_threads(threads)
-    assert len(results) >= 1
+    if not results:
+        pytest.skip("this CPU runs the portable build only")
     first = next(iter(results.values()))
     for isa, outs in results.items():
         assert len(outs) == len(first)
         for (exact, q8), (exact0, q80) in zip(outs, first):
             assert torch.equal(exact, exact0) and torch.equal(q8, q80), isa
+
+
+@pytest.mark.parametrize("fmt", [q4_1, q8_0])
+def test_the_portable_build_with_hardware_fma_is_bitwise_the_avx2_build(fmt, monkeypatch):
+    """The portable builds of csrc/qlinear.c and csrc/blockcodes.c where the target fuses fmaf in hardware
+    (__FP_FAST_FMAF: aarch64), compiled here with -mfma and without -mavx2 so that their portable branches run: each
+    output is the AVX2 build's chain of FMAs, so the fp32 and the exact block-code products are bitwise the AVX2
+    build's, and the fit finds the same codes."""
+    from triforce import kernels
+    from triforce.kernelbuild import _cpu_flags, _Library
+
+    avx2 = blockcodes.blockcodes_build("AVX2"), kernels.linear_build("AVX2")
+    if not {"avx2", "fma", "f16c"} <= _cpu_flags() or any(lib.load() is None for lib in avx2):
+        pytest.skip("needs the AVX2 builds (an x86-64 CPU with AVX2, FMA and F16C)")
+    flags = kernels.PORTABLE_CFLAGS + ("-fopenmp", "-mfma")
+    fused = (_Library("blockcodes.c", "TRIFORCE_BLOCK_CODES", (), lambda: (flags, "portable, FMA"), blockcodes._SYMBOLS),
+             _Library("qlinear.c", "TRIFORCE_LINEAR_KERNEL", (), lambda: (flags, "portable, FMA"),
+                      kernels._LINEAR_SYMBOLS))
+    torch.manual_seed(11)
+    w_t = fmt(torch.randn(352, 576) * 0.05).T.contiguous()
+    x = torch.randn(9, 576)
+    results = []
+    for codes_lib, linear_lib in (avx2, fused):
+        monkeypatch.setattr(blockcodes, "_blockcodes", codes_lib)
+        monkeypatch.setattr(kernels, "_linear", linear_lib)
+        codes = find_block_codes(w_t)
+        results.append((codes.codes, codes.d, blockcode_linear(x, codes), f32_linear(x, w_t)))
+    assert "portable" in fused[0].status and "portable" in fused[1].status
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_int8_activation_products_refuse_q8_0_codes_of_minus_128():

@@ -6,10 +6,11 @@ come in pairs, column 2j + 1 = column 2j + 1e-6 r_j (r_j a random unit vector), 
 position are a pair about 1e-6 apart: any difference in rounding between a decode step and its row of a block, or
 between a request alone and in a batch, flips greedy tokens (a difference of 2.4e-7 in the logits flipped 2-11 of
 17-32 argmaxes in the runs that shaped these tests). Checked on each build: ``native`` (this CPU's best),
-``avx2`` (``TRIFORCE_KERNEL_ISA=AVX2``: the AVX2 builds on an AVX-512 machine) and ``off`` (every kernel switched
-off: PyTorch's ops, each row of a verifier block computed by the call its decode step makes). A build is chosen
-when the kernels first load, so each runs in a subprocess that computes every check once (:func:`_checks`) and
-prints the results; the tests assert on them.
+``avx2`` (``TRIFORCE_KERNEL_ISA=AVX2``: the AVX2 builds on an AVX-512 machine), ``portable``
+(``TRIFORCE_KERNEL_ISA=portable``: every kernel's plain C build, what a CPU without AVX2 or aarch64 runs) and ``off``
+(every kernel switched off: PyTorch's ops, each row of a verifier block computed by the call its decode step
+makes). A build is chosen when the kernels first load, so each runs in a subprocess that computes every check once
+(:func:`_checks`) and prints the results; the tests assert on them.
 
 * (a) a decode step's logits are bitwise its row of a block of 1-32 tokens, for vocabularies of 96, 97 and 101 (the
   LM head's width not a multiple of 16) and for a model on GGUF block codes; each block of a ragged forward of up
@@ -31,7 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 #: environment of each forced build (a build is chosen when the kernels first load: each runs in a subprocess)
 OFF = {name: "0" for name in ("TRIFORCE_ATTENTION_KERNEL", "TRIFORCE_LINEAR_KERNEL", "TRIFORCE_NORM_ROPE_KERNEL",
                               "TRIFORCE_DECODE_STEP_KERNEL", "TRIFORCE_SAMPLING_KERNEL", "TRIFORCE_BLOCK_CODES")}
-BUILDS = {"native": {}, "avx2": {"TRIFORCE_KERNEL_ISA": "AVX2"}, "off": OFF}
+BUILDS = {"native": {}, "avx2": {"TRIFORCE_KERNEL_ISA": "AVX2"}, "portable": {"TRIFORCE_KERNEL_ISA": "portable"},
+          "off": OFF}
 #: the gap between the two tokens of a pair of LM-head columns, before the final norm's scale
 GAP = 1e-6
 VOCABS = (96, 101)  # a multiple of 16 and not
@@ -202,6 +204,9 @@ def build(request):
     results = json.loads(run.stdout.strip().splitlines()[-1])
     if name == "avx2":
         assert all("AVX2" in results["status"][k] for k in ("attention", "linear", "codes")), results["status"]
+    if name == "portable":
+        assert all("portable" in results["status"][k] for k in ("attention", "linear", "codes")), results["status"]
+        assert results["status"]["decode_step"].startswith("on"), results["status"]
     if name == "off":
         assert all(s.startswith("off") or "off" in s for s in results["status"].values()), results["status"]
     return name, results

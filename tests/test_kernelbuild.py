@@ -104,3 +104,22 @@ def test_a_compiler_rejecting_every_build_leaves_the_kernel_off_with_each_reason
         assert lib.load() is None
     assert lib.load() is None  # no second warning: the status is kept
     assert lib.status.startswith("unavailable: the plain build failed to compile") and "internal error" in lib.status
+
+
+def test_the_isa_variable_forces_the_portable_build_and_rejects_other_values(monkeypatch):
+    """TRIFORCE_KERNEL_ISA=portable hides every AVX flag, FMA and F16C, so each kernel's choice is its portable build
+    (plain C, no ISA flags), as on a CPU without AVX2 or on aarch64; another value is a ValueError listing the allowed
+    ones."""
+    from triforce import blockcodes, kernels, sampling
+    from triforce.kernelbuild import ISA_ENV, _cpu_flags
+
+    monkeypatch.setenv(ISA_ENV, "portable")
+    assert not {f for f in _cpu_flags() if f.startswith(("avx", "fma", "f16c"))}
+    assert kernels.cpu()["isa"] == "portable"
+    for builds in (kernels._ATTENTION_BUILDS, kernels._LINEAR_BUILDS, kernels._NORM_ROPE_BUILDS, blockcodes._BUILDS,
+                   sampling._BUILDS):
+        flags, name = best_build(builds)
+        assert name == "portable" and not any(f.startswith("-m") for f in flags), (name, flags)
+    monkeypatch.setenv(ISA_ENV, "SSE2")
+    with pytest.raises(ValueError, match="TRIFORCE_KERNEL_ISA must be 'AVX2', 'portable' or unset, got 'SSE2'"):
+        _cpu_flags()

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from conftest import use_avx2_build
+from conftest import use_avx2_build, use_portable_build
 from tiny import hf_config
 from triforce import kernels, sdpa
 from triforce.caches import FullKVCache, _causal_offset_mask
@@ -14,6 +14,14 @@ from triforce.config import ModelConfig
 from triforce.sdpa import gqa_attention
 
 pytestmark = pytest.mark.skipif(kernels.status().startswith("unavailable"), reason=f"kernel {kernels.status()}")
+
+
+@pytest.fixture(params=["native", "portable"])
+def attention_build(request, monkeypatch):
+    """The attention kernel as this CPU's build, and its portable build (plain C: a CPU without AVX2, or aarch64)."""
+    if request.param == "portable":
+        use_portable_build(monkeypatch, kernels, "_attention", kernels.status(), kernels.attention_build)
+    return request.param
 
 
 @pytest.mark.parametrize("b,nh,nkv,t,hs,n_keys,cap", [
@@ -25,7 +33,7 @@ pytestmark = pytest.mark.skipif(kernels.status().startswith("unavailable"), reas
     (1, 6, 1, 2, 24, 257, 257),      # MQA, head_dim not a power of two
     (1, 10, 2, 4, 72, 700, 700),     # 20 rows per KV head (3-row passes and a 2-row one), 9 value vectors (4+4+1)
 ])
-def test_kernel_matches_sdpa(b, nh, nkv, t, hs, n_keys, cap):
+def test_kernel_matches_sdpa(b, nh, nkv, t, hs, n_keys, cap, attention_build):
     g = torch.Generator().manual_seed(n_keys)
     q = torch.randn(b, nh, t, hs, generator=g)
     k = torch.randn(b, nkv, cap, hs, generator=g) * 3  # spread the scores: softmax far from uniform
@@ -41,7 +49,7 @@ def test_kernel_matches_sdpa(b, nh, nkv, t, hs, n_keys, cap):
 
 
 @pytest.mark.parametrize("t,split", [(1, 300), (1, 1), (3, 257)])
-def test_kernel_log_sum_exp_merges_two_key_ranges(t, split):
+def test_kernel_log_sum_exp_merges_two_key_ranges(t, split, attention_build):
     """lse is log sum_j exp(q.k_j / sqrt(hs)) per query (fp64 reference); attention over keys [0, n) equals the merge
     (merge_attention) of the kernel over [0, split) and over [split, n) (a view of the cache, its own n_keys), within
     fp32 rounding: the retrieval cache's path for a prompt shorter than its budget."""
@@ -70,7 +78,8 @@ def test_kernel_log_sum_exp_merges_two_key_ranges(t, split):
     (1, 6, 1, 2, 24, 257, 257),      # head_dim 24: the AVX2 path
     (1, 10, 2, 4, 40, 700, 700),     # the AVX2 path, 20 rows per KV head, 5 value vectors
 ])
-def test_kernel_over_a_bf16_cache_is_the_kernel_over_its_fp32_values(b, nh, nkv, t, hs, n_keys, cap):
+def test_kernel_over_a_bf16_cache_is_the_kernel_over_its_fp32_values(b, nh, nkv, t, hs, n_keys, cap,
+                                                                     attention_build):
     """A bf16 cache (a lower tier's ``lower_kv_dtype``): each element widened exactly, so the output and the
     log-sum-exp are bitwise the kernel's over the fp32 copy of the same cache, and agree with SDPA over it."""
     g = torch.Generator().manual_seed(n_keys + t)
@@ -125,7 +134,7 @@ def test_full_cache_decode_uses_kernel_and_equals_sdpa():
 
 @pytest.mark.parametrize("nh,nkv,hs,t", [(9, 3, 64, 7), (32, 2, 64, 9),  # 21 rows per KV head; 144 (over 128)
                                          (10, 2, 40, 5)])  # 25 rows: 3-row value passes and a 1-row one; 4+1 vectors
-def test_row_does_not_depend_on_block(nh, nkv, hs, t):
+def test_row_does_not_depend_on_block(nh, nkv, hs, t, attention_build):
     """A query's output is bitwise the same whether it is attended alone (decode) or in a block (verification),
     also when the block has more rows per KV head than a decode step has (the chunks do not depend on the rows)."""
     g = torch.Generator().manual_seed(3)
@@ -149,12 +158,14 @@ linear_kernels = pytest.mark.skipif(kernels.linear_status().startswith("unavaila
                                  reason=f"linear kernels {kernels.linear_status()}")
 
 
-@pytest.fixture(params=["native", "avx2"])
+@pytest.fixture(params=["native", "avx2", "portable"])
 def linear_build(request, monkeypatch):
-    """The linear kernels as this CPU's build (AVX-512 or AVX2), and the AVX2 build too where the native one is
-    AVX-512, so both branches of csrc/qlinear.c are checked on an AVX-512 machine."""
+    """The linear kernels as this CPU's build (AVX-512 or AVX2), the AVX2 build too where the native one is AVX-512,
+    and the portable build (plain C), so every branch of csrc/qlinear.c this CPU runs is checked."""
     if request.param == "avx2":
         use_avx2_build(monkeypatch, kernels, "_linear", kernels.linear_status(), kernels.linear_build)
+    if request.param == "portable":
+        use_portable_build(monkeypatch, kernels, "_linear", kernels.linear_status(), kernels.linear_build)
     return request.param
 
 
@@ -250,7 +261,8 @@ def test_one_row_switch_chooses_the_decode_steps_product(value, monkeypatch):
     ValueError naming the variable and the allowed values."""
     from triforce.model import Linear
 
-    fresh = kernels.linear_build("AVX-512" if "AVX-512" in kernels.linear_status() else "AVX2")
+    status = kernels.linear_status()
+    fresh = kernels.linear_build("AVX-512" if "AVX-512" in status else "AVX2" if "AVX2" in status else "portable")
     monkeypatch.setattr(kernels, "_linear", fresh)
     monkeypatch.setenv(kernels.ONE_ROW_ENV_SWITCH, value)
     expected = {"1": True, "0": False, "": "AVX-512" in kernels.linear_status()}[value]

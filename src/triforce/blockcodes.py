@@ -37,6 +37,7 @@ from .kernels import (
     BLOCKCODES_CFLAGS,
     BLOCKCODES_ENV_SWITCH,
     LINEAR_MAX_ROWS,
+    PORTABLE_CFLAGS,
     _Library,
     best_build,
     forced_build,
@@ -49,12 +50,14 @@ GROUP = 32
 _PROBE_BLOCKS = 32
 
 #: the builds of csrc/blockcodes.c: the CPU features each needs and its flags (the AVX-512 path of the exact product,
-#: 16 outputs a vector; the AVX2 one, 8)
+#: 16 outputs a vector; the AVX2 one, 8; the portable one, plain C for a CPU with neither, bitwise the portable
+#: ``f32_linear``)
 _BUILDS = {"AVX-512 VNNI": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
                             BLOCKCODES_CFLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
            "AVX-512": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"),
                        BLOCKCODES_CFLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl")),
-           "AVX2": (("avx2", "fma", "f16c"), BLOCKCODES_CFLAGS)}
+           "AVX2": (("avx2", "fma", "f16c"), BLOCKCODES_CFLAGS),
+           "portable": ((), PORTABLE_CFLAGS + ("-fopenmp",))}
 _SYMBOLS = {"triforce_blockcode_linear": (_I, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I]),
             "triforce_blockcode_dequantize": (_I, [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I]),
             "triforce_blockcode_linear_q8": (_I, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _P]),
@@ -66,7 +69,7 @@ def blockcodes_build(isa: str) -> _Library:
     AVX-512 builds of ``csrc/blockcodes.c`` in as ``blockcodes._blockcodes`` on a machine with VNNI.
 
     Args:
-        isa: "AVX-512 VNNI", "AVX-512" or "AVX2".
+        isa: "AVX-512 VNNI", "AVX-512", "AVX2" or "portable".
 
     Raises:
         ValueError: for another ``isa``.
@@ -74,7 +77,7 @@ def blockcodes_build(isa: str) -> _Library:
     return forced_build(_BUILDS, isa, "blockcodes.c", BLOCKCODES_ENV_SWITCH, _SYMBOLS)
 
 
-_blockcodes = _Library("blockcodes.c", BLOCKCODES_ENV_SWITCH, _BUILDS["AVX2"][0], lambda: best_build(_BUILDS),
+_blockcodes = _Library("blockcodes.c", BLOCKCODES_ENV_SWITCH, (), lambda: best_build(_BUILDS),
                        _SYMBOLS, _BUILDS)
 
 

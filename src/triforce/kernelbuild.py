@@ -21,25 +21,33 @@ _CSRC = Path(__file__).with_name("csrc")
 _lock = threading.Lock()
 #: environment variable: "AVX2" builds and loads every kernel as on a CPU without AVX-512 (the flags that start with
 #: "avx512" hidden from the choice of builds), so the AVX2 builds run, and are tested, on an AVX-512 machine
-#: (tests/test_exactness.py); unset or empty: this CPU's own flags. Read when a kernel first loads.
+#: (tests/test_exactness.py); "portable" as on a CPU with neither AVX2 nor AVX-512 (those, FMA and F16C hidden too):
+#: every kernel's plain C build, no ISA flags, what an older x86-64 CPU or aarch64 runs; unset or empty: this CPU's
+#: own flags. Read when a kernel first loads.
 ISA_ENV = "TRIFORCE_KERNEL_ISA"
+#: the values :data:`ISA_ENV` takes
+ISA_CHOICES = ("", "AVX2", "portable")
+#: the flags "portable" hides: every SIMD extension a build of ours asks for beyond x86-64's baseline
+_PORTABLE_HIDDEN = ("avx", "fma", "f16c")
 
 
 def _cpu_flags() -> set[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read), less AVX-512's where
-    :data:`ISA_ENV` is "AVX2".
+    :data:`ISA_ENV` is "AVX2", less every AVX flag, FMA and F16C where it is "portable".
 
     Raises:
-        ValueError: :data:`ISA_ENV` set to something other than "AVX2" or "".
+        ValueError: :data:`ISA_ENV` set to something other than "AVX2", "portable" or "" (the message lists them).
     """
     isa = os.environ.get(ISA_ENV, "")
-    if isa not in ("", "AVX2"):
-        raise ValueError(f"{ISA_ENV} must be 'AVX2' or unset, got {isa!r}")
+    if isa not in ISA_CHOICES:
+        raise ValueError(f"{ISA_ENV} must be 'AVX2', 'portable' or unset, got {isa!r}")
     try:
         with open("/proc/cpuinfo") as f:
             flags = set(next((line.split(":", 1)[-1] for line in f if line.startswith("flags")), "").split())
     except OSError:
         return set()
+    if isa == "portable":
+        return {f for f in flags if not f.startswith(_PORTABLE_HIDDEN)}
     return {f for f in flags if not f.startswith("avx512")} if isa == "AVX2" else flags
 
 

@@ -18,8 +18,10 @@ machine with the system C compiler
 (``cc``, ``$CC`` overrides) into ``<triforce cache>/kernels/`` (``kernelbuild.py``: one compile under a file lock, a
 per-user temporary directory where the cache cannot be used, the AVX2 build where the compiler rejects AVX-512
 flags); the library links the ``libgomp`` torch already
-loaded, so both share one OpenMP thread pool. Feature detection with a fallback: where there is no compiler, no
-AVX2/FMA, the build fails, or ``TRIFORCE_ATTENTION_KERNEL=0`` is set, :func:`gqa_attention_kernel` returns None and
+loaded, so both share one OpenMP thread pool. On a CPU without AVX2/FMA (or aarch64) every C file is built with no
+ISA flags (the portable builds, :data:`PORTABLE_CFLAGS`: plain C branches with the same row-independence;
+``TRIFORCE_KERNEL_ISA=portable`` forces them). Feature detection with a fallback: where there is no compiler, the
+build fails, or ``TRIFORCE_ATTENTION_KERNEL=0`` is set, :func:`gqa_attention_kernel` returns None and
 the caller uses SDPA (``status()`` says which and why; a kernel that is off for any reason but its variable is named
 once on stderr).
 
@@ -30,7 +32,8 @@ over SmolLM2's weights for the 1-2 rows of a lower tier's decode step on this pr
 slower from 7; docs/history.md); :func:`f32_linear` multiplies fp32 weights stored (in, out), the
 verifier's blocks and batched steps (``bench/kernels/qlinear.py``, docs/history.md). They are built for AVX-512 (F, BW,
 VL) where the CPU has it, and otherwise for AVX2 and FMA (8-lane versions of the same kernels, with the same
-row-independence); where the CPU has neither, or ``TRIFORCE_LINEAR_KERNEL=0`` is set, they return None
+row-independence), and where the CPU has neither, portable (plain C loops: one multiply-add chain per output, as
+the vector lanes compute); where there is no compiler, or ``TRIFORCE_LINEAR_KERNEL=0`` is set, they return None
 (``linear_status()`` says why). The verifier's decode steps and blocks run every fp32 product on our kernel, with
 either build, any number of rows and any width, so that a row rounds alike wherever it is (:mod:`triforce.exact`,
 :func:`f32_one_row_exact`); elsewhere the product is decided per build: with AVX-512 our kernel for 2-64 rows and
@@ -70,6 +73,10 @@ CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 LINEAR_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp", "-shared", "-fPIC")
 #: the linear kernels' flags where the CPU has AVX2 and FMA but no AVX-512 (8-lane versions of the same kernels)
 LINEAR_AVX2_CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+#: the portable builds' flags (csrc/*.c's branches for a CPU with neither AVX2 nor AVX-512, or aarch64): no ISA flags,
+#: the compiler's default target, loops it vectorises; no contraction, so a multiply and an add round as the C says
+#: (fused only where the C asks for fmaf, csrc/qlinear.c's MADD) and a row rounds alike at every width
+PORTABLE_CFLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
 #: environment variable: "0" turns the RMSNorm and RoPE kernels off (PyTorch's ops everywhere)
 NORM_ROPE_ENV_SWITCH = "TRIFORCE_NORM_ROPE_KERNEL"
 #: their flags: no FMA contraction, so RoPE rounds as PyTorch's x * cos + rotate_half(x) * sin does
@@ -106,8 +113,9 @@ CHUNK = 256
 
 def cpu() -> dict:
     """The CPU the kernels are built for: ``{"cpu": model name, "cores": logical CPUs, "isa": "AVX-512" | "AVX2" |
-    "other"}`` ("AVX-512": F, BW and VL, the linear kernels' wide build; "AVX2": AVX2 and FMA, the 8-lane builds;
-    read from /proc/cpuinfo, "unknown" and "other" where it cannot be read). Benchmarks record it: the kernels' builds,
+    "portable"}`` ("AVX-512": F, BW and VL, the linear kernels' wide build; "AVX2": AVX2 and FMA, the 8-lane builds;
+    "portable": neither, the plain C builds; read from /proc/cpuinfo, "unknown" and "portable" where it cannot be
+    read; ``TRIFORCE_KERNEL_ISA`` hides flags as for the builds). Benchmarks record it: the kernels' builds,
     and so the figures, differ by ISA."""
     name = "unknown"
     try:
@@ -117,7 +125,7 @@ def cpu() -> dict:
         pass
     flags = _cpu_flags()
     isa = ("AVX-512" if set(_LINEAR_BUILDS["AVX-512"][0]) <= flags
-           else "AVX2" if set(_LINEAR_BUILDS["AVX2"][0]) <= flags else "other")
+           else "AVX2" if set(_LINEAR_BUILDS["AVX2"][0]) <= flags else "portable")
     return {"cpu": name, "cores": os.cpu_count(), "isa": isa}
 
 
@@ -127,7 +135,8 @@ def _cpu_has_avx2_fma() -> bool:
 
 #: the builds of csrc/attention.c: its AVX-512 path (head sizes multiple of 16) and its AVX2 one
 _ATTENTION_BUILDS = {"AVX-512": (("avx2", "fma", "avx512f"), CFLAGS + ("-mavx512f",)),
-                     "AVX2": (("avx2", "fma"), CFLAGS)}
+                     "AVX2": (("avx2", "fma"), CFLAGS),
+                     "portable": ((), PORTABLE_CFLAGS + ("-fopenmp",))}
 
 
 def _attention_flags():
@@ -135,22 +144,36 @@ def _attention_flags():
 
 
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-_attention = _Library("attention.c", ENV_SWITCH, ("avx2", "fma"), _attention_flags, {
+_ATTENTION_SYMBOLS = {
     "triforce_gqa_attention": (_I, [_P] * 5 + [_I] * 5 + [_I64] * 2 + [_I] * 2 + [_F, _I, _P]),
-    "triforce_gqa_attention_bf16": (_I, [_P] * 5 + [_I] * 5 + [_I64] * 2 + [_I] * 2 + [_F, _I, _P])},
-    _ATTENTION_BUILDS)
+    "triforce_gqa_attention_bf16": (_I, [_P] * 5 + [_I] * 5 + [_I64] * 2 + [_I] * 2 + [_F, _I, _P])}
+_attention = _Library("attention.c", ENV_SWITCH, (), _attention_flags, _ATTENTION_SYMBOLS, _ATTENTION_BUILDS)
 _LINEAR_BUILDS = {"AVX-512": (("avx512f", "avx512bw", "avx512vl"), LINEAR_CFLAGS),
-                  "AVX2": (("avx2", "fma"), LINEAR_AVX2_CFLAGS)}  # the #if and #else branches of csrc/qlinear.c
+                  "AVX2": (("avx2", "fma"), LINEAR_AVX2_CFLAGS),  # the branches of csrc/qlinear.c
+                  "portable": ((), PORTABLE_CFLAGS + ("-fopenmp",))}
 _LINEAR_SYMBOLS = {"triforce_int8_linear": (_I, [_P] * 4 + [_I] * 4),
                    "triforce_f32_linear": (_I, [_P] * 3 + [_I] * 4)}
 
 
-def linear_build(isa: str) -> "_Library":
-    """The linear kernels built for ``isa`` (:func:`forced_build`): tests and ``bench/kernels/qlinear.py`` swap the AVX2
-    build of ``csrc/qlinear.c`` in as ``kernels._linear`` on an AVX-512 machine.
+def attention_build(isa: str) -> "_Library":
+    """The attention kernel built for ``isa`` (:func:`forced_build`): tests swap the portable build of
+    ``csrc/attention.c`` in as ``kernels._attention`` on an AVX2 or AVX-512 machine.
 
     Args:
-        isa: "AVX-512" or "AVX2".
+        isa: "AVX-512", "AVX2" or "portable".
+
+    Raises:
+        ValueError: for another ``isa``.
+    """
+    return forced_build(_ATTENTION_BUILDS, isa, "attention.c", ENV_SWITCH, _ATTENTION_SYMBOLS)
+
+
+def linear_build(isa: str) -> "_Library":
+    """The linear kernels built for ``isa`` (:func:`forced_build`): tests and ``bench/kernels/qlinear.py`` swap the AVX2
+    (or portable) build of ``csrc/qlinear.c`` in as ``kernels._linear`` on an AVX-512 (or AVX2) machine.
+
+    Args:
+        isa: "AVX-512", "AVX2" or "portable".
 
     Raises:
         ValueError: for another ``isa``.
@@ -158,11 +181,13 @@ def linear_build(isa: str) -> "_Library":
     return forced_build(_LINEAR_BUILDS, isa, "qlinear.c", LINEAR_ENV_SWITCH, _LINEAR_SYMBOLS)
 
 
-_linear = _Library("qlinear.c", LINEAR_ENV_SWITCH, ("avx2", "fma"), lambda: best_build(_LINEAR_BUILDS), _LINEAR_SYMBOLS,
+_linear = _Library("qlinear.c", LINEAR_ENV_SWITCH, (), lambda: best_build(_LINEAR_BUILDS), _LINEAR_SYMBOLS,
                    _LINEAR_BUILDS)
-_norm_rope = _Library("norm_rope.c", NORM_ROPE_ENV_SWITCH, ("avx2",), lambda: (NORM_ROPE_CFLAGS, "AVX2"), {
+#: the builds of csrc/norm_rope.c (plain C either way: the compiler vectorises it for the ISA it is given)
+_NORM_ROPE_BUILDS = {"AVX2": (("avx2",), NORM_ROPE_CFLAGS), "portable": ((), PORTABLE_CFLAGS)}
+_norm_rope = _Library("norm_rope.c", NORM_ROPE_ENV_SWITCH, (), lambda: best_build(_NORM_ROPE_BUILDS), {
     "triforce_rms_norm": (None, [_P] * 3 + [_I64, _I, _F]),
-    "triforce_rope": (None, [_P] + [_I64] * 3 + [_P] * 3 + [_I] * 4)})
+    "triforce_rope": (None, [_P] + [_I64] * 3 + [_P] * 3 + [_I] * 4)}, _NORM_ROPE_BUILDS)
 
 
 def status() -> str:

@@ -7,8 +7,8 @@ argmax (first index on ties), so the rejection rule reduces to "accept iff the d
 
 The nucleus selection and the inverse-CDF draw run in ``csrc/sampling.c`` where it builds (one pass over the row
 each instead of PyTorch's topk, cumsum, scatter and checks; its time: docs/performance.md, "Kernels (EPYC)"),
-PyTorch's ops otherwise (``TRIFORCE_SAMPLING_KERNEL=0``, no compiler, no AVX2): the same rule, the same support,
-probabilities equal up to the rounding of the renormalisation.
+PyTorch's ops otherwise (``TRIFORCE_SAMPLING_KERNEL=0``, no compiler; without AVX2 its portable build runs): the
+same rule, the same support, probabilities equal up to the rounding of the renormalisation.
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ from dataclasses import dataclass
 import torch
 
 from .defaults import DEFAULTS
-from .kernels import _F, _I, _P, SAMPLING_CFLAGS, SAMPLING_ENV_SWITCH, _Library
+from .kernels import _F, _I, _P, PORTABLE_CFLAGS, SAMPLING_CFLAGS, SAMPLING_ENV_SWITCH, _Library, best_build
 from .logprobs import check_top_logprobs
 
-_sampling = _Library("sampling.c", SAMPLING_ENV_SWITCH, ("avx2",), lambda: (SAMPLING_CFLAGS, "AVX2"), {
+#: the builds of csrc/sampling.c: its AVX2 compares and maxima, or its plain C branches (the same results)
+_BUILDS = {"AVX2": (("avx2",), SAMPLING_CFLAGS), "portable": ((), PORTABLE_CFLAGS)}
+_sampling = _Library("sampling.c", SAMPLING_ENV_SWITCH, (), lambda: best_build(_BUILDS), {
     "triforce_top_p": (_I, [_P, _I, _I, _F, _I, _P, _P]),
-    "triforce_sample": (_I, [_P, _P, _P, _I, _I, _P])})
+    "triforce_sample": (_I, [_P, _P, _P, _I, _I, _P])}, _BUILDS)
 
 
 def sampling_status() -> str:

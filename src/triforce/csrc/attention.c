@@ -20,17 +20,28 @@
  * same way, into L1 (its score passes take 4 rows).
  *
  * triforce_gqa_attention_bf16 reads bf16 keys and values (a lower tier's cache, or the full cache with --kv-dtype
- * bfloat16: half the bytes) with the same arithmetic in fp32. Built at first use by triforce/kernels.py with -O3 -mavx2 -mfma -fopenmp; the Python side
+ * bfloat16: half the bytes) with the same arithmetic in fp32. Built at first use by triforce/kernels.py with -O3 -mavx2 -mfma -fopenmp
+ * (plus -mavx512f where the CPU has it), or with no ISA flags on a CPU without AVX2 (or aarch64): the portable
+ * chunk_item below, the same chunks, merge and causal rule, plain C loops; the Python side
  * checks every precondition below before calling. Causal mask: the row of token i (rows are ordered (g, T): row r is token r % T)
  * sees keys j <= n_keys - T + i, as the full KV cache's block mask.
  */
+#if defined(__AVX2__)
 #include <immintrin.h>
+#endif
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
 
+/* ES: bytes per key or value element, fp32 or bf16 (BF, a constant after inlining); kv_at: element i of p */
+#define ES(BF) ((BF) ? 2 : 4)
+static inline __attribute__((always_inline)) const void* kv_at(const void* p, int64_t i, const int BF) {
+    return (const char*)p + i * ES(BF);
+}
+
+#if defined(__AVX2__)
 /* expf for 8 lanes: Cephes' range reduction and degree-6 polynomial, relative error < 2e-7 on [-88, 88] */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
@@ -62,11 +73,7 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {  /* the
 /* Keys and values are fp32 or bf16 (BF, a constant after inlining: csrc/decode_step.c's bf16 caches of the tiers below
  * the verifier). A bf16 element is the top half of the fp32 with the same bits (torch.bfloat16), so loading one is a
  * widening and a shift, exact: the kernel over a bf16 cache computes bitwise what it computes over the fp32 copy of
- * that cache, from half the bytes. ES: bytes per element; kv_at: element i of p. */
-#define ES(BF) ((BF) ? 2 : 4)
-static inline __attribute__((always_inline)) const void* kv_at(const void* p, int64_t i, const int BF) {
-    return (const char*)p + i * ES(BF);
-}
+ * that cache, from half the bytes. */
 
 /* 8 keys' or values' elements from element i of p, as fp32 */
 static inline __attribute__((always_inline)) __m256 load8(const void* p, int64_t i, const int BF) {
@@ -431,6 +438,81 @@ static inline __attribute__((always_inline)) void chunk_item(const float* Q, con
         else { PV_ROWS(1) }
     }
 }
+
+#else  /* portable: no ISA flags (a CPU without AVX2, or aarch64) */
+
+/* The portable build's multiply-add: one rounding where the target fuses it in hardware (__FP_FAST_FMAF: aarch64),
+ * else a multiply and an add (x86-64 without FMA); -ffp-contract=off keeps the compiler from mixing the two. */
+#if defined(__FP_FAST_FMAF)
+#define MADD(a, b, c) fmaf((a), (b), (c))
+#else
+#define MADD(a, b, c) ((a) * (b) + (c))
+#endif
+#define P_LANES 8  /* partial sums of a dot product or a row's softmax sum: lane l takes the elements i = l mod 8 */
+
+/* element i of p as fp32 (bf16: the top half of the fp32 with the same bits, exact) */
+static inline __attribute__((always_inline)) float kv_get(const void* p, int64_t i, const int BF) {
+    if (!BF) return ((const float*)p)[i];
+    const uint32_t u = (uint32_t)((const uint16_t*)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* The work item of the AVX2 build's chunk_item, row by row: each row's scores over the keys it sees (a dot product
+ * in P_LANES lanes then a fixed tree, times scale), its maximum, exp(s - m) by libm's expf and their sum (lanes, tree,
+ * then the tail in order), then its weighted sum of values over those keys in order. Every value a row gets depends
+ * on that row's query and the chunk's keys only, so a row's result does not depend on the rows beside it. */
+static void chunk_item(const float* Q, const void* K, const void* V, int R, int T, int hs, int j0, int n, int last0,
+                       float scale, float* acc, float* mrow, float* lrow, float* sbuf, const char* knext, int nnext,
+                       const int BF) {
+    (void)knext, (void)nnext;
+    for (int r = 0; r < R; ++r) {
+        const int nvis = last0 + r % T - j0 + 1 < n ? last0 + r % T - j0 + 1 : n;  /* causal: keys <= last0 + i */
+        const float* q = Q + (int64_t)r * hs;
+        float* s = sbuf + (int64_t)r * n;
+        float* a = acc + (int64_t)r * hs;
+        for (int d = 0; d < hs; ++d) a[d] = 0.f;
+        if (nvis <= 0) {
+            mrow[r] = -INFINITY;
+            lrow[r] = 0.f;
+            continue;
+        }
+        float m = -INFINITY;
+        for (int j = 0; j < nvis; ++j) {
+            const int64_t kj = (int64_t)j * hs;
+            float lane[P_LANES] = {0};
+            for (int d = 0; d < hs; d += P_LANES)  /* hs a multiple of 8 */
+                for (int l = 0; l < P_LANES; ++l) lane[l] = MADD(q[d + l], kv_get(K, kj + d + l, BF), lane[l]);
+            for (int w = P_LANES / 2; w > 0; w /= 2)
+                for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+            s[j] = lane[0] * scale;
+            m = s[j] > m ? s[j] : m;
+        }
+        float lane[P_LANES] = {0};
+        int j = 0;
+        for (; j + P_LANES <= nvis; j += P_LANES)
+            for (int l = 0; l < P_LANES; ++l) {
+                s[j + l] = expf(s[j + l] - m);
+                lane[l] += s[j + l];
+            }
+        for (int w = P_LANES / 2; w > 0; w /= 2)
+            for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+        float l = lane[0];
+        for (; j < nvis; ++j) {
+            s[j] = expf(s[j] - m);
+            l += s[j];
+        }
+        for (j = 0; j < nvis; ++j) {
+            const float p = s[j];
+            const int64_t vj = (int64_t)j * hs;
+            for (int d = 0; d < hs; ++d) a[d] = MADD(p, kv_get(V, vj + d, BF), a[d]);
+        }
+        mrow[r] = m;
+        lrow[r] = l;
+    }
+}
+#endif
 
 /* q: (B, nkv, R, hs) contiguous; key/value (b, h, j, d) at b * bstride + h * hstride + j * hs + d, j < n_keys;
  * out: (B, nkv, R, hs) contiguous; scratch: B * nkv * ceil(n_keys / chunk) * R * (hs + 2) floats for the chunks'

@@ -28,17 +28,23 @@
  * Built with -ffp-contract=off (d * q + m rounds twice, as PyTorch's elementwise ops and gguf-py's numpy do) and
  * -mavx2 -mfma -fopenmp by triforce/kernels.py's builder, plus -mavx512f -mavx512bw -mavx512vl where the CPU has
  * AVX-512 (the exact product's 16-lane path below), and -mavx512vnni where it has VNNI (the integer dot products'
- * vpdpbusd): faster for every row count, bitwise the same outputs (docs/performance.md, "Kernels"); the Python side
- * checks every precondition before calling.
+ * vpdpbusd): faster for every row count, bitwise the same outputs (docs/performance.md, "Kernels"). On a CPU without
+ * AVX2 (or aarch64) it is built with no ISA flags: the portable branch at the end, plain C over the same layout, whose
+ * exact products are bitwise the portable triforce_f32_linear's. The Python side checks every precondition before
+ * calling.
  */
+#if defined(__AVX2__)
 #include <immintrin.h>
+#endif
 #include <omp.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define MAX_ROWS 64
 #define GROUP 32
 
+#if defined(__AVX2__)  /* the AVX2 and AVX-512 paths (the portable build's, plain C, are at the end of this file) */
 /* the 8 scales or minima at index k (a multiple of 8) of a (out / 8, groups, 8) array, as fp32: fp16 values converted
  * exactly, or fp32 values (F32: a K-quant's products of two fp16 scales, exact in fp32) */
 static inline __attribute__((always_inline)) __m256 scale8(const void* p, int64_t k, const int F32) {
@@ -287,6 +293,7 @@ static inline __attribute__((always_inline)) void tile16(const float* x, const i
         }                                                                                                          \
     }
 #endif
+#endif  /* __AVX2__ */
 
 /* bits: the code width (4, 8, or 16: the weights themselves, fp16 or with BC_BF16 bf16, no scales) plus BC_F32 (d and m
  * are fp32 arrays: a K-quant's per-group scale d_sb sc and minimum dmin_sb mc, exact products of an fp16 and a 6- or
@@ -321,6 +328,24 @@ static inline __attribute__((always_inline)) void tile16(const float* x, const i
         default: { const int F32 = 0, KS = 0, G = 32, BF = 1; BODY(16, 0) } break; /* 16 | BC_BF16 */              \
     }
 
+/* an fp16 value's bits as fp32, exactly (the portable build's _cvtsh_ss) */
+static inline float h2f(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, man = h & 1023u;
+    if (e == 0) {  /* zero or subnormal: man 2^-24, a normal fp32 */
+        const float f = (float)man * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    const uint32_t u = sign | (e == 31 ? 0x7f800000u | (man << 13) : ((e + 112u) << 23) | (man << 13));
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+#if defined(__AVX2__)
+#define H2F(h) _cvtsh_ss(h)
+#else
+#define H2F(h) h2f(h)
+#endif
+
 static int format_ok(int bits, const void* m, int in) {
     switch (bits | (m ? 1 : 0)) {
         case 4 | 1: case 4: case 8 | 1: case 8: case 4 | BC_F32 | 1: case 8 | BC_F32 | 1: case 8 | BC_F32:
@@ -337,6 +362,7 @@ static int format_ok(int bits, const void* m, int in) {
  * with BC_KS int8 (out / 8, in / G, 8) then fp16 (out / 8, in / 256, 8)); in
  * a multiple of 32, out of 32 (4 column blocks per one-row step). Returns 0, or -1 for arguments outside what the
  * kernel handles (nothing written). */
+#if defined(__AVX2__)
 int triforce_blockcode_linear(const float* x, const void* codes, int bits, const void* d, const void* m, float* y,
                               int M, int in, int out, int nthreads) {
     if (M < 1 || M > MAX_ROWS || in < GROUP || in % GROUP || out < 32 || out % 32 || !format_ok(bits, m, in)
@@ -661,6 +687,239 @@ int triforce_blockcode_fit(const float* w, int in, int out, int bits, void* code
     return bad;
 }
 
+#else  /* portable: no ISA flags (a CPU without AVX2, or aarch64) */
+
+/* The portable build's multiply-add, as csrc/qlinear.c's portable branch defines it: one rounding (fmaf) where the
+ * target fuses it in hardware (__FP_FAST_FMAF: aarch64), else a multiply and an add (x86-64 without FMA). Each y[m, o]
+ * below is one MADD chain over i = 0 .. in-1 from +0 of the same fp32 weights, so the exact product is bitwise the
+ * portable triforce_f32_linear over the dequantized weights, whatever M and the other rows. */
+#if defined(__FP_FAST_FMAF)
+#define MADD(a, b, c) fmaf((a), (b), (c))
+#else
+#define MADD(a, b, c) ((a) * (b) + (c))
+#endif
+
+/* the 8 scales (or minima) of column block c at group g as fp32, exactly: fp16, fp32 (F32) or a K-quant's int8 group
+ * value times its fp16 super-block value (KS: exact, kscale8 above) */
+static void group_values(const void* p, int64_t c, int groups, int g, int F32, int KS, int G, int64_t sup,
+                         float* v) {
+    const int64_t s = (c * groups + g) * 8;
+    for (int k = 0; k < 8; ++k) {
+        if (KS) {
+            const int per = 256 / G;
+            const int64_t h = (c * (groups / per) + g / per) * 8 + k;
+            v[k] = h2f(((const uint16_t*)((const char*)p + sup))[h]) * (float)((const int8_t*)p)[s + k];
+        } else {
+            v[k] = F32 ? ((const float*)p)[s + k] : h2f(((const uint16_t*)p)[s + k]);
+        }
+    }
+}
+
+/* The exact product (the layout and formats of the AVX2 path): per column block, each group's 8 x G weights
+ * dequantized once into a tile, w = fl(fl(d q) + m) (d q exact: BLOCK_PRODUCT_EXACT, so one rounding), or the 2-byte
+ * weights widened exactly; then every row's chains take the tile's inputs in order. */
+int triforce_blockcode_linear(const float* x, const void* codes, int bits, const void* d, const void* m, float* y,
+                              int M, int in, int out, int nthreads) {
+    if (M < 1 || M > MAX_ROWS || in < GROUP || in % GROUP || out < 32 || out % 32 || !format_ok(bits, m, in)
+        || nthreads < 1)
+        return -1;
+    const int G = bits & BC_G16 ? 16 : 32, F32 = (bits & BC_F32) != 0, KS = (bits & BC_KS) != 0, width = bits & 31;
+    const int BF = (bits & BC_BF16) != 0, groups = in / G;
+    const int64_t sup = (int64_t)out * groups;  /* KS: the super-block values' byte offset */
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int c = 0; c < out / 8; ++c) {
+        float acc[MAX_ROWS][8];
+        for (int r = 0; r < M; ++r)
+            for (int k = 0; k < 8; ++k) acc[r][k] = 0.f;
+        for (int g = 0; g < groups; ++g) {
+            float dv[8] = {0}, mv[8] = {0}, wt[32][8];
+            if (width != 16) {
+                group_values(d, c, groups, g, F32, KS, G, sup, dv);
+                if (m) group_values(m, c, groups, g, F32, KS, G, sup, mv);
+            }
+            for (int i = 0; i < G; ++i) {
+                const int64_t ci = (int64_t)c * in + g * G + i;
+                for (int k = 0; k < 8; ++k) {
+                    if (width == 16) {
+                        const uint16_t h = ((const uint16_t*)codes)[ci * 8 + k];
+                        const uint32_t u = (uint32_t)h << 16;
+                        float f;
+                        memcpy(&f, &u, 4);
+                        wt[i][k] = BF ? f : h2f(h);
+                        continue;
+                    }
+                    const int q = width == 4 ? (int)((((const uint32_t*)codes)[ci] >> (4 * k)) & 15u)
+                                             : ((const int8_t*)codes)[ci * 8 + k];
+                    const float p = dv[k] * (float)q;
+                    wt[i][k] = m ? p + mv[k] : p;
+                }
+            }
+            for (int r = 0; r < M; ++r) {
+                const float* xr = x + (int64_t)r * in + g * G;
+                for (int i = 0; i < G; ++i)
+                    for (int k = 0; k < 8; ++k) acc[r][k] = MADD(xr[i], wt[i][k], acc[r][k]);
+            }
+        }
+        for (int r = 0; r < M; ++r)
+            for (int k = 0; k < 8; ++k) y[(int64_t)r * out + 8 * c + k] = acc[r][k];
+    }
+    return 0;
+}
+
+/* The integer dot products of the AVX2 path's definition, in plain C: each row's activations quantized per 32 inputs
+ * (dx = max |x| / 127, xq = round-to-nearest-even of x (127 / max |x|), sx the inputs' fp32 sum in order), each
+ * block's integer sum exact, then per output y = sum_g (isum d fl(d_g dx_g)) + m_g sx_g in group order (MADD). The
+ * same integers as the AVX2 path; its FMAs are MADDs here, so the results may differ from it in the last bit (the
+ * tiers below the verifier only). work: xq (M in int8 at the start), dx and sx where the AVX2 path keeps them. */
+int triforce_blockcode_linear_q8(const float* x, const void* codes, int bits, const void* d, const void* m,
+                                 float* y, int M, int in, int out, int nthreads, void* work) {
+    const int f32 = (bits & BC_F32) != 0, ks = (bits & BC_KS) != 0;
+    bits &= ~(BC_F32 | BC_KS);
+    if (M < 1 || M > MAX_ROWS || in < GROUP || in % GROUP || out < 32 || out % 32 || (bits != 4 && bits != 8)
+        || nthreads < 1 || ((uintptr_t)work & 31) || (f32 && ks) || (ks && in % 256))
+        return -1;
+    int8_t* const xq = (int8_t*)work;
+    float* const dx = (float*)(xq + (int64_t)M * in * bits);
+    const int groups = in / GROUP;
+    float* const sx = dx + (int64_t)M * groups;
+    for (int r = 0; r < M; ++r)
+        for (int g = 0; g < groups; ++g) {
+            const float* xg = x + (int64_t)r * in + g * GROUP;
+            float amax = 0.f, s = 0.f;
+            for (int i = 0; i < GROUP; ++i) {
+                const float a = fabsf(xg[i]);
+                amax = a > amax ? a : amax;
+                s += xg[i];
+            }
+            const float inv = amax > 0.f ? 127.f / amax : 0.f;
+            for (int i = 0; i < GROUP; ++i) xq[(int64_t)r * in + g * GROUP + i] = (int8_t)lrintf(xg[i] * inv);
+            dx[(int64_t)r * groups + g] = amax / 127.f;
+            sx[(int64_t)r * groups + g] = s;
+        }
+    const int64_t sup = (int64_t)out * groups;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int c = 0; c < out / 8; ++c) {
+        float acc[MAX_ROWS][8];
+        for (int r = 0; r < M; ++r)
+            for (int k = 0; k < 8; ++k) acc[r][k] = 0.f;
+        for (int g = 0; g < groups; ++g) {
+            float dv[8], mv[8] = {0};
+            group_values(d, c, groups, g, f32, ks, GROUP, sup, dv);
+            if (m) group_values(m, c, groups, g, f32, ks, GROUP, sup, mv);
+            int qc[GROUP][8];
+            for (int i = 0; i < GROUP; ++i) {
+                const int64_t ci = (int64_t)c * in + g * GROUP + i;
+                for (int k = 0; k < 8; ++k)
+                    qc[i][k] = bits == 4 ? (int)((((const uint32_t*)codes)[ci] >> (4 * k)) & 15u)
+                                         : ((const int8_t*)codes)[ci * 8 + k];
+            }
+            for (int r = 0; r < M; ++r) {
+                const int8_t* xr = xq + (int64_t)r * in + g * GROUP;
+                int32_t isum[8] = {0};
+                for (int i = 0; i < GROUP; ++i)
+                    for (int k = 0; k < 8; ++k) isum[k] += qc[i][k] * xr[i];
+                const int64_t rg = (int64_t)r * groups + g;
+                for (int k = 0; k < 8; ++k) {
+                    acc[r][k] = MADD((float)isum[k], dv[k] * dx[rg], acc[r][k]);
+                    if (m) acc[r][k] = MADD(mv[k], sx[rg], acc[r][k]);
+                }
+            }
+        }
+        for (int r = 0; r < M; ++r)
+            for (int k = 0; k < 8; ++k) y[(int64_t)r * out + 8 * c + k] = acc[r][k];
+    }
+    return 0;
+}
+
+/* fp32 -> fp16 bits, rounded to nearest even (vcvtps2ph's rounding; NaN stays a quiet NaN) */
+static uint16_t f2h(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    u &= 0x7fffffffu;
+    if (u > 0x7f800000u) return sign | 0x7e00u | (uint16_t)((u >> 13) & 0x3ffu);  /* NaN */
+    if (u >= 0x477ff000u) return sign | 0x7c00u;  /* 65520 and above round to infinity */
+    if (u >= 0x38800000u) return sign | (uint16_t)((u + 0xfffu + ((u >> 13) & 1u) - 0x38000000u) >> 13);  /* normal */
+    float a;
+    memcpy(&a, &u, 4);
+    return sign | (uint16_t)lrintf(a * 0x1p24f);  /* subnormal: units of 2^-24, exact before the rounding */
+}
+
+/* The AVX2 path's fit, one output (lane) at a time: the same candidates in the same order, the same comparisons (a
+ * scale that is NaN or not positive fails or gives code 0 as there), so the same codes. */
+int triforce_blockcode_fit(const float* w, int in, int out, int bits, void* codes, uint16_t* d, uint16_t* m) {
+    if (in < GROUP || in % GROUP || out < 32 || out % 32 || (bits != 4 && bits != 8))
+        return -1;
+    const int groups = in / GROUP;
+    const int64_t items = (int64_t)(out / 8) * groups;
+    int bad = 0;
+    #pragma omp parallel for schedule(static) reduction(| : bad)
+    for (int64_t it = 0; it < items; ++it) {
+        if (bad) continue;
+        const int64_t c = it / groups;
+        const int g = (int)(it % groups);
+        uint16_t dh[8], mh[8];
+        int qs[8][GROUP];
+        for (int k = 0; k < 8 && !bad; ++k) {
+            float col[GROUP];
+            for (int j = 0; j < GROUP; ++j) col[j] = w[(int64_t)(g * GROUP + j) * out + 8 * c + k];
+            float lo = col[0], hi = col[0];
+            for (int j = 1; j < GROUP; ++j) {
+                lo = lo < col[j] ? lo : col[j];  /* _mm256_min_ps / max_ps: the second operand where either is NaN */
+                hi = hi > col[j] ? hi : col[j];
+            }
+            const float neg = 0.f - lo, absmax = hi > neg ? hi : neg;
+            const float base = bits == 4 ? (hi - lo) / 15.f : absmax / 127.f;
+            const float mv = bits == 4 ? lo : 0.f;
+            const uint16_t h = f2h(base);
+            const float qlo = bits == 4 ? 0.f : -128.f, qhi = bits == 4 ? 15.f : 127.f;
+            static const int steps[5] = {0, 1, -1, 2, -2};
+            int done = 0;
+            for (int s = 0; s < 5 && !done; ++s) {
+                const uint16_t hc = (uint16_t)(h + steps[s]);
+                const float cand = h2f(hc);
+                if (cand != cand) continue;  /* NaN */
+                const int pos = cand > 0.f;
+                const float safe = pos ? cand : 1.f;
+                int ok = 1;
+                for (int j = 0; j < GROUP && ok; ++j) {
+                    float v = bits == 4 ? col[j] - mv : col[j];
+                    v = pos ? nearbyintf(v / safe) : 0.f;
+                    v = v > qlo ? v : qlo;
+                    v = v < qhi ? v : qhi;
+                    float rec = cand * v;
+                    if (bits == 4) rec = rec + mv;
+                    ok = rec == col[j];
+                    qs[k][j] = (int)v;
+                }
+                if (ok) {
+                    done = 1;
+                    dh[k] = f2h(cand);
+                }
+            }
+            mh[k] = f2h(mv);
+            if (!done || (bits == 4 && h2f(mh[k]) != mv)) bad = 1;
+        }
+        if (bad) continue;
+        for (int k = 0; k < 8; ++k) d[it * 8 + k] = dh[k];
+        if (bits == 4) {
+            for (int k = 0; k < 8; ++k) m[it * 8 + k] = mh[k];
+            uint32_t* cw = (uint32_t*)codes + c * in + g * GROUP;
+            for (int j = 0; j < GROUP; ++j) {
+                uint32_t word = 0;
+                for (int k = 0; k < 8; ++k) word |= (uint32_t)qs[k][j] << (4 * k);
+                cw[j] = word;
+            }
+        } else {
+            int8_t* cb = (int8_t*)codes + (c * in + g * GROUP) * 8;
+            for (int j = 0; j < GROUP; ++j)
+                for (int k = 0; k < 8; ++k) cb[j * 8 + k] = (int8_t)qs[k][j];
+        }
+    }
+    return bad;
+}
+#endif
+
 /* The fp32 weights of column blocks [c_from, c_to) (outputs 8 c_from .. 8 c_to - 1), written to w as an (in, 8 (c_to -
  * c_from)) row-major tile: w = fl(fl(d q) + m) per weight, the value the products above multiply by (d q is exact, so
  * one rounding; built with -ffp-contract=off). For products of more rows than MAX_ROWS (prefill): a tile of dense
@@ -682,13 +941,13 @@ int triforce_blockcode_dequantize(const void* codes, int bits, const void* d, co
                 const int64_t s = ((int64_t)c * groups + g) * 8 + k;
                 if (KS) {  /* an fp16 times an int8: exact */
                     const int64_t h = ((int64_t)c * (groups / per) + g / per) * 8 + k;
-                    dv[k] = _cvtsh_ss(((const uint16_t*)((const char*)d + sup))[h]) * (float)((const int8_t*)d)[s];
+                    dv[k] = H2F(((const uint16_t*)((const char*)d + sup))[h]) * (float)((const int8_t*)d)[s];
                     mv[k] = !m ? 0.f
-                               : _cvtsh_ss(((const uint16_t*)((const char*)m + sup))[h]) * (float)((const int8_t*)m)[s];
+                               : H2F(((const uint16_t*)((const char*)m + sup))[h]) * (float)((const int8_t*)m)[s];
                     continue;
                 }
-                dv[k] = F32 ? ((const float*)d)[s] : _cvtsh_ss(((const uint16_t*)d)[s]);
-                mv[k] = !m ? 0.f : F32 ? ((const float*)m)[s] : _cvtsh_ss(((const uint16_t*)m)[s]);
+                dv[k] = F32 ? ((const float*)d)[s] : H2F(((const uint16_t*)d)[s]);
+                mv[k] = !m ? 0.f : F32 ? ((const float*)m)[s] : H2F(((const uint16_t*)m)[s]);
             }
             for (int i = g * G; i < (g + 1) * G; ++i) {
                 float* row = w + (int64_t)i * ld + 8 * (int64_t)(c - c_from);
@@ -698,7 +957,7 @@ int triforce_blockcode_dequantize(const void* codes, int bits, const void* d, co
                         const uint32_t u = (uint32_t)h[k] << 16;
                         float f;
                         __builtin_memcpy(&f, &u, 4);
-                        row[k] = bits & BC_BF16 ? f : _cvtsh_ss(h[k]);
+                        row[k] = bits & BC_BF16 ? f : H2F(h[k]);
                     }
                     continue;
                 }

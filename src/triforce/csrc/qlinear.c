@@ -15,10 +15,13 @@
  * Each output's sum is taken in the same order (16 lanes along i, then the lanes) whatever M and whatever the other
  * rows, so a row's result does not depend on the rows beside it. Built at first use by triforce/kernels.py with
  * -O3 -mavx512f -mavx512bw -mavx512vl -fopenmp where the CPU has AVX-512, else with -O3 -mavx2 -mfma -fopenmp: the
- * same two kernels on 8-lane vectors (the #else branch at the end of this file); the Python side checks every
- * precondition below before calling.
+ * same two kernels on 8-lane vectors (the AVX2 branch below), and with no ISA flags at all on a CPU with neither (or
+ * another architecture: aarch64): the portable branch at the end, plain C loops the compiler vectorises, with the same
+ * row-independence. The Python side checks every precondition below before calling.
  */
+#if defined(__AVX2__)
 #include <immintrin.h>
+#endif
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -33,6 +36,7 @@
  * vector lane of the column blocks computes (a fused multiply-add rounds once, in a lane as in fmaf), so these columns
  * too are bitwise the same whatever M and the other rows. Strided reads of at most 15 columns: negligible beside the
  * other columns' product. */
+#if defined(__AVX2__)
 static void f32_tail_columns(const float* x, const float* w, float* y, int M, int in, int out, int o0) {
     for (int m = 0; m < M; ++m)
         for (int o = o0; o < out; ++o) {
@@ -41,8 +45,9 @@ static void f32_tail_columns(const float* x, const float* w, float* y, int M, in
             y[(int64_t)m * out + o] = acc;
         }
 }
+#endif
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
 
 #define OUT_BLOCK 4  /* outputs per inner step: each x vector is loaded once for 4 weight rows */
 #define ROW_BLOCK 4  /* activation rows per inner step: 4 x 4 accumulators stay in registers */
@@ -193,7 +198,7 @@ int triforce_f32_linear(const float* x, const float* w, float* y, int M, int in,
     return 0;
 }
 
-#else  /* AVX2 + FMA: 16 registers of 8 floats */
+#elif defined(__AVX2__)  /* AVX2 + FMA: 16 registers of 8 floats */
 
 /* The int8 kernel on 8 lanes: 1 output x 4 rows per inner step (the dequantised weight vector reused for 4 rows),
  * the weight rows PREFETCH_ROWS ahead prefetched; each output is 8 lanes along i, then the lanes summed in one fixed
@@ -352,6 +357,76 @@ int triforce_f32_linear(const float* x, const float* w, float* y, int M, int in,
         }
     }
     if (out % 16) f32_tail_columns(x, w, y, M, in, out, out - out % 16);
+    return 0;
+}
+
+#else  /* portable: no ISA flags (a CPU with neither AVX2 nor AVX-512, or aarch64) */
+
+/* The portable build's multiply-add, the same in both kernels and in csrc/blockcodes.c's portable branch: one rounding
+ * (fmaf) where the target fuses it in hardware (__FP_FAST_FMAF: aarch64, where the compiler vectorises it), else a
+ * multiply and an add, two roundings (x86-64 without FMA, where fmaf is a libm call per element). Built with
+ * -ffp-contract=off, so the compiler never fuses the second form on its own: one build rounds one way everywhere. */
+#if defined(__FP_FAST_FMAF)
+#define MADD(a, b, c) fmaf((a), (b), (c))
+#else
+#define MADD(a, b, c) ((a) * (b) + (c))
+#endif
+
+#define P_LANES 8   /* the int8 kernel's partial sums: lane l takes inputs i = l mod 8 (the loop the compiler vectorises) */
+#define P_COLS 64   /* the fp32 kernel's columns per work item: their accumulators, one per row, stay in L1 */
+#define P_ROWS 4    /* activation rows per pass over a column block's weights */
+
+/* y[m, o] = scale[o] (sum of 8 lane sums over i, lane l the chain over i = l mod 8 in order, then the lanes in a
+ * fixed tree, then the last in % 8 inputs in order): the same order whatever M and the other rows */
+int triforce_int8_linear(const float* x, const int8_t* w, const float* scale, float* y, int M, int in, int out,
+                         int nthreads) {
+    if (M < 1 || M > MAX_ROWS || in < 1 || out < 1 || nthreads < 1)
+        return -1;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int o = 0; o < out; ++o) {
+        const int8_t* wo = w + (int64_t)o * in;
+        for (int m = 0; m < M; ++m) {
+            const float* xm = x + (int64_t)m * in;
+            float acc[P_LANES] = {0};
+            int i = 0;
+            for (; i + P_LANES <= in; i += P_LANES)
+                for (int l = 0; l < P_LANES; ++l) acc[l] = MADD(xm[i + l], (float)wo[i + l], acc[l]);
+            for (int s = P_LANES / 2; s > 0; s /= 2)
+                for (int l = 0; l < s; ++l) acc[l] += acc[l + s];
+            float sum = acc[0];
+            for (; i < in; ++i) sum = MADD(xm[i], (float)wo[i], sum);
+            y[(int64_t)m * out + o] = scale[o] * sum;
+        }
+    }
+    return 0;
+}
+
+/* y[m, o] = one MADD chain over i = 0 .. in-1 from +0, per output: the chain the AVX builds' lanes compute (bitwise
+ * theirs where MADD is fmaf), whatever M and the other rows, any out (no tail columns: a work item is up to P_COLS
+ * columns). The weight row's P_COLS columns are loaded once for P_ROWS rows. */
+int triforce_f32_linear(const float* x, const float* w, float* y, int M, int in, int out, int nthreads) {
+    if (M < 1 || M > F32_MAX_ROWS || in < 1 || out < 1 || nthreads < 1)
+        return -1;
+    const int blocks = (out + P_COLS - 1) / P_COLS;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int b = 0; b < blocks; ++b) {
+        const int o0 = b * P_COLS, nc = out - o0 < P_COLS ? out - o0 : P_COLS;
+        for (int m0 = 0; m0 < M; m0 += P_ROWS) {
+            const int nr = M - m0 < P_ROWS ? M - m0 : P_ROWS;
+            float acc[P_ROWS][P_COLS];
+            for (int r = 0; r < nr; ++r)
+                for (int c = 0; c < P_COLS; ++c) acc[r][c] = 0.f;
+            for (int i = 0; i < in; ++i) {
+                const float* wi = w + (int64_t)i * out + o0;
+                for (int r = 0; r < nr; ++r) {
+                    const float xv = x[(int64_t)(m0 + r) * in + i];
+                    for (int c = 0; c < nc; ++c) acc[r][c] = MADD(xv, wi[c], acc[r][c]);
+                }
+            }
+            for (int r = 0; r < nr; ++r)
+                for (int c = 0; c < nc; ++c) y[(int64_t)(m0 + r) * out + o0 + c] = acc[r][c];
+        }
+    }
     return 0;
 }
 

@@ -22,11 +22,14 @@
  * w[i] / sum(w) exactly, never a token of weight 0. Runs of 8 zero weights are skipped (they add nothing to c),
  * so a nucleus row costs a scan of its zeros.
  *
- * Built at first use by triforce/kernels.py's builder with -O3 -mavx2; the Python side checks every precondition
+ * Built at first use by triforce/kernels.py's builder with -O3 -mavx2 (or, on a CPU without AVX2, with no ISA flags:
+ * the portable branches, the same results: maxima, comparisons and sums in index order are exact); the Python side checks every precondition
  * (contiguous fp32 rows, 1 <= V, 0 < top_p < 1) before calling.
  */
 #define _GNU_SOURCE  /* qsort_r */
+#if defined(__AVX2__)
 #include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -34,11 +37,19 @@
 
 /* the largest of n >= 1 floats (NaN-free rows: softmax outputs) */
 static float row_max(const float* p, int n) {
+#if defined(__AVX2__)
     __m256 m8 = _mm256_set1_ps(-INFINITY);
     int i = 0;
     for (; i + 8 <= n; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(p + i));
     float m[8];
     _mm256_storeu_ps(m, m8);
+#else  /* portable: 8 running maxima the compiler can vectorise */
+    float m[8];
+    for (int l = 0; l < 8; ++l) m[l] = -INFINITY;
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; ++l) m[l] = p[i + l] > m[l] ? p[i + l] : m[l];
+#endif
     float best = m[0];
     for (int l = 1; l < 8; ++l) best = m[l] > best ? m[l] : best;
     for (; i < n; ++i) best = p[i] > best ? p[i] : best;
@@ -47,8 +58,9 @@ static float row_max(const float* p, int n) {
 
 /* the indices of the tokens with p >= t, in index order, into idx; returns their count */
 static int above(const float* p, int n, float t, int* idx) {
-    const __m256 t8 = _mm256_set1_ps(t);
     int k = 0, i = 0;
+#if defined(__AVX2__)
+    const __m256 t8 = _mm256_set1_ps(t);
     for (; i + 8 <= n; i += 8) {
         unsigned bits = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + i), t8, _CMP_GE_OQ));
         while (bits) {
@@ -56,6 +68,7 @@ static int above(const float* p, int n, float t, int* idx) {
             bits &= bits - 1;
         }
     }
+#endif
     for (; i < n; ++i)
         if (p[i] >= t) idx[k++] = i;
     return k;
@@ -165,6 +178,7 @@ int triforce_sample(const float* probs, const double* u, int64_t* out, int N, in
         if (!u) {
             double sum = 0.0;
             int bad = 0, i = 0;
+#if defined(__AVX2__)
             const __m256 zero = _mm256_setzero_ps();
             for (; i + 8 <= V; i += 8) {
                 const __m256 v = _mm256_loadu_ps(p + i);
@@ -172,6 +186,7 @@ int triforce_sample(const float* probs, const double* u, int64_t* out, int N, in
                 if (_mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_NGE_UQ))) bad = 1;       /* < 0 or NaN */
                 for (int l = 0; l < 8; ++l) sum += p[i + l];
             }
+#endif
             for (; i < V; ++i) {
                 if (!(p[i] >= 0.f)) bad = 1;
                 sum += p[i];
