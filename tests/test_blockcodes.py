@@ -181,7 +181,8 @@ def test_the_portable_build_with_hardware_fma_is_bitwise_the_avx2_build(fmt, mon
     if not {"avx2", "fma", "f16c"} <= _cpu_flags() or any(lib.load() is None for lib in avx2):
         pytest.skip("needs the AVX2 builds (an x86-64 CPU with AVX2, FMA and F16C)")
     flags = kernels.PORTABLE_CFLAGS + ("-fopenmp", "-mfma")
-    fused = (_Library("blockcodes.c", "TRIFORCE_BLOCK_CODES", (), lambda: (flags, "portable, FMA"), blockcodes._SYMBOLS),
+    fused = (_Library("blockcodes.c", "TRIFORCE_BLOCK_CODES", (), lambda: (flags, "portable, FMA"),
+                      blockcodes._SYMBOLS),
              _Library("qlinear.c", "TRIFORCE_LINEAR_KERNEL", (), lambda: (flags, "portable, FMA"),
                       kernels._LINEAR_SYMBOLS))
     torch.manual_seed(11)

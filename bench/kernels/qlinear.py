@@ -1,7 +1,8 @@
-"""Products of a few rows over a whole model's weights: our kernels (AVX-512 or AVX2) against PyTorch's ops.
+"""Products of a few rows over a whole model's weights: our kernels (AVX-512, AVX2 or portable) against PyTorch's ops.
 
     python bench/kernels/qlinear.py --threads 2 --reps 9 --out bench/results/qlinear.json
     python bench/kernels/qlinear.py --threads 2 --reps 9 --build AVX2   # the AVX2 build, on an AVX-512 machine too
+    python bench/kernels/qlinear.py --threads 2 --reps 9 --build portable   # the plain C build (no ISA flags)
 
 For SmolLM2-135M's projection shapes (30 layers of qkv 576->960, o 576->576, gate/up 576->3072, down 1536->576,
 and the 576->49,152 LM head: 135 MB of int8 weights; ``--shapes qwen2.5-1.5b``: Qwen2.5-1.5B's 28 layers and
@@ -47,7 +48,7 @@ def main() -> int:
     p.add_argument("--no-onednn", action="store_true",
                    help="skip oneDNN's packed product (its copy of the weights: Qwen's shapes fit in 24 GiB "
                         "without it)")
-    p.add_argument("--build", choices=["native", "AVX-512", "AVX2"], default="native",
+    p.add_argument("--build", choices=["native", "AVX-512", "AVX2", "portable"], default="native",
                    help="which build of csrc/qlinear.c to time (native: this CPU's best, what the product runs)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
