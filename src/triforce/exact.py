@@ -11,10 +11,11 @@ the verifier's decode steps or verification blocks (:meth:`~triforce.caches.KVCa
 blocks of at most :data:`EXACT_MAX_BLOCK` tokens, on the CPU) runs inside :func:`exact_forward`, and there
 
 * every fp32 product runs on our kernel whatever its rows (in one call up to ``kernels.F32_MAX_ROWS``; each row's
-  value is the same whatever the other rows), any output width (the kernel's tail columns), on the
-  AVX-512 and the AVX2 build alike, one row included (MKL's GEMV only with ``TRIFORCE_ONE_ROW_KERNEL=0``, an A/B
-  switch that gives up the rule); where the kernel is off or unavailable, each row is its own PyTorch product, the
-  call a decode step makes (:func:`linear_forward`);
+  value is the same whatever the other rows), any output width (the kernel's tail columns), on the AVX-512, the
+  AVX2 and the portable build alike (a CPU with neither, or aarch64: plain C, one chain per output too), one row
+  included (MKL's GEMV only with ``TRIFORCE_ONE_ROW_KERNEL=0``, an A/B switch that gives up the rule); where the
+  kernel is off or unavailable, each row is its own PyTorch product, the call a decode step makes
+  (:func:`linear_forward`);
 * the full cache attends with ``csrc/attention.c`` (one call for the whole block), or, where that kernel is off,
   each row with its own SDPA call over the keys it sees, the call a decode step makes (:func:`rowwise_attention`);
 * a model on block codes runs its layers in ``csrc/decode_step.c`` in pieces of at most 16 tokens and calls of at

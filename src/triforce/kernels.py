@@ -303,9 +303,9 @@ def f32_one_row_pays() -> bool:
 def f32_one_row_exact() -> bool:
     """Whether the verifier's one-row fp32 products (its decode steps, inside :func:`triforce.exact.exact_forward`)
     run on :func:`f32_linear`, the kernel its verification blocks run on, so that the two round alike: True wherever
-    the linear kernels are on, with either build (on an AVX2 CPU MKL's GEMV is faster for one row,
-    :func:`f32_one_row_pays`, and the tiers below the verifier keep it), unless ``TRIFORCE_ONE_ROW_KERNEL`` is "0"
-    (the A/B switch, which then gives up the rule).
+    the linear kernels are on, with any build (AVX-512, AVX2, portable; on an AVX2 CPU MKL's GEMV is faster for one
+    row, :func:`f32_one_row_pays`, and the tiers below the verifier keep it), unless ``TRIFORCE_ONE_ROW_KERNEL`` is
+    "0" (the A/B switch, which then gives up the rule).
 
     Returns:
         bool; decided on the first call (loads the kernels, reads the variable), then one attribute read.

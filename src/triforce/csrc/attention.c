@@ -32,6 +32,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 
@@ -448,7 +449,7 @@ static inline __attribute__((always_inline)) void chunk_item(const float* Q, con
 #else
 #define MADD(a, b, c) ((a) * (b) + (c))
 #endif
-#define P_LANES 8  /* partial sums of a dot product or a row's softmax sum: lane l takes the elements i = l mod 8 */
+#define P_LANES 8  /* partial sums of a row's softmax sum: lane l takes the keys j = l mod 8 */
 
 /* element i of p as fp32 (bf16: the top half of the fp32 with the same bits, exact) */
 static inline __attribute__((always_inline)) float kv_get(const void* p, int64_t i, const int BF) {
@@ -459,14 +460,30 @@ static inline __attribute__((always_inline)) float kv_get(const void* p, int64_t
     return f;
 }
 
-/* The work item of the AVX2 build's chunk_item, row by row: each row's scores over the keys it sees (a dot product
- * in P_LANES lanes then a fixed tree, times scale), its maximum, exp(s - m) by libm's expf and their sum (lanes, tree,
- * then the tail in order), then its weighted sum of values over those keys in order. Every value a row gets depends
- * on that row's query and the chunk's keys only, so a row's result does not depend on the rows beside it. */
-static void chunk_item(const float* Q, const void* K, const void* V, int R, int T, int hs, int j0, int n, int last0,
-                       float scale, float* acc, float* mrow, float* lrow, float* sbuf, const char* knext, int nnext,
-                       const int BF) {
+/* The work item of the AVX2 build's chunk_item, row by row: each row's scores over the keys it sees (its dot product
+ * with each key one MADD chain over d = 0 .. hs-1, times scale), its maximum, exp(s - m) by libm's expf and their sum
+ * (P_LANES lanes, a fixed tree, then the tail in order), then its weighted sum of values over those keys in order.
+ * Every value a row gets depends on that row's query and the chunk's keys only, so a row's result does not depend on
+ * the rows beside it. The chunk's keys are transposed once into kt (hs, nmax), so that the scores' chains run down
+ * contiguous keys, a loop the compiler vectorises across keys (each key's chain stays in its own lane, in order);
+ * where that buffer cannot be allocated, the same chains run key by key. */
+static inline __attribute__((always_inline)) void chunk_item(const float* Q, const void* K, const void* V, int R,
+                                                             int T, int hs, int j0, int n, int last0, float scale,
+                                                             float* acc, float* mrow, float* lrow, float* sbuf,
+                                                             const char* knext, int nnext, const int BF) {
     (void)knext, (void)nnext;
+    const int nmax = last0 + T - j0 < n ? last0 + T - j0 : n;  /* keys the last token's rows see */
+    /* kt's rows ld floats apart: a multiple of 8 that is not one of 64, so that the rows of a tile do not share a
+     * cache set (a stride of 256 keys, 1 KB, made the transposition most of the item's time) */
+    const int ld = (nmax + 7) / 8 * 8 + ((nmax + 7) / 8 % 8 == 0 ? 8 : 0);
+    float* kt = nmax > 0 ? (float*)malloc((size_t)hs * (size_t)ld * sizeof(float)) : NULL;
+    if (kt)
+        for (int j0 = 0; j0 < nmax; j0 += 8) {  /* 8 keys at a time: each of kt's rows gets 8 contiguous floats */
+            const int nj = nmax - j0 < 8 ? nmax - j0 : 8;
+            for (int d = 0; d < hs; ++d)
+                for (int jj = 0; jj < nj; ++jj)
+                    kt[(int64_t)d * ld + j0 + jj] = kv_get(K, (int64_t)(j0 + jj) * hs + d, BF);
+        }
     for (int r = 0; r < R; ++r) {
         const int nvis = last0 + r % T - j0 + 1 < n ? last0 + r % T - j0 + 1 : n;  /* causal: keys <= last0 + i */
         const float* q = Q + (int64_t)r * hs;
@@ -478,15 +495,24 @@ static void chunk_item(const float* Q, const void* K, const void* V, int R, int 
             lrow[r] = 0.f;
             continue;
         }
+        if (kt) {
+            for (int j = 0; j < nvis; ++j) s[j] = 0.f;
+            for (int d = 0; d < hs; d += 4) {  /* 4 steps of each key's chain per pass over s (hs: a multiple of 8) */
+                const float q0 = q[d], q1 = q[d + 1], q2 = q[d + 2], q3 = q[d + 3];
+                const float *k0 = kt + (int64_t)d * ld, *k1 = k0 + ld, *k2 = k1 + ld, *k3 = k2 + ld;
+                for (int j = 0; j < nvis; ++j)
+                    s[j] = MADD(q3, k3[j], MADD(q2, k2[j], MADD(q1, k1[j], MADD(q0, k0[j], s[j]))));
+            }
+        } else {
+            for (int j = 0; j < nvis; ++j) {
+                float dot = 0.f;
+                for (int d = 0; d < hs; ++d) dot = MADD(q[d], kv_get(K, (int64_t)j * hs + d, BF), dot);
+                s[j] = dot;
+            }
+        }
         float m = -INFINITY;
         for (int j = 0; j < nvis; ++j) {
-            const int64_t kj = (int64_t)j * hs;
-            float lane[P_LANES] = {0};
-            for (int d = 0; d < hs; d += P_LANES)  /* hs a multiple of 8 */
-                for (int l = 0; l < P_LANES; ++l) lane[l] = MADD(q[d + l], kv_get(K, kj + d + l, BF), lane[l]);
-            for (int w = P_LANES / 2; w > 0; w /= 2)
-                for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
-            s[j] = lane[0] * scale;
+            s[j] *= scale;
             m = s[j] > m ? s[j] : m;
         }
         float lane[P_LANES] = {0};
@@ -503,7 +529,14 @@ static void chunk_item(const float* Q, const void* K, const void* V, int R, int 
             s[j] = expf(s[j] - m);
             l += s[j];
         }
-        for (j = 0; j < nvis; ++j) {
+        for (j = 0; j + 4 <= nvis; j += 4) {  /* 4 steps of each element's chain over keys per pass over a */
+            const float p0 = s[j], p1 = s[j + 1], p2 = s[j + 2], p3 = s[j + 3];
+            const int64_t v0 = (int64_t)j * hs, v1 = v0 + hs, v2 = v1 + hs, v3 = v2 + hs;
+            for (int d = 0; d < hs; ++d)
+                a[d] = MADD(p3, kv_get(V, v3 + d, BF), MADD(p2, kv_get(V, v2 + d, BF),
+                            MADD(p1, kv_get(V, v1 + d, BF), MADD(p0, kv_get(V, v0 + d, BF), a[d]))));
+        }
+        for (; j < nvis; ++j) {
             const float p = s[j];
             const int64_t vj = (int64_t)j * hs;
             for (int d = 0; d < hs; ++d) a[d] = MADD(p, kv_get(V, vj + d, BF), a[d]);
@@ -511,6 +544,7 @@ static void chunk_item(const float* Q, const void* K, const void* V, int R, int 
         mrow[r] = m;
         lrow[r] = l;
     }
+    free(kt);
 }
 #endif
 
