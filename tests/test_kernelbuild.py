@@ -123,3 +123,25 @@ def test_the_isa_variable_forces_the_portable_build_and_rejects_other_values(mon
     monkeypatch.setenv(ISA_ENV, "SSE2")
     with pytest.raises(ValueError, match="TRIFORCE_KERNEL_ISA must be 'AVX2', 'portable' or unset, got 'SSE2'"):
         _cpu_flags()
+
+
+def test_a_compiler_rejecting_every_isa_flag_gets_the_portable_build(tmp_path, monkeypatch):
+    """A compiler that refuses -mavx2 and -mavx512* (one for another architecture, say) still builds every kernel's
+    portable branch: the next build after AVX-512 and AVX2, named in the status with the first refusal."""
+    from triforce import kernels
+
+    log, real = tmp_path / "cc.log", shutil.which("cc") or shutil.which("gcc")
+    cc = tmp_path / "cc.sh"
+    cc.write_text(f'#!/bin/sh\necho "$@" >> {log}\n'
+                  'case "$*" in *-mavx*) echo "cc: error: unrecognized option -mavx2" >&2; exit 1;; esac\n'
+                  f'exec {real} "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "cache"))
+    lib = _Library("qlinear.c", "TRIFORCE_LINEAR_KERNEL", (), lambda: best_build(kernels._LINEAR_BUILDS),
+                   kernels._LINEAR_SYMBOLS, kernels._LINEAR_BUILDS)
+    assert lib.load() is not None
+    assert lib.status.startswith("on (csrc/qlinear.c, portable"), lib.status
+    if kernels.cpu()["isa"] != "portable":  # a build with ISA flags was tried first
+        assert "build failed to compile" in lib.status and "unrecognized option -mavx" in lib.status
+    assert "-mavx" not in log.read_text().splitlines()[-1]

@@ -202,8 +202,8 @@ def gqa_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_ke
 
     The attention of :func:`triforce.sdpa.gqa_attention` with the full KV cache's mask (query i of the block, at
     position n_keys - T + i, sees keys j <= n_keys - T + i), computed by ``csrc/attention.c`` (split-key
-    flash-decoding; module docstring). Softmax with our AVX2 ``expf`` (relative error < 2e-7); outputs agree with
-    SDPA's to about 1e-6 relative.
+    flash-decoding; module docstring). Softmax with our AVX2 ``expf`` (relative error < 2e-7; the portable build:
+    libm's); outputs agree with SDPA's to about 1e-6 relative.
 
     Args:
         q: (B, nh, T, hs) fp32 queries (after RoPE).
