@@ -13,11 +13,14 @@ makes). A build is chosen when the kernels first load, so each runs in a subproc
 (:func:`_checks`) and prints the results; the tests assert on them.
 
 * (a) a decode step's logits are bitwise its row of a block of 1-32 tokens, for vocabularies of 96, 97 and 101 (the
-  LM head's width not a multiple of 16) and for a model on GGUF block codes; each block of a ragged forward of up
-  to 128 rows (8 sequences' 16-token blocks) is bitwise the block alone;
+  LM head's width not a multiple of 16) and for a model on GGUF block codes, and its row (and recorded query) of a
+  verification block of 65 and 100 tokens as the verifier runs it (``exact.verify_forward``: pieces of at most 64);
+  each block of a ragged forward of up to 128 rows (8 sequences' 16-token blocks) is bitwise the block alone;
 * (b) every speculative mode gives the autoregressive tokens, with verification blocks of 5, 17 and 32 tokens;
 * (c) ``TriForce.generate(prompts=[...])`` gives each of 8 requests (prompts of 3-62 tokens, several modes) its
-  tokens alone beside 1, 3 and 7 others.
+  tokens alone beside 1, 3 and 7 others;
+* (d) the n-gram drafter's and the retrieval tier's proposals give the autoregressive tokens with verification
+  blocks of 65-100 tokens (gamma2 99: the verifier runs them in pieces of at most 64).
 """
 
 import json
@@ -76,6 +79,31 @@ def _rows_differing(model, prompt: int, t: int, seed: int) -> int:
     return int((whole != one).any(dim=1).sum())
 
 
+def _verification_differing(model, prompt: int, t: int, seed: int, num_logits: int | None = None) -> int:
+    """Rows of a t-token verification block run as the verifier runs it (``exact.verify_forward``: pieces of at most
+    64 tokens past 64) whose logits differ from the same tokens' decode steps, plus positions whose recorded queries
+    differ (the retrieval tier selects with them: the pieces' queries count as one forward's)."""
+    from triforce.caches import FullKVCache
+    from triforce.exact import verify_forward
+
+    ids = torch.tensor([_ids(prompt + t, model.cfg.vocab_size, seed)])
+    block, steps = (FullKVCache(model.cfg, prompt + t + 1, record_queries=True) for _ in range(2))
+    for cache in (block, steps):
+        model(ids[:, :prompt], torch.arange(prompt), cache)
+
+    def forward(tokens, n):
+        return model(torch.tensor([tokens]), torch.arange(block.length, block.length + len(tokens)), block, n)[0]
+
+    whole = verify_forward(forward, block, ids[0, prompt:].tolist(), num_logits)
+    one, queries = [], []
+    for i in range(t):
+        one.append(model(ids[:, prompt + i:prompt + i + 1], torch.tensor([prompt + i]), steps)[0])
+        queries.append(steps.query_at(prompt + i))
+    one = torch.cat(one)[t - whole.shape[0]:]
+    return (int((whole != one).any(dim=1).sum()) + (whole.shape[0] != (num_logits or t))
+            + sum(not torch.equal(block.query_at(prompt + i), q) for i, q in enumerate(queries)))
+
+
 def _ragged_blocks_differing(model, seqs: int, t: int) -> int:
     """Blocks of a ragged forward of ``seqs`` sequences' t-token blocks whose logits differ from the block alone."""
     from triforce.caches import FullKVCache
@@ -103,6 +131,9 @@ def _check_rows() -> dict:
         model = near_tie(ours(hf_model(0, vocab=vocab, layers=3, intermediate_size=INTER)))
         for t in (1, 2, 7, 16, 17, 32) if vocab != 97 else (2, 17):
             out[f"fp32 V={vocab} T={t}"] = _rows_differing(model, 20, t, seed=t)
+        if vocab == 101:  # verification blocks past 64 tokens (gamma2 64 and up): in pieces of at most 64
+            for t, n in ((65, None), (100, 70)):
+                out[f"fp32 V={vocab} verification T={t}"] = _verification_differing(model, 20, t, t, n)
         for seqs, t in ((8, 1), (5, 13), (8, 16)) if vocab != 97 else ((5, 13),):  # 8, 65 and 128 rows
             out[f"fp32 V={vocab} ragged {seqs}x{t}"] = _ragged_blocks_differing(model, seqs, t)
     # the LM head's pairs are not block codes: it stays fp32, the layers' projections are codes
@@ -110,6 +141,8 @@ def _check_rows() -> dict:
     coded.attach_block_codes()  # 12 projections on codes (none with the kernels off): one C call per forward
     for t in (1, 7, 17, 32):
         out[f"codes T={t}"] = _rows_differing(coded, 20, t, seed=t)
+    for t in (65, 100):  # csrc/decode_step.c calls of at most 64 tokens, one per piece
+        out[f"codes verification T={t}"] = _verification_differing(coded, 20, t, t)
     for seqs, t in ((5, 13), (8, 16)):
         out[f"codes ragged {seqs}x{t}"] = _ragged_blocks_differing(coded, seqs, t)
     return out
@@ -137,6 +170,49 @@ def _check_modes() -> dict:
                 spec = SpeculationConfig(mode=mode, draft_sink=4, draft_window=12, **kw)
                 got = engine.generate(prompt, max_new_tokens=GREEDY_NEW, sampling=greedy, spec=spec)[0]
                 out[f"V={vocab} {mode} {kw.get('drafter', '')} gamma2={g2} prompt={n}"] = got == ref
+    return out
+
+
+def _check_long_blocks() -> dict:
+    """(d): per (vocabulary, setting), whether the first tokens equal the autoregressive ones with verification
+    blocks of 65-100 tokens, and whether such blocks ran (each verification's length recorded)."""
+    import triforce.tiers as tiers
+    from triforce.engine import Engine, SpeculationConfig
+    from triforce.sampling import SamplingParams
+
+    lengths, verify = [], tiers.verify_forward
+
+    def recorded(forward, cache, tokens, num_logits):
+        if cache.exact_rows(1):  # the verifier's
+            lengths.append(len(tokens))
+        return verify(forward, cache, tokens, num_logits)
+
+    def first(models, prompt, n, spec):  # a fresh engine: no prefix reuse between runs
+        gen = Engine(*models).stream(prompt, max_new_tokens=100, sampling=SamplingParams(temperature=0), spec=spec)
+        out = [t for _, t in zip(range(n), gen)]
+        gen.close()
+        return out
+
+    out = {}
+    tiers.verify_forward = recorded
+    try:
+        for vocab in VOCABS:
+            models = _models(vocab)
+            # every token once, then 100 of one: the n-gram drafter's match of a new token is early, its
+            # proposal long (up to 99 tokens); the retrieval tier always proposes gamma2 = 99
+            prompt = (torch.randperm(vocab - 3, generator=torch.Generator().manual_seed(vocab)) + 3).tolist()
+            prompt += [3] * 100
+            ref = first(models, prompt, 20, SpeculationConfig())
+            settings = [(20, dict(tiers="ngram:99", ngram_min=1, ngram_n=1))]
+            if vocab == VOCABS[-1]:  # 99 retrieval steps per verification: one vocabulary
+                settings.append((3, dict(mode="retrieval", budget=108, chunk_size=4, gamma2=99)))
+            for n, kw in settings:
+                lengths.clear()
+                key = f"V={vocab} {kw.get('tiers') or kw['mode']}"
+                out[key] = first(models, prompt, n, SpeculationConfig(**kw)) == ref[:n]
+                out[f"{key}: blocks of 65-100 tokens ran"] = any(65 <= t <= 100 for t in lengths)
+    finally:
+        tiers.verify_forward = verify
     return out
 
 
@@ -168,7 +244,7 @@ def _check_batch() -> dict:
     return out
 
 
-CHECKS = {"rows": _check_rows, "modes": _check_modes, "batch": _check_batch}
+CHECKS = {"rows": _check_rows, "modes": _check_modes, "long": _check_long_blocks, "batch": _check_batch}
 
 
 def _status() -> dict:
@@ -225,6 +301,15 @@ def test_every_mode_equals_autoregressive_decoding_on_near_ties(build):
     blocks of 5, 17 and 32 tokens, vocabularies 96 and 101: the autoregressive tokens, every prompt."""
     name, results = build
     failed = [k for k, same in results["modes"].items() if not same]
+    assert not failed, f"{name} ({results['status']}): {failed}"
+
+
+def test_verification_blocks_of_65_to_100_tokens_equal_autoregressive_decoding(build):
+    """(d): blocks past 64 tokens (``--gamma2`` 64 and up) run in pieces of at most 64 on the row-invariant paths:
+    the n-gram drafter's blocks of 65-99 tokens and the retrieval tier's of 100 (its selection reads the queries of
+    the block's pieces, vocabulary 101) give the autoregressive tokens, vocabularies 96 and 101."""
+    name, results = build
+    failed = [k for k, same in results["long"].items() if not same]
     assert not failed, f"{name} ({results['status']}): {failed}"
 
 

@@ -59,6 +59,9 @@ class KVCache(ABC):
     """
 
     length: int
+    #: set by :func:`triforce.exact.verify_forward` while a later piece of a long verification block runs: a cache
+    #: that records queries keeps the earlier pieces' too (:class:`FullKVCache`), as one forward would
+    join_queries: bool = False
 
     @abstractmethod
     def begin_forward(self, positions: torch.Tensor) -> None:
@@ -219,7 +222,8 @@ class FullKVCache(KVCache):
         capacity: positions to preallocate (prompt + max_new_tokens + largest block + 1).
         dtype, device: storage dtype and the compute device.
         batch: B.
-        record_queries: keep each layer's post-RoPE queries of the last forward (for building a retrieval cache).
+        record_queries: keep each layer's post-RoPE queries of the last forward (for building a retrieval cache; a
+            verification block run in pieces, ``exact.verify_forward``, counts as one forward).
         offload: keep the cache in host memory and stream it to ``device`` (see above).
         on_chip_layers: with ``offload``, how many leading layers stay on the device (0 .. L; None: 0).
 
@@ -262,6 +266,7 @@ class FullKVCache(KVCache):
         self.n_heads = cfg.num_attention_heads
         self._qbufs: dict[int, torch.Tensor] = {}  # the queries of one-call forwards, per block length (query_buffer)
         self._mask: torch.Tensor | None = None
+        self._earlier: list[torch.Tensor] | None = None  # with join_queries: the earlier pieces' queries, per layer
         self.kernel_max_block = KERNEL_MAX_BLOCK
 
     def begin_forward(self, positions: torch.Tensor) -> None:
@@ -270,8 +275,12 @@ class FullKVCache(KVCache):
             raise CacheError(f"full KV cache overflow: {start + t} positions > capacity {self.capacity}")
         self._start, self._t = start, t
         self._mask = None if t == 1 else _causal_offset_mask(start, t, start + t, self.device)
-        if self.record_queries:
-            self.query_start = start
+        if self.record_queries:  # the next piece of a verification block (join_queries): the block's queries so far
+            joined = (self.join_queries and self.queries[0] is not None
+                      and start == self.query_start + self.queries[0].shape[2])
+            self._earlier = [q.clone() for q in self.queries] if joined else None  # (B, nh, T0, hs) per layer
+            if not joined:
+                self.query_start = start
         if self.offload and self.on_chip_layers < self.k.shape[0]:
             self._prefetch(self.on_chip_layers)
 
@@ -307,7 +316,8 @@ class FullKVCache(KVCache):
 
     def exact_rows(self, t: int) -> bool:
         """True for blocks of at most :data:`KERNEL_MAX_BLOCK` tokens on the CPU: the verifier's decode steps and
-        verification blocks (prefill chunks are longer)."""
+        verification blocks (longer verification blocks run in pieces of at most that many,
+        ``exact.verify_forward``; longer forwards are prefill chunks)."""
         return t <= self.kernel_max_block and self.device.type == "cpu"
 
     def one_query_rows(self):
@@ -346,6 +356,9 @@ class FullKVCache(KVCache):
         if self.offload and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # host copies complete before anyone reads k/v
         self.length = self._start + self._t
+        if self.record_queries and self._earlier is not None:  # query_at and the retrieval window see the whole block
+            self.queries = [torch.cat([e, q], dim=2) for e, q in zip(self._earlier, self.queries)]
+            self._earlier = None
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.length:

@@ -40,6 +40,7 @@ _decode_step = _Library("decode_step.c", DECODE_STEP_ENV_SWITCH, (), lambda: (DE
 _fn_table = None  # the kernels' addresses in the order csrc/decode_step.c takes them, built on first use
 #: most tokens of one call (csrc/decode_step.c's MAX_T): decode steps and verification blocks (gamma + 1), up to
 #: :data:`~triforce.exact.EXACT_MAX_BLOCK`, so that the verifier's blocks and its decode steps take the same path
+#: (longer verification blocks run in pieces of at most this many, ``exact.verify_forward``: one call each)
 MAX_BLOCK = 64
 #: most tokens of one call in the retrieval cache's layout (a lower tier's block; longer ones run layer by layer)
 RETRIEVAL_MAX_BLOCK = 16

@@ -18,10 +18,14 @@ blocks of at most :data:`EXACT_MAX_BLOCK` tokens, on the CPU) runs inside :func:
   (:func:`linear_forward`);
 * the full cache attends with ``csrc/attention.c`` (one call for the whole block), or, where that kernel is off,
   each row with its own SDPA call over the keys it sees, the call a decode step makes (:func:`rowwise_attention`);
-* a model on block codes runs its layers in ``csrc/decode_step.c`` in pieces of at most 16 tokens and calls of at
-  most 64 rows (``decode_step.DecodeStep``);
+* a model on block codes runs its layers in one ``csrc/decode_step.c`` call for a block of up to 64 tokens, and a
+  batch's blocks in calls of whole blocks of at most 64 rows (``decode_step.DecodeStep``);
 * a batch's forward holds either such blocks only or none (:func:`split_exact`): a prefill chunk that shares a round
-  with decode steps runs as a forward of its own.
+  with decode steps runs as a forward of its own;
+* a verification block longer than :data:`EXACT_MAX_BLOCK` tokens (``--gamma2`` 64 and up, ``--adaptive-gamma``
+  past 63) runs as consecutive forwards of at most that many tokens (:func:`verify_forward`, which the verifier's
+  tier calls for its blocks and not for its prefill chunks): each keeps the rule, so every gamma the options allow
+  gives the decode steps' tokens.
 
 Prefill chunks longer than :data:`EXACT_MAX_BLOCK` tokens and the tiers below the verifier keep the fastest paths
 (their rounding changes no token: the verifier decides every token). Measured costs: docs/performance.md,
@@ -50,8 +54,9 @@ from .kernels import (
 from .sdpa import gqa_attention
 
 #: longest block of one sequence (tokens in one forward) that runs on the row-invariant paths: decode steps and
-#: verification blocks up to gamma 63 (``scheduling.SHORT_FORWARD_ROWS``); longer blocks are prefill chunks, which
-#: keep SDPA and PyTorch's products (the attention kernel took 0.77-0.84x SDPA's time for SmolLM2's 17- and 32-token
+#: verification blocks up to gamma 63 in one forward (``scheduling.SHORT_FORWARD_ROWS``), longer verification blocks
+#: in pieces of at most this many (:func:`verify_forward`); longer forwards are prefill chunks, which keep SDPA and
+#: PyTorch's products (the attention kernel took 0.77-0.84x SDPA's time for SmolLM2's 17- and 32-token
 #: blocks at 8K, 0.95-1.02x for 64: docs/performance.md, "Exactness paths: what they cost")
 EXACT_MAX_BLOCK = 64
 
@@ -197,3 +202,48 @@ def split_exact(blocks: list[tuple], run: Callable[[list[tuple]], list[torch.Ten
         for i, logits in zip(index, run([blocks[i] for i in index])):
             out[i] = logits
     return out
+
+
+def verify_forward(forward: Callable[[list[int], int | None], torch.Tensor], cache, tokens: list[int],
+                   num_logits: int | None) -> torch.Tensor:
+    """The verifier's forward of a verification block (the pending token and the proposals, whatever gamma), on the
+    row-invariant paths at any length (issue 47): a block of more than :data:`EXACT_MAX_BLOCK` tokens through a
+    cache that keeps the rule runs as consecutive forwards of at most that many tokens (sizes as equal as they go).
+    Each piece keeps the rule, so each of its rows, and each key and value it writes, is bitwise what that token's
+    decode step gives, and a later piece attends the earlier pieces' keys as a later decode step does: the block's
+    logits are its decode steps' whatever gamma. Otherwise (a lower tier's cache, a block of at most
+    :data:`EXACT_MAX_BLOCK` tokens, or :data:`ROW_INVARIANT` False) one forward. Prefill chunks do not come here:
+    they keep the fast paths. Under the scheduler each piece is a short forward that joins its model's batch.
+
+    Args:
+        forward: ``(tokens, num_logits) -> (n, V)`` fp32 logits of the last ``n`` = ``num_logits or len(tokens)``
+            tokens, one forward that extends ``cache`` (``ModelTier._forward``).
+        cache: the tier's cache (:meth:`~triforce.caches.KVCache.exact_rows` says whether it keeps the rule); while
+            a later piece runs, its ``join_queries`` is True, so that a full cache recording queries keeps the whole
+            block's (the retrieval tier selects with any of its positions' queries).
+        tokens: the block's token ids, T of them.
+        num_logits: logits wanted for the last ``num_logits`` tokens (None: all T).
+
+    Returns:
+        (num_logits or T, V) fp32, as one ``forward(tokens, num_logits)`` returns them.
+
+    Raises:
+        whatever ``forward`` raises (``CacheError``: a block that does not fit); the cache then holds the pieces
+        that ran, as after a forward that failed midway.
+    """
+    t = len(tokens)
+    if t <= EXACT_MAX_BLOCK or not ROW_INVARIANT or not cache.exact_rows(1):
+        return forward(tokens, num_logits)
+    want = t if num_logits is None else min(num_logits, t)
+    size = -(-t // -(-t // EXACT_MAX_BLOCK))  # ceil(T / pieces), pieces = ceil(T / EXACT_MAX_BLOCK)
+    parts = []
+    try:
+        for a in range(0, t, size):
+            b = min(t, a + size)
+            keep = max(0, b - max(a, t - want))  # of this piece's rows, those among the last `want` of the block
+            cache.join_queries = a > 0
+            logits = forward(tokens[a:b], max(1, keep))
+            parts.append(logits[logits.shape[0] - keep:])
+    finally:
+        cache.join_queries = False
+    return torch.cat(parts)

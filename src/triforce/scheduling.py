@@ -42,8 +42,9 @@ import torch
 from .caches import KVCache
 
 MAX_WAIT = 2  # rounds a forward may wait while other models' forwards run
-#: rows of a forward that always joins its model's batch (decode steps, draft blocks, verifications up to
-#: gamma 63; longer blocks are budgeted like prefill chunks)
+#: rows of a forward that always joins its model's batch (decode steps, draft blocks, the verifier's blocks: past
+#: 64 tokens they run in pieces of at most 64, ``exact.verify_forward``; longer forwards, prefill chunks and a lower
+#: tier's blocks past gamma 63, are budgeted like prefill chunks)
 SHORT_FORWARD_ROWS = 64
 #: rows of longer forwards (prefill chunks) one batched forward takes, earliest admitted first (one at least):
 #: one prefill chunk of the target (``ModelTier``'s ``prefill_chunk``, 512)

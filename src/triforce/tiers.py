@@ -38,6 +38,7 @@ from typing import Callable, Protocol
 import torch
 
 from .caches import CacheError, FullKVCache, KVCache
+from .exact import verify_forward
 from .logprobs import TokenLogprob, token_logprobs
 from .model import Transformer
 from .retrieval import RetrievalCache
@@ -188,9 +189,11 @@ class ModelTier:
         if n_out > len(new):
             if n_out != len(new) + 1 or self.tail_logits is None:
                 raise RuntimeError(f"tier {self.name}: no logits for position {n - 1} (bug)")
-            out = self.tail_logits[None] if not new else torch.cat([self.tail_logits[None], self._forward(new, None)])
+            out = self.tail_logits[None]
+            if new:  # the verifier's blocks on the row-invariant paths whatever their length (exact.verify_forward)
+                out = torch.cat([out, verify_forward(self._forward, self.cache, new, None)])
         else:
-            out = self._forward(new, n_out)
+            out = verify_forward(self._forward, self.cache, new, n_out)
         self.tail_logits = out[-1]
         return out[-n_out:]
 
