@@ -20,7 +20,10 @@ makes). A build is chosen when the kernels first load, so each runs in a subproc
 * (c) ``TriForce.generate(prompts=[...])`` gives each of 8 requests (prompts of 3-62 tokens, several modes) its
   tokens alone beside 1, 3 and 7 others;
 * (d) the n-gram drafter's and the retrieval tier's proposals give the autoregressive tokens with verification
-  blocks of 65-100 tokens (gamma2 99: the verifier runs them in pieces of at most 64).
+  blocks of 65-100 tokens (gamma2 99: the verifier runs them in pieces of at most 64);
+* (e) a 130-token prompt (a prefill chunk past 64 tokens) gives its fresh engine's tokens again on the same engine
+  (prefix reuse, across modes), from a copy of its KV (``adopt_prefix``) and from a prompt-cache file, in
+  autoregressive and retrieval mode (``exact.prefill_forward_size``: its last 8 tokens run as a reuse feeds them).
 """
 
 import json
@@ -244,7 +247,54 @@ def _check_batch() -> dict:
     return out
 
 
-CHECKS = {"rows": _check_rows, "modes": _check_modes, "long": _check_long_blocks, "batch": _check_batch}
+def _check_reuse() -> dict:
+    """(e): per (mode, how the prompt's KV came), whether a 130-token prompt (its prefill chunk longer than 64 tokens)
+    gives the tokens it gives on a fresh engine, and those the autoregressive ones: the same prompt again on an
+    engine that ran it before in either mode (prefix reuse; the ``attn`` rule refeeds 8 tokens, the others 1), on a
+    fresh engine adopting another choice's copy of its KV (``adopt_prefix``, the server's ``n`` > 1), and on one
+    loading a prompt-cache file."""
+    import tempfile
+
+    from triforce.caches import FullKVCache
+    from triforce.engine import Engine, SpeculationConfig
+    from triforce.exact import PREFILL_EXACT_TAIL
+    from triforce.promptcache import PromptCache
+    from triforce.retrieval import ATTN_QUERY_WINDOW
+    from triforce.sampling import SamplingParams
+
+    assert ATTN_QUERY_WINDOW <= PREFILL_EXACT_TAIL  # every mode's refeed runs on the row-invariant paths
+    models = _models(VOCABS[-1], seed=3)
+    prompt = _ids(130, VOCABS[-1], 77)
+    shared = Engine(*models)  # runs the prompt in every mode, each run reusing the last one's KV
+    out, ref = {}, None
+    for name, spec in (("autoregressive", SpeculationConfig()),
+                       ("retrieval", SpeculationConfig(mode="retrieval", budget=24, chunk_size=4, gamma2=4,
+                                                       chunk_score="attn"))):
+
+        def run(engine, spec=spec):
+            return engine.generate(prompt, max_new_tokens=GREEDY_NEW, sampling=SamplingParams(temperature=0),
+                                   spec=spec)[0]
+
+        ref = ref or run(shared)
+        cold = run(Engine(*models))
+        out[f"{name}: a fresh engine gives the autoregressive tokens"] = cold == ref
+        out[f"{name}: again on an engine that ran the prompt"] = run(shared) == cold
+        copy = FullKVCache(models[0].cfg, len(prompt))
+        copy.copy_prefix_from(shared.full_cache, len(prompt))
+        other = Engine(*models)
+        other.adopt_prefix(copy, prompt)
+        out[f"{name}: a fresh engine adopting a copy of the prompt's KV"] = run(other) == cold
+        with tempfile.TemporaryDirectory() as directory:
+            files = PromptCache(directory, "near-tie")
+            files.store(shared.full_cache, shared.prefix_tokens)
+            other = Engine(*models)
+            out[f"{name}: a fresh engine loading a prompt-cache file"] = (
+                files.before_request(other, prompt)[0] == len(prompt) and run(other) == cold)
+    return out
+
+
+CHECKS = {"rows": _check_rows, "modes": _check_modes, "long": _check_long_blocks, "batch": _check_batch,
+          "reuse": _check_reuse}
 
 
 def _status() -> dict:
@@ -318,4 +368,13 @@ def test_a_request_gives_its_tokens_alone_and_beside_1_3_and_7_others(build):
     modes), each alone and in batches of 2, 4 and 8, vocabularies 96 and 101: 0 differing requests."""
     name, results = build
     failed = [k for k, same in results["batch"].items() if not same]
+    assert not failed, f"{name} ({results['status']}): {failed}"
+
+
+def test_a_long_prompt_gives_its_tokens_again_from_its_reused_kv(build):
+    """(e): a 130-token prompt on a fresh engine, again on an engine that ran it (autoregressive, then retrieval with
+    the ``attn`` rule, which refeeds 8 tokens), adopting a copy of its KV, loading a prompt-cache file: the same
+    greedy tokens, the autoregressive ones (without its last tokens prefilled apart, every reuse differs)."""
+    name, results = build
+    failed = [k for k, same in results["reuse"].items() if not same]
     assert not failed, f"{name} ({results['status']}): {failed}"

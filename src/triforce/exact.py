@@ -24,12 +24,20 @@ blocks of at most :data:`EXACT_MAX_BLOCK` tokens, on the CPU) runs inside :func:
   with decode steps runs as a forward of its own;
 * a verification block longer than :data:`EXACT_MAX_BLOCK` tokens (``--gamma2`` 64 and up, ``--adaptive-gamma``
   past 63) runs as consecutive forwards of at most that many tokens (:func:`verify_forward`, which the verifier's
-  tier calls for its blocks and not for its prefill chunks): each keeps the rule, so every gamma the options allow
-  gives the decode steps' tokens.
+  tier calls for its blocks and its prompt's last tokens, not for its prefill chunks): each keeps the rule, so
+  every gamma the options allow gives the decode steps' tokens;
+* the prompt's last :data:`PREFILL_EXACT_TAIL` tokens never share a prefill chunk of more than
+  :data:`EXACT_MAX_BLOCK` tokens: the verifier prefills the rest in chunks and then them on these paths
+  (:func:`prefill_forward_size`), so the first token's logits and those tokens' keys are what a request that
+  reuses the prompt's KV (the engine's or the server's prefix cache, ``adopt_prefix``, a prompt-cache file) and
+  feeds them again computes, in every mode: one more forward, of 8 rows, only for a prompt whose last chunk is
+  that long.
 
 Prefill chunks longer than :data:`EXACT_MAX_BLOCK` tokens and the tiers below the verifier keep the fastest paths
-(their rounding changes no token: the verifier decides every token). Measured costs: docs/performance.md,
-"Exactness paths: what they cost"; the claim's scope and its tests: docs/architecture.md, "The exactness rule".
+(their rounding changes no token: the verifier decides every token), which round a row by its chunk: a prompt that
+extends a reused prefix (a chat's next turn) holds KV computed with other chunk boundaries than a fresh prefill's.
+Measured costs: docs/performance.md, "Exactness paths: what they cost"; the claim's scope and its tests:
+docs/architecture.md, "The exactness rule".
 """
 
 from __future__ import annotations
@@ -59,6 +67,12 @@ from .sdpa import gqa_attention
 #: PyTorch's products (the attention kernel took 0.77-0.84x SDPA's time for SmolLM2's 17- and 32-token
 #: blocks at 8K, 0.95-1.02x for 64: docs/performance.md, "Exactness paths: what they cost")
 EXACT_MAX_BLOCK = 64
+
+#: the prompt's last tokens that the verifier's prefill runs on the row-invariant paths, apart from a longer chunk
+#: (:func:`prefill_forward_size`): at least as many as any mode's prefix reuse feeds again (``ModelTier.refeed``: 1,
+#: or the ``attn`` rule's query window, ``retrieval.ATTN_QUERY_WINDOW``), and the same in every mode, so that every
+#: mode prefills a prompt alike (greedy equality) and any mode's reuse of its KV recomputes them as it did
+PREFILL_EXACT_TAIL = 8
 
 #: False turns the rule off, so that every forward takes the fastest paths by shape as before issue 47: for A/B
 #: timings only (``bench/kernels/rows.py``); speculative modes then match autoregressive decoding in distribution
@@ -213,7 +227,8 @@ def verify_forward(forward: Callable[[list[int], int | None], torch.Tensor], cac
     decode step gives, and a later piece attends the earlier pieces' keys as a later decode step does: the block's
     logits are its decode steps' whatever gamma. Otherwise (a lower tier's cache, a block of at most
     :data:`EXACT_MAX_BLOCK` tokens, or :data:`ROW_INVARIANT` False) one forward. Prefill chunks do not come here:
-    they keep the fast paths. Under the scheduler each piece is a short forward that joins its model's batch.
+    they keep the fast paths (a prompt's last tokens do, :func:`prefill_forward_size`). Under the scheduler each
+    piece is a short forward that joins its model's batch.
 
     Args:
         forward: ``(tokens, num_logits) -> (n, V)`` fp32 logits of the last ``n`` = ``num_logits or len(tokens)``
@@ -247,3 +262,32 @@ def verify_forward(forward: Callable[[list[int], int | None], torch.Tensor], cac
     finally:
         cache.join_queries = False
     return torch.cat(parts)
+
+
+def prefill_forward_size(cache, remaining: int, chunk: int, tail: int) -> int:
+    """Tokens the verifier's next prefill forward holds: ``chunk``, except that a forward off the row-invariant
+    paths (more than :data:`EXACT_MAX_BLOCK` tokens) stops before the prompt's last ``tail`` tokens, which then run
+    on those paths (through :func:`verify_forward`, the caller's part). Prefix reuse feeds a reused prompt's last
+    ``tail`` tokens again in one short forward (``ModelTier.refeed``: 1, or a retrieval rule's query window), so a
+    fresh prefill must compute them, and the first token's logits, as such a forward does: a row of a long chunk
+    rounds by the chunk's shape (MKL's or oneDNN's product, SDPA), and on a near tie the same prompt would give
+    other greedy tokens the second time on one engine. The cost: one more forward of ``tail`` rows where the last
+    chunk is long, none otherwise (a forward of up to :data:`EXACT_MAX_BLOCK` tokens keeps the rule whole).
+
+    Args:
+        cache: the verifier's cache (:meth:`~triforce.caches.KVCache.exact_rows` says which forwards keep the rule;
+            a cache that keeps none, a GPU's or a lower tier's, keeps ``chunk``).
+        remaining: prompt tokens not yet fed, the prompt's last ones (>= 1).
+        chunk: tokens the forward would hold (``scheduling.prefill_chunk``: the tier's chunk, or fewer beside
+            running generations), >= 1.
+        tail: the prompt's last tokens to keep on the row-invariant paths (the verifier:
+            ``max(refeed, PREFILL_EXACT_TAIL)``; 0: none, a lower tier's prefill).
+
+    Returns:
+        tokens for the next forward, in [1, remaining]: ``min(chunk, remaining)`` unless that forward leaves the
+        row-invariant paths and reaches into the tail, then ``remaining - tail``.
+    """
+    size = min(chunk, remaining)
+    if tail < 1 or remaining <= tail or not ROW_INVARIANT or cache.exact_rows(size) or not cache.exact_rows(1):
+        return size
+    return min(size, remaining - tail)

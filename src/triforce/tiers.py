@@ -38,7 +38,7 @@ from typing import Callable, Protocol
 import torch
 
 from .caches import CacheError, FullKVCache, KVCache
-from .exact import verify_forward
+from .exact import PREFILL_EXACT_TAIL, prefill_forward_size, verify_forward
 from .logprobs import TokenLogprob, token_logprobs
 from .model import Transformer
 from .retrieval import RetrievalCache
@@ -82,7 +82,9 @@ VerifyFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 class ModelTier:
     """A model with a KV cache, optionally sped up by a drafter below it.
 
-    Attribute ``refeed`` (int, >= 1): prompt tokens a prefill feeds again even when prefix reuse holds them.
+    Attribute ``refeed`` (int, >= 1): prompt tokens a prefill feeds again even when prefix reuse holds them; the
+    verifier's prefill runs its last ``max(refeed, exact.PREFILL_EXACT_TAIL)`` on the row-invariant paths
+    (``exact.prefill_forward_size``), reused or not.
 
     Args:
         name: tier name used in stats.
@@ -151,11 +153,15 @@ class ModelTier:
     def _prefill_tokens(self, tokens: list[int], progress: Callable[[int], None] | None) -> torch.Tensor | None:
         logits = None
         t0, p0 = self.stats.forward_seconds, self.stats.forward_passes
-        i = 0
-        while i < len(tokens):  # beside running generations, chunks sized to keep their streams going
-            chunk = tokens[i:i + prefill_chunk(self.prefill_chunk)]
-            i += len(chunk)
-            logits = self._forward(chunk, 1)
+        # the verifier's last prompt tokens run as prefix reuse feeds them again, on the row-invariant paths, the
+        # same number in every mode: a reuse of this prompt's KV gives this prefill's tokens (exact.py)
+        tail = max(self.refeed, PREFILL_EXACT_TAIL) if self.is_top else 0
+        i, n = 0, len(tokens)
+        while i < n:  # beside running generations, chunks sized to keep their streams going
+            size = prefill_forward_size(self.cache, n - i, prefill_chunk(self.prefill_chunk), tail)
+            chunk, in_tail = tokens[i:i + size], n - i <= tail
+            i += size
+            logits = verify_forward(self._forward, self.cache, chunk, 1) if in_tail else self._forward(chunk, 1)
             if progress is not None:
                 progress(len(chunk))
         self.stats.prefill_seconds += self.stats.forward_seconds - t0
@@ -167,6 +173,10 @@ class ModelTier:
 
         Tokens already cached that match the prompt's start are kept (prefix reuse); at least ``refeed`` tokens are
         fed (the engine raises it so the verifier records the queries a retrieval rule with a query window reads).
+        The top tier feeds the last ``exact.PREFILL_EXACT_TAIL`` (8, at least ``refeed``) apart from a prefill chunk
+        of more than ``exact.EXACT_MAX_BLOCK`` tokens, on the row-invariant paths, as a reuse of the prompt's KV
+        feeds them: the same prompt gives the same tokens on a fresh engine and again, in every mode
+        (``exact.prefill_forward_size``).
         """
         n = len(prompt) if self.is_top else len(prompt) - 1
         common = 0
