@@ -7,27 +7,29 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)  # tiny models: one thread avoids OpenMP overhead and contention
 
-def use_avx2_build(monkeypatch, module, attr: str, native_status: str, build):
-    """Swap ``module.attr`` (a kernel library) for its AVX2 build ``build("AVX2")``, so that the AVX2 path is checked on
-    an AVX-512 machine; skips where the native build is the AVX2 one or the AVX2 build does not load."""
-    if "AVX2" in native_status:
-        pytest.skip("the native build is the AVX2 one")
-    forced = build("AVX2")
+
+def _use_build(monkeypatch, module, attr: str, native_status: str, build, isa: str) -> None:
+    """Swap ``module.attr`` (a kernel library) for its ``isa`` build ``build(isa)``; skips where the native build is
+    that one or it does not load."""
+    if isa in native_status:
+        pytest.skip(f"the native build is the {isa} one")
+    forced = build(isa)
     if forced.load() is None:
-        pytest.skip(f"AVX2 build {forced.status}")
+        pytest.skip(f"{isa} build {forced.status}")
     monkeypatch.setattr(module, attr, forced)
+
+
+def use_avx2_build(monkeypatch, module, attr: str, native_status: str, build):
+    """Swap ``module.attr`` for its AVX2 build, so that the AVX2 path is checked on an AVX-512 machine (skips where
+    the native build is the AVX2 one or the AVX2 build does not load)."""
+    _use_build(monkeypatch, module, attr, native_status, build, "AVX2")
 
 
 def use_portable_build(monkeypatch, module, attr: str, native_status: str, build):
-    """Swap ``module.attr`` (a kernel library) for its portable build ``build("portable")`` (plain C, no ISA flags:
-    what a CPU without AVX2, or aarch64, runs), so that it is checked on an AVX2 or AVX-512 machine; skips where the
-    native build is the portable one or the portable build does not load."""
-    if "portable" in native_status:
-        pytest.skip("the native build is the portable one")
-    forced = build("portable")
-    if forced.load() is None:
-        pytest.skip(f"portable build {forced.status}")
-    monkeypatch.setattr(module, attr, forced)
+    """Swap ``module.attr`` for its portable build (plain C, no ISA flags: what a CPU without AVX2, or aarch64, runs),
+    so that it is checked on an AVX2 or AVX-512 machine (skips where the native build is the portable one or the
+    portable build does not load)."""
+    _use_build(monkeypatch, module, attr, native_status, build, "portable")
 
 
 @pytest.fixture(params=["native", "avx2", "portable"])
