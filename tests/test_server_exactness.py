@@ -6,9 +6,9 @@ difference in rounding between a request alone and in a batch flips greedy token
 continuous batching up to 8 sequences. 32 completions requests (token-id prompts of 3-62 tokens) are sent one at a
 time, then in concurrent groups of 2, 4 and 8: every answer must be the answer alone, token for token (text,
 token count, finish reason; the tokenizer is character-level, one character a token), and the metrics must show
-that the groups shared forwards (more sequence-forwards than forwards), so the batched path really ran. Modes:
-autoregressive decoding and the full hierarchy (a draft model over a StreamingLLM cache, the retrieval tier, the
-target).
+that the groups shared forwards (more sequence-forwards than forwards), so the batched path really ran. Mode: the
+full hierarchy (a draft model over a StreamingLLM cache, the retrieval tier, the target); autoregressive decoding's
+batches are checked through the API in test_exactness.py.
 """
 
 import threading
@@ -30,8 +30,8 @@ from triforce.serve import ServerDefaults, create_app  # noqa: E402
 VOCAB = 96  # the character tokenizer's: every token decodes to its own character
 REQUESTS = 32
 LENGTHS = [3 + (17 * i) % 60 for i in range(REQUESTS)]  # 3-62 tokens
-MODES = {"autoregressive": dict(mode="autoregressive"),
-         "triforce": dict(mode="triforce", budget=32, chunk_size=4, gamma1=2, gamma2=5)}
+#: the full hierarchy: every tier's forwards batched (autoregressive decoding's batches are test_exactness.py's (c))
+MODES = {"triforce": dict(mode="triforce", budget=32, chunk_size=4, gamma1=2, gamma2=5)}
 
 
 def _answer(url: str, prompt: list[int]) -> tuple:
