@@ -58,7 +58,8 @@ def _check_rebuilds(models, monkeypatch, name, setting, n, seed, engine=None):  
     return chi2_pvalue(counts, exact_distribution(hf, prompt, params))
 
 
-@pytest.mark.parametrize("name,setting", [("every1-max-triforce", "T0.6-p0.9-k5"), ("below-bound-triforce", "T1")])
+@pytest.mark.parametrize("name,setting", [("every1-max-triforce", "T0.6-p0.9-k5"),  # below-bound: the slow 20k test
+                                          pytest.param("below-bound-triforce", "T1", marks=pytest.mark.slow)])
 def test_rebuilds_and_chunk_scores_keep_the_exact_distribution(models, monkeypatch, name, setting):  # noqa: F811
     assert _check_rebuilds(models, monkeypatch, name, setting, N_FAST, seed=300 + list(REBUILDS).index(name)) > 1e-3
 

@@ -35,10 +35,10 @@ def test_logits_match_transformers(loaded, hf, book_text):
     assert (ours - ref).abs().max().item() <= 1e-3  # 30 layers in fp32
 
 
-def test_greedy_64_tokens_after_2k_book_excerpt_equal_transformers(loaded, hf, book_text):
+def test_greedy_64_tokens_after_1k_book_excerpt_equal_transformers(loaded, hf, book_text):
     from triforce import Engine
 
-    ids = loaded.tokenizer(book_text)["input_ids"][:2048]
+    ids = loaded.tokenizer(book_text)["input_ids"][:1024]  # 1K: CI time
     x = torch.tensor([ids])
     with torch.no_grad():
         ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64, do_sample=False,
@@ -46,7 +46,7 @@ def test_greedy_64_tokens_after_2k_book_excerpt_equal_transformers(loaded, hf, b
     engine = Engine(loaded.model, eos_ids=())
     out, _ = engine.generate(ids, max_new_tokens=64, sampling=SamplingParams(temperature=0), spec=SpeculationConfig())
     assert out == ref
-    spec = SpeculationConfig(mode="retrieval", budget=256, gamma2=6)
+    spec = SpeculationConfig(mode="retrieval", budget=128, gamma2=6)  # 1/8 of the context
     spec_out, stats = engine.generate(ids, max_new_tokens=64, sampling=SamplingParams(temperature=0), spec=spec)
     assert spec_out == ref  # retrieval speculation on a real model: the same greedy tokens
     assert stats.tiers["target"]["acceptance_rate"] > 0.2
