@@ -203,7 +203,27 @@ def test_cli_without_matplotlib_writes_json(tiny_folder, book, tmp_path, capsys,
     assert "recovery.png skipped" in err and "triforce[bench]" in err
 
 
+def test_cli_prompt_cache_loads_the_prefix_and_gives_the_same_recovery(tiny_folder, book, tmp_path):
+    # the first run prefills and writes the prompt's KV; the second loads all of it but the last token, whose forward
+    # records the query: the recovery values equal the first run's to fp32 rounding (one prefill chunk vs two)
+    argv = ["analyze", "--model", tiny_folder, "--books", book, "--prompt-tokens", "120", "--analyses", "recovery",
+            "--budgets", "16", "64", "--chunk-size", "4", "--threads", "1", "--no-progress",
+            "--prompt-cache", str(tmp_path / "pc")]
+    runs = []
+    for name in ("first", "second"):
+        assert main(argv + ["--out", str(tmp_path / name)]) == 0
+        runs.append(json.loads((tmp_path / name / "recovery.json").read_text()))
+    assert runs[0]["prompt_cache"]["tinybook"]["loaded_tokens"] == 0
+    assert runs[1]["prompt_cache"]["tinybook"]["loaded_tokens"] == 119
+    assert "--prompt-cache" in runs[1]["command"]
+    for score in ("mean", "max", "bound", "attn", "oracle"):
+        for b in ("16", "64"):
+            assert runs[1]["mean_recovery"][score][b] == pytest.approx(runs[0]["mean_recovery"][score][b], abs=1e-5)
+            assert runs[0]["mean_recovery"][score][b] < 1  # a budget below the prompt: not every position kept
+
+
 @pytest.mark.parametrize("argv, option", [
+    (["--prompt-cache", "FILE"], "--prompt-cache"),
     (["--analyses", "sparsity"], "--analyses"),
     (["--budgets", "4", "--chunk-size", "8"], "--budgets"),
     (["--budgets", "x"], "--budgets"),
@@ -220,6 +240,7 @@ def test_cli_without_matplotlib_writes_json(tiny_folder, book, tmp_path, capsys,
 def test_cli_bad_options_exit_2_before_loading(argv, option, book, tmp_path, capsys):
     # the model does not exist: the option must be reported first, so nothing was loaded
     args = ["analyze", "--model", os.path.join(str(tmp_path), "missing"), "--books", book, "--out", str(tmp_path / "o")]
+    argv = [book if a == "FILE" else a for a in argv]  # a file where a directory is wanted
     try:
         code = main(args + argv)
     except SystemExit as e:  # argparse's own checks (types, choices)

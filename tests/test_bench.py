@@ -255,6 +255,39 @@ def test_plan_skips_what_cannot_run(monkeypatch):
     assert run == list(methods.SYNTHETIC_METHODS) and "synthetic" in skipped["hf-lookup"]
 
 
+def test_rope_scaling_runs_the_scaled_target_and_skips_transformers(tiny_folder):
+    """--rope-scaling yarn --rope-factor 4: our rows load the target as generate's --rope-scaling does (its context
+    4x the trained 512 tokens), so a 600-token prompt runs and the greedy tokens are the scaled model's; transformers'
+    rows are skipped (they run the checkpoint as saved), and llama.cpp has no dynamic scaling."""
+    from triforce import load_model
+    from triforce.engine import Engine, SpeculationConfig
+    from triforce.lab.bench.runners import _OursRunner
+    from triforce.sampling import SamplingParams
+
+    argv = ["--model", tiny_folder, "--rope-scaling", "yarn", "--rope-factor", "4", "--temperature", "0"]
+    args = add_bench_parser(_subparsers()).parse_args(argv)
+    _, skipped = bench.plan_methods(args)
+    assert {"hf-ar", "hf-lookup"} <= set(skipped) and "config.json" in skipped["hf-ar"]
+    dyn = add_bench_parser(_subparsers()).parse_args(argv[:2] + ["--rope-scaling", "dynamic", "--rope-factor", "2"])
+    assert "dynamic" in bench.plan_methods(dyn)[1]["llama.cpp"]
+    cfg = dict(model=tiny_folder, draft=None, dtype="float32", threads=1, temperature=0.0, top_p=1.0, top_k=0, seed=0,
+               budget=64, chunk_size=4, gamma1=2, gamma2=3, rope_scaling="yarn", rope_factor=4.0)
+    runner = _OursRunner("retrieval", cfg)
+    assert runner.context == 2048 and runner.target.cfg.rope_type == "yarn"
+    ids = torch.randint(3, 96, (600,), generator=torch.Generator().manual_seed(3)).tolist()
+    got = runner.run(ids, 8, seed=0)["tokens"]
+    expected = {}
+    for scaling in ("yarn", None):
+        lm = load_model(tiny_folder, rope_scaling=scaling, rope_factor=4.0 if scaling else None)
+        if scaling is None:
+            ids = ids[:500]  # the unscaled model takes 512 positions
+        expected[scaling] = list(Engine(lm.model, eos_ids=()).stream(
+            ids, max_new_tokens=8, sampling=SamplingParams(temperature=0.0), spec=SpeculationConfig(
+                mode="autoregressive"), seed=0))
+    assert got == expected["yarn"]  # lossless with respect to the scaled target
+    assert runner.run(ids, 8, seed=0)["tokens"] != expected[None]  # and the scaling changed the model
+
+
 def _subparsers():
     import argparse
 
@@ -283,6 +316,10 @@ def _subparsers():
     (["--png", "chart.jpg"], "--png"),
     (["--json", "/no/such/dir/out.json"], "--json"),
     (["--reps", "many"], "--reps"),
+    (["--rope-factor", "4"], "--rope-factor"),
+    (["--rope-scaling", "yarn", "--rope-factor", "0.5"], "--rope-factor"),
+    (["--rope-scaling", "ntk", "--rope-factor", "4"], "--rope-scaling"),
+    (["--synthetic", "llama2-7b", "--rope-scaling", "yarn", "--rope-factor", "4"], "--rope-scaling"),
 ])
 def test_bad_options_exit_2_naming_the_option(argv, option, capsys):
     with pytest.raises(SystemExit) as e:  # argparse type errors exit from the parser

@@ -19,14 +19,21 @@ ACCEPTANCE_FACTORS = ("budget", "chunk_size", "temperature", "prompt_tokens")
 
 # ---------------------------------------------------------------------------------------------------- core
 def prefill_recorded(model: Transformer, ids: Sequence[int], extra_capacity: int = 0,
-                     progress: Callable[[int], None] | None = None) -> tuple[FullKVCache, torch.Tensor, torch.Tensor]:
-    """Prefill ``ids`` into a fresh full KV cache that records queries; returns it, the last query and logits.
+                     progress: Callable[[int], None] | None = None,
+                     cache: FullKVCache | None = None) -> tuple[FullKVCache, torch.Tensor, torch.Tensor]:
+    """Prefill ``ids`` into a full KV cache that records queries; returns it, the last query and logits.
 
     Args:
         model: the model (its RoPE is set for ``len(ids) + extra_capacity`` positions during the call and restored).
         ids: prompt token ids, P >= 2 of them.
         extra_capacity: positions to leave free after the prompt (tokens generated later into the same cache).
         progress: called with the number of tokens of each prefill chunk (512).
+        cache: a full KV cache of at least ``P + extra_capacity`` positions already holding the KV of
+            ``ids[:cache.length]`` (a :class:`~triforce.promptcache.PromptCache` hit), ``cache.length < P``: only
+            the rest is prefilled into it (the last token at least, whose query is recorded). None: a fresh cache.
+
+    Raises:
+        ValueError: ``cache`` too small or holding P or more positions.
 
     Returns:
         (full cache holding positions [0, P), post-RoPE query of position P - 1: (L, 1, nh, hs) in the model dtype,
@@ -37,8 +44,15 @@ def prefill_recorded(model: Transformer, ids: Sequence[int], extra_capacity: int
     saved_rope = model.rope
     try:
         model.set_request_length(P + extra_capacity)
-        full = FullKVCache(cfg, P + extra_capacity, model.dtype, model.device, record_queries=True)
-        for i in range(0, P, PREFILL_CHUNK):
+        if cache is None:
+            full, start = FullKVCache(cfg, P + extra_capacity, model.dtype, model.device, record_queries=True), 0
+        else:
+            if not cache.length < P <= cache.capacity - extra_capacity:
+                raise ValueError(f"cache must hold fewer than the {P} prompt positions and have room for "
+                                 f"{P + extra_capacity}, got length {cache.length}, capacity {cache.capacity}")
+            full, start = cache, cache.length
+            full.record_queries = True  # the queries of the forwards below (the last token's at least)
+        for i in range(start, P, PREFILL_CHUNK):
             chunk = list(ids[i:i + PREFILL_CHUNK])
             logits = model(torch.tensor([chunk], device=model.device),
                            torch.arange(i, i + len(chunk), device=model.device), full, num_logits=1)

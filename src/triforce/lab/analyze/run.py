@@ -55,6 +55,8 @@ def _command_line(args: argparse.Namespace) -> str:
         parts.append(f"--dtype {args.dtype}")
     if args.threads is not None:
         parts.append(f"--threads {args.threads}")
+    if args.prompt_cache:
+        parts.append(f"--prompt-cache {args.prompt_cache}")
     parts.append(f"--out {args.out}")
     return " ".join(parts)
 
@@ -136,6 +138,13 @@ def check_analyze_args(args: argparse.Namespace) -> tuple[list[Path], list[dict]
                 if name == "budget" and "chunk_size" in pt["sweeps"] and "budget" not in pt["sweeps"]:
                     where = "--chunk-sizes"  # a large chunk size against the base budget
                 raise AnalyzeError(f"{where}: at budget {pt['budget']}, chunk size {pt['chunk_size']}: {e}") from e
+    if args.prompt_cache:
+        from ...promptcache import check_options
+
+        try:
+            check_options(args.prompt_cache)
+        except ValueError as e:
+            raise AnalyzeError(f"--{str(e).replace('_', '-', 1)}") from e
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as e:
@@ -211,6 +220,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         except PlotUnavailable as e:
             print(f"triforce: {name}.png skipped: {e}", file=sys.stderr)
 
+    stored = None
+    if args.prompt_cache:
+        from ...promptcache import PromptCache, model_key
+
+        stored = PromptCache(args.prompt_cache, model_key(lm.source, cfg, model.dtype, model.dtype))
+        meta["prompt_cache"] = {}
     if {"recovery", "locality"} & set(args.analyses):
         rec_books: dict[str, dict] = {}
         loc_books: dict[str, dict] = {}
@@ -218,9 +233,17 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             ids = ids[:args.prompt_tokens]
             t0 = time.perf_counter()
             extra = args.new_tokens if "locality" in args.analyses else 0
+            hit = None if stored is None else stored.lookup(ids[:-1], cfg, model.device, capacity=len(ids) + extra)
             with tqdm(total=len(ids), unit="tok", desc=f"{book} prefill", disable=quiet, file=sys.stderr,
                       leave=False) as bar:
-                full, query, logits = prefill_recorded(model, ids, extra, bar.update)
+                bar.update(0 if hit is None else len(hit.tokens))
+                full, query, logits = prefill_recorded(model, ids, extra, bar.update, hit and hit.cache)
+            if stored is not None:  # what was loaded; a prompt prefilled whole is kept for the next run
+                meta["prompt_cache"][book] = {"loaded_tokens": 0 if hit is None else len(hit.tokens),
+                                              "loaded_from": None if hit is None else str(hit.path),
+                                              "seconds": round(time.perf_counter() - t0, 1)}
+                if hit is None:
+                    stored.store(full, list(ids))
             n = len(ids) - 1
             if "recovery" in args.analyses:
                 rec_books[book] = recovery_at_query(model, full, query, n, args.budgets, args.chunk_size)

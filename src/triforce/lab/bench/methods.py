@@ -130,6 +130,16 @@ def validate_args(args: argparse.Namespace) -> None:
             check_options(args.prompt_cache)
         except ValueError as e:
             raise BenchError(f"--prompt-cache: {e}") from e
+    if args.rope_scaling is not None or args.rope_factor is not None:
+        from ...config import check_rope_scaling
+        from ...errors import spelled
+
+        try:
+            check_rope_scaling(args.rope_scaling, args.rope_factor)
+        except ValueError as e:
+            raise BenchError(spelled(e, lambda name: "--" + name.replace("_", "-"))) from e
+        if args.synthetic:
+            raise BenchError("--rope-scaling scales a checkpoint's RoPE: leave it out with --synthetic")
     if not 0 <= args.seed < 2**62:
         raise BenchError(f"--seed must be an integer in [0, 2**62), got {args.seed}")
     try:
@@ -239,6 +249,11 @@ def plan_methods(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
             reason = "not meaningful with --synthetic (random weights, no GGUF or real draft model)"
         elif m == "retrieval-codes" and args.model is not None and _gguf_for(args.model)[0] is None:
             reason = "needs a GGUF model (its block codes): --model is not a .gguf file"
+        elif m.startswith("hf-") and args.rope_scaling is not None:
+            reason = ("transformers runs the checkpoint as saved: --rope-scaling overrides ours and llama.cpp's RoPE "
+                      "(edit config.json's rope_scaling to compare transformers)")
+        elif m == "llama.cpp" and args.rope_scaling == "dynamic":
+            reason = "llama.cpp has no dynamic NTK scaling (its --rope-scaling takes linear and yarn)"
         elif m == "hf-assisted" and not draft_model:
             reason = "needs --draft MODEL (a draft model sharing the target's tokenizer)"
         elif m == "llama.cpp":

@@ -49,7 +49,7 @@ def _command_line(args: argparse.Namespace) -> str:
     parts = ["triforce", "bench"]
     for opt in ("model", "draft", "synthetic", "layers", "prompt", "prompt_file", "book", "prompt_tokens",
                 "new_tokens", "temperature", "top_p", "top_k", "seed", "dtype", "threads", "budget", "chunk_size",
-                "gamma1", "gamma2", "prompt_cache", "methods", "reps", "json", "png"):
+                "gamma1", "gamma2", "rope_scaling", "rope_factor", "prompt_cache", "methods", "reps", "json", "png"):
         v = getattr(args, opt)
         if v is not None:
             parts += ["--" + opt.replace("_", "-"), str(v)]
@@ -183,7 +183,7 @@ def run_bench(args: argparse.Namespace) -> dict:
               "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
               "budget": args.budget, "chunk_size": args.chunk_size, "gamma1": args.gamma1, "gamma2": args.gamma2,
               "synthetic": args.synthetic, "layers": args.layers, "packed_weights": args.packed_weights,
-              "prompt_cache": args.prompt_cache}
+              "prompt_cache": args.prompt_cache, "rope_scaling": args.rope_scaling, "rope_factor": args.rope_factor}
     results: dict[str, dict] = {m: {"status": "skipped", "reason": r, "description": METHODS[m][1]}
                                 for m, r in skipped.items()}
     bar_off = args.no_progress or None

@@ -82,7 +82,8 @@ class _OursRunner:
         else:
             from ...loading import ModelLoadError, load_model
 
-            lm = load_model(cfg.get("model"), cfg["dtype"])
+            lm = load_model(cfg.get("model"), cfg["dtype"], rope_scaling=cfg.get("rope_scaling"),
+                            rope_factor=cfg.get("rope_factor"))  # the draft keeps its own RoPE
             target = lm.model
             self.tokenizer, self.context = lm.tokenizer, lm.model.cfg.max_position_embeddings
             self.rope_dynamic = lm.model.cfg.rope_type == "dynamic"
@@ -327,17 +328,25 @@ class _LlamaRunner:
         self.llm = None
         threads = self.cfg.get("threads") or os.cpu_count()
         self.n_ctx = 256 * math.ceil(n_ctx / 256)
+        rope = {}
+        if self.cfg.get("rope_scaling"):  # llama.cpp's --rope-scaling T --rope-scale F (yarn: its trained context)
+            import llama_cpp
+
+            rope = dict(rope_scaling_type={"linear": llama_cpp.LLAMA_ROPE_SCALING_TYPE_LINEAR,
+                                           "yarn": llama_cpp.LLAMA_ROPE_SCALING_TYPE_YARN}[self.cfg["rope_scaling"]],
+                        rope_freq_scale=1.0 / self.cfg["rope_factor"])
         self.llm = Llama(model_path=self.path, n_ctx=self.n_ctx, n_threads=threads, n_threads_batch=threads,
-                         n_batch=512, seed=self.cfg["seed"], verbose=False)
+                         n_batch=512, seed=self.cfg["seed"], verbose=False, **rope)
 
     def _state_file(self, ids: list[int]) -> Path:
         """Where ``--prompt-cache`` keeps llama.cpp's state (its KV cache) after ``ids``: keyed by the GGUF file
         (path, size, modification time), the context size (the prompt's and ``--new-tokens``' positions, rounded up
-        to 256: another ``--new-tokens`` may prefill again) and the tokens."""
+        to 256: another ``--new-tokens`` may prefill again), the RoPE override and the tokens."""
         import hashlib
 
         st = os.stat(self.path)
-        key = f"{os.path.realpath(self.path)}:{st.st_size}:{st.st_mtime_ns}:{self.n_ctx}:{ids}"
+        rope = f":{self.cfg['rope_scaling']}:{self.cfg['rope_factor']}" if self.cfg.get("rope_scaling") else ""
+        key = f"{os.path.realpath(self.path)}:{st.st_size}:{st.st_mtime_ns}:{self.n_ctx}{rope}:{ids}"
         return Path(self.cfg["prompt_cache"]) / f"llamacpp-{hashlib.sha256(key.encode()).hexdigest()[:24]}.state"
 
     def _resume(self, ids: list[int]) -> dict | None:
