@@ -126,12 +126,13 @@ def peak_flops(reps: int) -> float:
     return flops / _interleaved({"gemm": fn}, reps)["gemm"]
 
 
-def random_kv_steps(context: int, budget: int, capacity: int, lower_kv: str = "bfloat16"):
-    """The embedded SmolLM2 (its verifier on its GGUF block codes) and the retrieval tier ``auto`` gives it under
-    sampling (the same codes with int8 activations, ``--lower-weights codes``), over ``context`` tokens of random KV
-    (``triforce.lab.synthetic.fill_random_kv``, no prefill): ``(model, codes, full, retrieval)``, the full cache of
-    ``capacity`` slots and a ``budget``-slot retrieval cache in ``lower_kv`` (a torch dtype name), chunks of the
-    default chunk size. Both models are sized for ``capacity`` positions; roll each forward back to ``context``."""
+def random_kv_steps(context: int, budget: int, capacity: int, lower_kv: str = "bfloat16", model: str | None = None):
+    """The embedded SmolLM2 (its verifier on its GGUF block codes), or the GGUF file ``model``, and the retrieval
+    tier ``auto`` gives it under sampling (the same codes with int8 activations, ``--lower-weights codes``), over
+    ``context`` tokens of random KV (``triforce.lab.synthetic.fill_random_kv``, no prefill): ``(model, codes, full,
+    retrieval)``, the full cache of ``capacity`` slots and a ``budget``-slot retrieval cache in ``lower_kv`` (a torch
+    dtype name), chunks of the default chunk size. Both models are sized for ``capacity`` positions; roll each
+    forward back to ``context``."""
     import torch
 
     from triforce.caches import FullKVCache
@@ -140,7 +141,7 @@ def random_kv_steps(context: int, budget: int, capacity: int, lower_kv: str = "b
     from triforce.quant import lower_precision_copy
     from triforce.retrieval import RetrievalCache
 
-    model = load_model(None).model
+    model = load_model(model).model
     codes = lower_precision_copy(model, "codes")
     for m in (model, codes):
         m.set_request_length(capacity)

@@ -6,9 +6,13 @@
         --out bench/results/roofline_split_8000_2026-12-04.json
     python bench/analysis/roofline.py --threads 2 --context 8000 --reps 15 --gamma2 3 --tokens-per-verification 3 \
         --out bench/results/roofline_stream_8000_2026-12-05.json
+    python bench/analysis/roofline.py --model ~/.cache/triforce/qwen2.5-coder/qwen-coder-1.5b.gguf --threads 2 \
+        --context 32000 --budget 4000 --reps 9 --gamma2 3 --tokens-per-verification 3.08 \
+        --out bench/results/long/roofline_qwen15b_32000.json
 
-For the embedded SmolLM2 (the verifier on its GGUF block codes) and the retrieval tier ``auto`` gives it under
-sampling (the same codes with int8 activations, ``--lower-weights codes``, over ``--budget`` slots), at one context:
+For the embedded SmolLM2 or a GGUF file (``--model``; the verifier on its block codes) and the retrieval tier
+``auto`` gives it under sampling (the same codes with int8 activations, ``--lower-weights codes``, over ``--budget``
+slots), at one context:
 
 * the machine's two ceilings, measured in the same interleaved loop as the steps (this machine's speed drifts
   between phases): ``bandwidth`` (the memory's read rate, ``common.stream_probe``; ``gemv_gb_per_s`` beside it is a
@@ -69,6 +73,7 @@ def _speedup(tau: float, gamma: int, decode: float, verify: float, propose: floa
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="a GGUF file instead of the embedded SmolLM2 (its block codes)")
     p.add_argument("--context", type=int, default=8000, help="tokens in the KV cache (8000)")
     p.add_argument("--budget", type=int, help="retrieval cache slots (default: auto's under sampling, "
                    "triforce.auto.retrieval_budget: 1000 at 8K)")
@@ -100,9 +105,10 @@ def main() -> int:
     n, g = args.context, args.gamma2
     # random KV; each forward below rolled back so that every repetition sees the same context (as
     # measure_tier_latencies), the three steps timed interleaved in one loop (the machine's speed drifts between phases)
-    model, codes, full, retrieval = random_kv_steps(n, args.budget, n + g + 2, args.lower_kv_dtype)
+    model, codes, full, retrieval = random_kv_steps(n, args.budget, n + g + 2, args.lower_kv_dtype, args.model)
     cfg, lower_kv = model.cfg, getattr(torch, args.lower_kv_dtype)
-    weights = sum(m.weight_t.numel() for m in model.modules() if isinstance(m, Linear))  # every product's weights
+    weights = sum(m.codes.in_features * m.codes.out_features if m.weight_t is None else m.weight_t.numel()
+                  for m in model.modules() if isinstance(m, Linear))  # every product's weights (K-quants: codes only)
     attn_per_key = 4 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers  # QK^T and PV, per query row
 
     short = FullKVCache(cfg, n + g + 2, model.dtype, model.device)  # same capacity: only the keys read differ
@@ -152,8 +158,8 @@ def main() -> int:
         return {f"tau_{tau:g}": round(_speedup(tau, g, t["full_decode"], t["full_pass"], t["retrieval_decode"]), 3)
                 for tau in (args.tokens_per_verification, g + 1)}
 
-    out = {"model": "SmolLM2-135M-Instruct (embedded; verifier on its block codes, retrieval tier on them with int8 "
-                    "activations)",
+    out = {"model": f"{os.path.basename(args.model) if args.model else 'SmolLM2-135M-Instruct (embedded)'}; verifier "
+                    "on its block codes, retrieval tier on them with int8 activations",
            "context": n, "budget": args.budget, "lower_kv_dtype": args.lower_kv_dtype, "gamma2": g,
            "threads": args.threads, "reps": args.reps,
            "bandwidth_gb_per_s": round(bw / 1e9, 2), "gemv_gb_per_s": round(gemv_bw / 1e9, 2),
