@@ -31,6 +31,8 @@ slots), at one context:
   the LM head included, plus the step's fixed costs; its attention reads 64 keys); ``full_decode - short_decode``
   is the part that grows with the context, attention over the other keys; each against its own floor (the weights'
   bytes, the KV cache's bytes, at ``bandwidth``);
+* the verification split the same way (``pass_split``): ``short_pass``, gamma2 + 1 rows over the short cache, is
+  its products' part; ``full_pass - short_pass`` its attention, with that attention's FLOPs and their rate;
 * the speedup over autoregressive decoding of ``retrieval:gamma2`` with tau tokens per verification,
   ``tau * t_decode / (t_pass + gamma2 * t_retrieval)``, from the measured steps and from the floors, for the tau
   given (``--tokens-per-verification``: what the bench measured) and for tau = gamma2 + 1 (every proposal
@@ -124,7 +126,8 @@ def main() -> int:
     (stream, stream_bytes), (gemv, gemv_bytes), (gemm, gemm_flops) = stream_probe(), gemv_probe(), gemm_probe()
     measured = _interleaved({"full_decode": forward(model, full, 1), "full_pass": forward(model, full, g + 1),
                              "retrieval_decode": forward(codes, retrieval, 1),
-                             "short_decode": forward(model, short, 1, args.short_context), "stream": stream,
+                             "short_decode": forward(model, short, 1, args.short_context),
+                             "short_pass": forward(model, short, g + 1, args.short_context), "stream": stream,
                              "gemv": gemv, "gemm": gemm}, args.reps)
     bw, peak = stream_bytes / measured.pop("stream"), gemm_flops / measured.pop("gemm")
     gemv_bw = gemv_bytes / measured.pop("gemv")
@@ -139,7 +142,8 @@ def main() -> int:
     steps = {"full_decode": step(model.step_weight_bytes(), n, 1),
              "full_pass": step(model.step_weight_bytes(), n, g + 1),
              "retrieval_decode": step(codes.step_weight_bytes(), args.budget, 1, lower_kv),
-             "short_decode": step(model.step_weight_bytes(), args.short_context, 1)}
+             "short_decode": step(model.step_weight_bytes(), args.short_context, 1),
+             "short_pass": step(model.step_weight_bytes(), args.short_context, g + 1)}
     short_ms = 1000 * measured["short_decode"]
     attention_ms = 1000 * (measured["full_decode"] - measured["short_decode"])
     attention_floor = 1000 * kv_bytes(cfg, n - args.short_context, model.dtype) / bw
@@ -149,6 +153,14 @@ def main() -> int:
         "attention_part": {"keys": n - args.short_context, "measured_ms": round(attention_ms, 2),
                            "floor_ms": round(attention_floor, 2),
                            "measured_over_floor": round(attention_ms / attention_floor, 2)}}
+    attn_gflop = attn_per_key * (n - args.short_context) * (g + 1) / 1e9
+    pass_ms = 1000 * (measured["full_pass"] - measured["short_pass"])
+    pass_split = {  # the verification the same way: its products' part and its gamma2 + 1 rows' attention
+        "weights_part": {"measured_ms": round(1000 * measured["short_pass"], 2)},
+        "attention_part": {"measured_ms": round(pass_ms, 2), "gflop": round(attn_gflop, 2),
+                           "gflop_per_s": round(attn_gflop / pass_ms * 1000, 1),
+                           "memory_floor_ms": round(attention_floor, 2),
+                           "compute_floor_ms": round(1000 * attn_gflop * 1e9 / peak, 2)}}
     for key, seconds in measured.items():
         steps[key]["measured_ms"] = round(1000 * seconds, 2)
         steps[key]["measured_over_floor"] = round(1000 * seconds / steps[key]["floor_ms"], 2)
@@ -164,7 +176,7 @@ def main() -> int:
            "threads": args.threads, "reps": args.reps,
            "bandwidth_gb_per_s": round(bw / 1e9, 2), "gemv_gb_per_s": round(gemv_bw / 1e9, 2),
            "peak_gflop_per_s": round(peak / 1e9, 1),
-           "steps": steps, "decode_split": decode_split,
+           "steps": steps, "decode_split": decode_split, "pass_split": pass_split,
            "pass_over_decode": {"measured": round(steps["full_pass"]["measured_ms"]
                                                   / steps["full_decode"]["measured_ms"], 2),
                                 "floor": round(steps["full_pass"]["floor_ms"] / steps["full_decode"]["floor_ms"], 2)},
