@@ -220,10 +220,18 @@ def test_cli_prompt_cache_loads_the_prefix_and_gives_the_same_recovery(tiny_fold
         for b in ("16", "64"):
             assert runs[1]["mean_recovery"][score][b] == pytest.approx(runs[0]["mean_recovery"][score][b], abs=1e-5)
             assert runs[0]["mean_recovery"][score][b] < 1  # a budget below the prompt: not every position kept
+    # a longer prompt loads the 120 tokens, prefills 80 (>= 64, the prompt cache's threshold) and is written: the
+    # next run of it loads all but its last token
+    argv[argv.index("--prompt-tokens") + 1] = "200"
+    for name, loaded in (("third", 120), ("fourth", 199)):
+        assert main(argv + ["--out", str(tmp_path / name)]) == 0
+        got = json.loads((tmp_path / name / "recovery.json").read_text())["prompt_cache"]["tinybook"]
+        assert got["loaded_tokens"] == loaded, name
 
 
 @pytest.mark.parametrize("argv, option", [
     (["--prompt-cache", "FILE"], "--prompt-cache"),
+    (["--prompt-cache", ""], "--prompt-cache"),
     (["--analyses", "sparsity"], "--analyses"),
     (["--budgets", "4", "--chunk-size", "8"], "--budgets"),
     (["--budgets", "x"], "--budgets"),

@@ -142,10 +142,35 @@ def test_override_to_dynamic_behaves_as_a_dynamic_checkpoint(llama_folder, tmp_p
     prompt = torch.randint(3, 96, (150,), generator=torch.Generator().manual_seed(3)).tolist()
     a = tf.generate(prompt, max_new_tokens=8, sampling=GREEDY, spec=SpeculationConfig()).token_ids
     assert a == ref.generate(prompt, max_new_tokens=8, sampling=GREEDY, spec=SpeculationConfig()).token_ids
+    ids, cut = tf.encode_cut("abcdefghij" * 20, max_prompt_tokens=2 * OLD)  # a cut past the trained context is fine
+    assert len(ids) == 2 * OLD and cut is not None
     with pytest.raises(ValueError, match="dynamic NTK"):
         tf.check_prompt_logprobs(prompt)
     with pytest.raises(ValueError, match="dynamic NTK"):
         tf.fork()
+
+
+def test_dynamic_ntk_is_fixed_by_the_request_so_every_mode_and_a_reused_prefix_give_its_tokens(llama_folder):
+    """Dynamic NTK's frequencies come from the request's length (prompt + new tokens), not from the cache a mode
+    sizes (its verification blocks): every mode's greedy tokens equal autoregressive decoding's past the trained
+    context, and a prefix kept from a request of another length is not reused (its keys were rotated for it)."""
+    from triforce import TriForce
+
+    prompt = torch.randint(3, 96, (150,), generator=torch.Generator().manual_seed(4)).tolist()
+    specs = [SpeculationConfig(mode="autoregressive"),
+             SpeculationConfig(mode="retrieval", budget=32, chunk_size=4, gamma2=4),
+             SpeculationConfig(mode="draft", drafter="ngram", gamma2=6),
+             SpeculationConfig(mode="triforce", drafter="ngram", budget=32, chunk_size=4, gamma1=3, gamma2=5)]
+    for new in (8, 40):
+        cold = [TriForce.load(str(llama_folder), threads=1, rope_scaling="dynamic", rope_factor=2)
+                .generate(prompt, max_new_tokens=new, sampling=GREEDY, spec=spec).token_ids for spec in specs]
+        assert all(c == cold[0] for c in cold), new
+        if new == 8:
+            short = cold[0]
+    assert cold[0][:8] != short  # the length changes the model: the check below can tell a reused prefix apart
+    tf = TriForce.load(str(llama_folder), threads=1, rope_scaling="dynamic", rope_factor=2)
+    for new, expected in ((40, cold[0]), (8, short), (40, cold[0])):
+        assert tf.generate(prompt, max_new_tokens=new, sampling=GREEDY, spec=specs[1]).token_ids == expected
 
 
 def test_a_checkpoint_saved_with_yarn_uses_the_scaled_context(qwen_folder, tmp_path):

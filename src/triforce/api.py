@@ -239,8 +239,10 @@ class TriForce:
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         if document is not None and not isinstance(document, str):
             raise ValueError(f"document must be a string or None, got {type(document).__name__}")
+        cfg = self.target.model.cfg  # dynamic NTK has no length limit
         return encode_prompt_cut(self.tokenizer, prompt, chat=chat, system=system, max_prompt_tokens=max_prompt_tokens,
-                                 context_length=self.target.model.cfg.max_position_embeddings, document=document)
+                                 context_length=None if cfg.rope_type == "dynamic" else cfg.max_position_embeddings,
+                                 document=document)
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = DEFAULTS["max_new_tokens"],
                sampling: SamplingParams = SamplingParams(), spec: SpeculationConfig | None = None,

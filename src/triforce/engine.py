@@ -285,13 +285,13 @@ class Engine:
         placement = plan.placement
         on_chip = placement.on_chip_layers if placement else self.target.cfg.num_hidden_layers
         moved = full is not None and (full.offload != self.offload_kv or full.on_chip_layers != on_chip)
-        if full is None or not self.reuse_prefix or (full.capacity < total and self.target.cfg.rope_type == "dynamic"):
-            self._full = full = None  # free the old cache before allocating the new one
+        length = prompt_tokens + max_new_tokens  # dynamic NTK's frequencies: from the request's length, in every mode
+        if full is None or not self.reuse_prefix or not self.target.rope_fits(length):
+            self._full = full = None  # free the old cache (a dynamic-NTK prefix rotated for another length too)
             reused = []
         if full is None or full.capacity < total or moved:
-            # dynamic NTK scales with the cache's capacity, so a reused cache keeps its RoPE frequencies
             if full is None:
-                self.target.set_request_length(total)
+                self.target.set_request_length(length)
             bigger = FullKVCache(self.target.cfg, max(total, full.capacity if full is not None else 0),
                                  self.kv_dtype, self.target.device, offload=self.offload_kv,
                                  on_chip_layers=placement.on_chip_layers if placement else None)
@@ -311,7 +311,7 @@ class Engine:
                                     min_n=min(spec.ngram_min, spec.ngram_n))
             elif kind in ("draft", "self"):  # a small model, or the target's quantized weights, over StreamingLLM
                 if kind == "draft":
-                    self.draft.set_request_length(total)
+                    self.draft.set_request_length(length)
                     d = self.lower_model(self.draft, spec.lower_weights)
                     kv = draft_kv_dtype(self.target, self.draft, self.kv_dtype)
                 else:

@@ -197,6 +197,11 @@ class Transformer(nn.Module):
         """Fix RoPE for a request of ``total_tokens`` positions (only dynamic NTK depends on it; see ``rope.py``)."""
         self.rope = RotaryEmbedding(self.cfg, total_tokens, self.device)
 
+    def rope_fits(self, total_tokens: int) -> bool:
+        """Whether the current RoPE is the one of a request of ``total_tokens`` positions: always, except dynamic
+        NTK's, whose frequencies depend on that length (a KV cache rotated for another length cannot be reused)."""
+        return self.cfg.rope_type != "dynamic" or getattr(self.rope, "seq_len", None) == total_tokens
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 num_logits: int | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,7 +10,8 @@ transformers' reader).
 
 Dynamic NTK past the original context: Hugging Face rescales the frequencies whenever the sequence grows past
 its previous maximum, so keys cached early and queries computed later use different frequencies. We instead
-fix the scaling once per request from the request's total length (prompt + new tokens + speculation block),
+fix the scaling once per request from the request's total length (prompt + new tokens: not the speculation block,
+whose size depends on the mode, so that every mode runs the same model),
 ``seq_len = max(total_length, max_position_embeddings)``, and use it for every key and query of that request.
 Within ``max_position_embeddings`` this is plain RoPE, exactly as in transformers.
 """
@@ -122,6 +123,7 @@ class RotaryEmbedding:
 
     def __init__(self, cfg: ModelConfig, seq_len: int | None = None, device: torch.device | str = "cpu") -> None:
         inv_freq, self.attention_factor = rope_inv_freq(cfg, seq_len)
+        self.seq_len = seq_len  # the request length the frequencies were made for (only dynamic NTK's depend on it)
         self.inv_freq = inv_freq.to(device)  # (hs/2,) fp32
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

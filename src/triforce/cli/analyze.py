@@ -33,7 +33,8 @@ def add_analyze_parser(subparsers: Any) -> argparse.ArgumentParser:
     m.add_argument("--prompt-cache", metavar="DIR",
                    help="recovery and locality load the longest prefix of each book's prompt that a prompt-cache "
                         "file in DIR holds (generate's and bench's --prompt-cache files, same model and --dtype) "
-                        "and prefill only the rest; a prompt prefilled whole is written there")
+                        "and prefill only the rest; a prompt that needed a prefill of 64 tokens or more is written "
+                        "there")
     g = p.add_argument_group("data")
     g.add_argument("--books", nargs="+", default=list(d["books"]),
                    help=f"book names in --books-dir (pg1342 or pg1342.txt) or paths (default: {_spaced(d['books'])})")

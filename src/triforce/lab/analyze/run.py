@@ -55,7 +55,7 @@ def _command_line(args: argparse.Namespace) -> str:
         parts.append(f"--dtype {args.dtype}")
     if args.threads is not None:
         parts.append(f"--threads {args.threads}")
-    if args.prompt_cache:
+    if args.prompt_cache is not None:
         parts.append(f"--prompt-cache {args.prompt_cache}")
     parts.append(f"--out {args.out}")
     return " ".join(parts)
@@ -138,7 +138,7 @@ def check_analyze_args(args: argparse.Namespace) -> tuple[list[Path], list[dict]
                 if name == "budget" and "chunk_size" in pt["sweeps"] and "budget" not in pt["sweeps"]:
                     where = "--chunk-sizes"  # a large chunk size against the base budget
                 raise AnalyzeError(f"{where}: at budget {pt['budget']}, chunk size {pt['chunk_size']}: {e}") from e
-    if args.prompt_cache:
+    if args.prompt_cache is not None:
         from ...promptcache import check_options
 
         try:
@@ -221,10 +221,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             print(f"triforce: {name}.png skipped: {e}", file=sys.stderr)
 
     stored = None
-    if args.prompt_cache:
+    if args.prompt_cache is not None:
+        from ...defaults import DEFAULTS
         from ...promptcache import PromptCache, model_key
 
-        stored = PromptCache(args.prompt_cache, model_key(lm.source, cfg, model.dtype, model.dtype))
+        stored = PromptCache(args.prompt_cache, model_key(lm.source, cfg, model.dtype, model.dtype),
+                             min_new_tokens=DEFAULTS["prompt_cache_min_tokens"])
         meta["prompt_cache"] = {}
     if {"recovery", "locality"} & set(args.analyses):
         rec_books: dict[str, dict] = {}
@@ -238,11 +240,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
                       leave=False) as bar:
                 bar.update(0 if hit is None else len(hit.tokens))
                 full, query, logits = prefill_recorded(model, ids, extra, bar.update, hit and hit.cache)
-            if stored is not None:  # what was loaded; a prompt prefilled whole is kept for the next run
-                meta["prompt_cache"][book] = {"loaded_tokens": 0 if hit is None else len(hit.tokens),
+            if stored is not None:  # what was loaded; a prompt that needed a prefill is kept for the next run
+                loaded = 0 if hit is None else len(hit.tokens)
+                meta["prompt_cache"][book] = {"loaded_tokens": loaded,
                                               "loaded_from": None if hit is None else str(hit.path),
                                               "seconds": round(time.perf_counter() - t0, 1)}
-                if hit is None:
+                if stored.should_store(list(ids), loaded):
                     stored.store(full, list(ids))
             n = len(ids) - 1
             if "recovery" in args.analyses:
