@@ -454,3 +454,21 @@ def test_the_largest_seed_is_the_same_everywhere():
     assert stats.seed == MAX_SEED and len(out) == 2
     with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*63 - 1\], got 9223372036854775808"):
         engine.generate([5, 6, 7], max_new_tokens=2, seed=MAX_SEED + 1)
+
+
+def test_triforce_warnings_print_as_one_line(monkeypatch, capsys):
+    """The command line prints triforce's own warnings (a damaged prompt-cache file, say) as one line, without
+    Python's source-line echo; other libraries' warnings keep Python's format."""
+    import warnings
+
+    import triforce.cli as cli
+    import triforce.promptcache as pc
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after the test
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    capsys.readouterr()
+    assert warnings.formatwarning("prompt cache f ignored: unreadable", UserWarning, pc.__file__, 10) == \
+        "triforce: warning: prompt cache f ignored: unreadable\n"
+    other = warnings.formatwarning("deprecated", FutureWarning, "/elsewhere/lib.py", 3, "call()")
+    assert "lib.py:3" in other and "FutureWarning" in other and not other.startswith("triforce")

@@ -18,7 +18,9 @@ arguments are checked.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import warnings
 
 from .. import __version__
 from .analyze import add_analyze_parser
@@ -48,8 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_library_format = warnings.formatwarning
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    """triforce's own warnings as one line (``triforce: warning: ...``); other libraries' as Python formats them."""
+    if os.path.abspath(filename).startswith(_PACKAGE + os.sep):
+        return f"triforce: warning: {message}\n"
+    return _library_format(message, category, filename, lineno, line)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``triforce`` console script; returns the exit status."""
+    warnings.formatwarning = _format_warning
     from ..caches import CacheError
     from ..download import DownloadError
     from ..loading import ModelLoadError
