@@ -52,3 +52,5 @@ def test_summary_says_1_token():
                         prefill_seconds=0.5, decode_seconds=0.25, decode_tokens_per_second=4.0,
                         mean_time_between_tokens_ms=250.0, peak_memory_bytes=1, seed=0)
     assert s.summary() == "autoregressive: 1 token, 4.00 tok/s, TBT 250.0 ms, prefill 0.50 s (1 token)"
+    s.prompt_tokens, s.prompt_cache = 4000, {"loaded_tokens": 3991, "loaded_from": "f", "stored": None}
+    assert s.summary().endswith("prefill 0.50 s (4000 tokens, 3991 loaded from the prompt cache)")

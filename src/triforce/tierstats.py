@@ -121,11 +121,13 @@ class GenerationStats:
         def tokens(n: int) -> str:
             return f"{n} token{'' if n == 1 else 's'}"
 
+        cached = (self.prompt_cache or {}).get("loaded_tokens")
+        loaded = f", {cached} loaded from the prompt cache" if cached else ""
         mode = self.mode if not self.auto else f"auto ({self.auto['hierarchy']}, " \
             f"{self.auto['speculative_tokens']} speculative / {self.auto['autoregressive_tokens']} plain tokens)"
         parts = [f"{mode}: {tokens(self.generated_tokens)}, {self.decode_tokens_per_second:.2f} tok/s, "
                  f"TBT {self.mean_time_between_tokens_ms:.1f} ms, prefill {self.prefill_seconds:.2f} s "
-                 f"({tokens(self.prompt_tokens)})"]
+                 f"({tokens(self.prompt_tokens)}{loaded})"]
         for name, t in self.tiers.items():
             if t.get("verifications"):
                 parts.append(f"{name}: acceptance {t['acceptance_rate']:.3f}, "

@@ -31,9 +31,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                                          "CPU, os.cpu_count(), whatever the load: unlike generate's default, it does "
                                          "not count the cores other programs leave idle)")
     add_options(m, ("rope_scaling", "rope_factor"), "bench",
-                rope_scaling="override the target's RoPE in our methods and llama.cpp (its --rope-scaling; not "
-                             "dynamic), with --rope-factor: it changes the model (docs/long_documents.md); "
-                             "transformers' rows run the checkpoint as saved and are skipped")
+                rope_scaling="override the target's RoPE in our methods and llama.cpp (its --rope-scaling), with "
+                             "--rope-factor: it changes the model (docs/long_documents.md); the transformers rows "
+                             "are skipped (they could only run the checkpoint as saved), and so is llama.cpp with "
+                             "dynamic (it has no dynamic NTK)")
     m.add_argument("--synthetic", metavar="NAME", help="timing only: a random-weight model of a paper shape "
                                                        "(triforce.lab.synthetic), random KV instead of a real prefill")
     m.add_argument("--layers", type=int, help="layers of the --synthetic model (default: all of the shape)")
