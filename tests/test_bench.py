@@ -274,18 +274,16 @@ def test_rope_scaling_runs_the_scaled_target_and_skips_transformers(tiny_folder)
                budget=64, chunk_size=4, gamma1=2, gamma2=3, rope_scaling="yarn", rope_factor=4.0)
     runner = _OursRunner("retrieval", cfg)
     assert runner.context == 2048 and runner.target.cfg.rope_type == "yarn"
-    ids = torch.randint(3, 96, (600,), generator=torch.Generator().manual_seed(3)).tolist()
-    got = runner.run(ids, 8, seed=0)["tokens"]
-    expected = {}
-    for scaling in ("yarn", None):
+    long = torch.randint(3, 96, (600,), generator=torch.Generator().manual_seed(3)).tolist()
+    short = long[:500]  # within the unscaled model's 512 positions
+
+    def plain(scaling, ids):  # autoregressive greedy tokens of the model loaded with or without the override
         lm = load_model(tiny_folder, rope_scaling=scaling, rope_factor=4.0 if scaling else None)
-        if scaling is None:
-            ids = ids[:500]  # the unscaled model takes 512 positions
-        expected[scaling] = list(Engine(lm.model, eos_ids=()).stream(
-            ids, max_new_tokens=8, sampling=SamplingParams(temperature=0.0), spec=SpeculationConfig(
-                mode="autoregressive"), seed=0))
-    assert got == expected["yarn"]  # lossless with respect to the scaled target
-    assert runner.run(ids, 8, seed=0)["tokens"] != expected[None]  # and the scaling changed the model
+        return list(Engine(lm.model, eos_ids=()).stream(ids, max_new_tokens=8, sampling=SamplingParams(
+            temperature=0.0), spec=SpeculationConfig(mode="autoregressive"), seed=0))
+
+    assert runner.run(long, 8, seed=0)["tokens"] == plain("yarn", long)  # lossless with respect to the scaled target
+    assert runner.run(short, 8, seed=0)["tokens"] != plain(None, short)  # and the scaling changed the model
 
 
 def _subparsers():
