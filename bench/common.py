@@ -36,7 +36,7 @@ def add_run_options(p: argparse.ArgumentParser, out: str | None, reps: int = 1, 
 
 
 def machine() -> dict:
-    """The CPU a result was measured on and the code that measured it: ``triforce.kernels.cpu()``, ``{"cpu", "cores",
+    """The CPU a result was measured on and the code that measured it: ``kernels.cpu.cpu()``, ``{"cpu", "cores",
     "isa"}`` (the kernels' builds differ by ISA, and figures differ between this project's machines), and
     ``git_commit`` / ``git_dirty`` (``triforce.lab.provenance``)."""
     from triforce.kernels import cpu
@@ -135,11 +135,11 @@ def random_kv_steps(context: int, budget: int, capacity: int, lower_kv: str = "b
     forward back to ``context``."""
     import torch
 
-    from triforce.caches import FullKVCache
+    from triforce.formats.loading import load_model
+    from triforce.kv.caches import FullKVCache
+    from triforce.kv.retrieval import RetrievalCache
     from triforce.lab.synthetic import fill_random_kv
-    from triforce.loading import load_model
-    from triforce.quant import lower_precision_copy
-    from triforce.retrieval import RetrievalCache
+    from triforce.model.quant import lower_precision_copy
 
     model = load_model(model).model
     codes = lower_precision_copy(model, "codes")
@@ -153,11 +153,11 @@ def random_kv_steps(context: int, budget: int, capacity: int, lower_kv: str = "b
 
 
 def timed_load(path):
-    """``triforce.loading.load_model(path)`` timed: (the LoadedModel, ``{"seconds", "peak_rss_mib", "weight_mib"}``):
+    """``formats.loading.load_model(path)`` timed: (the LoadedModel, ``{"seconds", "peak_rss_mib", "weight_mib"}``):
     wall seconds, this process's peak resident set so far (MiB) and the model's weight bytes (MiB)."""
     import resource
 
-    from triforce.loading import load_model
+    from triforce.formats.loading import load_model
 
     t = time.perf_counter()
     lm = load_model(path)

@@ -37,7 +37,8 @@ def blockcode_build(request, monkeypatch):
     """The block-code kernels as this CPU's build (AVX-512 or AVX2), the AVX2 build too where the native one is
     AVX-512, and the portable build (with the portable linear kernels, which its exact products equal bitwise), so
     every path of csrc/blockcodes.c this CPU runs is checked."""
-    from triforce import blockcodes, kernels
+    from triforce.kernels import blockcodes
+    from triforce.kernels import cpu as kernels
 
     if request.param == "avx2":
         use_avx2_build(monkeypatch, blockcodes, "_blockcodes", blockcodes.blockcodes_status(),
@@ -74,7 +75,7 @@ def tiny_draft_folder(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2():
     """Folder of the embedded default model; skips (with the reason) when it has not been downloaded."""
-    from triforce.download import default_model_dir, is_default_model_present
+    from triforce.formats.download import default_model_dir, is_default_model_present
 
     if not is_default_model_present():
         pytest.skip(f"SmolLM2-135M-Instruct not in {default_model_dir()}: run `triforce download` first")
@@ -86,7 +87,7 @@ def book_text():
     path = os.path.join(BOOKS, "pg1342.txt")
     if not os.path.isfile(path):
         pytest.skip(f"books folder absent ({BOOKS})")
-    from triforce.prompts import strip_gutenberg
+    from triforce.text.prompts import strip_gutenberg
 
     with open(path, encoding="utf-8") as f:
         return strip_gutenberg(f.read())

@@ -12,6 +12,7 @@ import torch
 
 from tiny import hf_model, ours
 from triforce.cli import main
+from triforce.kv.retrieval import CHUNK_SCORES, RetrievalCache
 from triforce.lab.analyze import (
     acceptance_points,
     attention_probs,
@@ -22,7 +23,6 @@ from triforce.lab.analyze import (
     run_acceptance,
     summarize_acceptance,
 )
-from triforce.retrieval import CHUNK_SCORES, RetrievalCache
 
 P = 96  # prompt tokens; n = P - 1 keys for the last prompt token's query
 BUDGETS = [8, 16, 32, 64, 4096]

@@ -96,9 +96,9 @@ def test_python_api_takes_the_command_lines_dtype_names(tiny_folder, tf):
 
     import torch
 
-    from triforce.caches import KV_DTYPES
     from triforce.cli import build_parser
     from triforce.engine import Engine
+    from triforce.kv.caches import KV_DTYPES
 
     assert set(KV_DTYPES) == {"float32", "bfloat16", "float16", "fp32", "bf16", "fp16"}
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["generate"]
@@ -122,7 +122,7 @@ def test_python_api_errors_name_its_parameters_and_the_command_line_its_options(
     ("raise --budget or lower --chunk-size", "--chat", "--max-prompt-tokens N", "smaller --budget"). Each names the
     parameters as the caller spells them: the API by parameter name, the command line by option."""
     from triforce.engine import Engine
-    from triforce.memory import InsufficientMemoryError, check_fits
+    from triforce.kv.memory import InsufficientMemoryError, check_fits
 
     context = tf.target.model.cfg.max_position_embeddings
     engine = Engine(tf.target.model)

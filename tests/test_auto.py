@@ -17,7 +17,10 @@ from test_distribution import (
     models,  # noqa: F401  (fixture)
 )
 from tiny import hf_model, ours, pair
-from triforce.auto import (
+from triforce.engine import Engine, SpeculationConfig
+from triforce.formats.loading import load_model  # noqa: F401  (import check: no cycle through auto)
+from triforce.kv.caches import kv_bytes
+from triforce.speculation.auto import (
     RETRIEVAL_BUDGET_BOUNDS,
     RETRIEVAL_GAMMA2_SAMPLING,
     RETRIEVAL_MIN_KV_SHARE,
@@ -26,10 +29,7 @@ from triforce.auto import (
     SpeedGovernor,
     plan_hierarchy,
 )
-from triforce.caches import kv_bytes
-from triforce.engine import Engine, SpeculationConfig
-from triforce.loading import load_model  # noqa: F401  (import check: no cycle through auto)
-from triforce.sampling import SamplingParams
+from triforce.speculation.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -123,7 +123,7 @@ def test_plan_adds_the_int8_tier_under_a_weight_bound_target_on_a_cpu():
 def test_auto_weight_bound_plan_equals_autoregressive_greedy_and_runs_sampled(monkeypatch, temperature):
     """The weight-bound plan on a tiny model (threshold lowered): the int8 tier holding the whole prompt; greedy
     output equals autoregressive decoding token for token, and a sampled run completes with that hierarchy."""
-    monkeypatch.setattr("triforce.auto.WEIGHT_BOUND_LAYER_BYTES", 1)
+    monkeypatch.setattr("triforce.speculation.auto.WEIGHT_BOUND_LAYER_BYTES", 1)
     target, _ = pair(seed=7, max_pos=1024)
     engine = Engine(target)
     engine.measured_steps = None  # the bytes rule (a tiny model's measured times would decide otherwise)
@@ -335,7 +335,7 @@ def test_retrieval_tier_catches_up_after_a_short_bypass_and_reselects_after_a_lo
                                                                                       builds_per_resync):
     """After a bypass of at most RetrievalTier.CATCH_UP_TOKENS (8) committed tokens the retrieval tier feeds them at
     its next step; after a longer one it re-selects its chunks. Greedy output equals autoregressive either way."""
-    from triforce.tiers import RetrievalTier
+    from triforce.speculation.tiers import RetrievalTier
 
     assert RetrievalTier.CATCH_UP_TOKENS == 8
     calls = {"resyncs": 0, "builds": 0, "in_resync": False}
@@ -390,8 +390,8 @@ def test_plan_leaves_out_a_retrieval_tier_that_reads_too_much_next_to_a_verifier
     reading its block codes (a fifth of the bytes), the tier on those codes would read 0.46x the verifier's step at
     4K under sampling (above the sampling bound of 0.35: plain decoding) and 0.33x at 8K (kept, with int8
     activations); greedy, with twice the budget, 0.53x at 4K (the n-gram drafter alone) and 0.42x at 8K (kept)."""
-    from triforce.auto import RETRIEVAL_MAX_STEP_BYTES_SHARE, RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING
-    from triforce.config import ModelConfig
+    from triforce.model.config import ModelConfig
+    from triforce.speculation.auto import RETRIEVAL_MAX_STEP_BYTES_SHARE, RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING
 
     cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                       num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
@@ -418,9 +418,9 @@ def test_plan_gives_the_retrieval_tier_a_bf16_cache_where_the_kernel_reads_it():
     bytes a step reads of it; not under a named draft model (whose cache would follow it), not where the full cache is
     bf16 already, not without the kernel, and not for plain decoding. A user's ``lower_kv_dtype`` wins; the same
     decisions as with an fp32 tier cache at 4K and 8K (the step's share of bytes falls from 0.33 to 0.28 at 8K)."""
-    from triforce.auto import bf16_cache_reads_fast
-    from triforce.config import ModelConfig
-    from triforce.kernels import status
+    from triforce.kernels.cpu import status
+    from triforce.model.config import ModelConfig
+    from triforce.speculation.auto import bf16_cache_reads_fast
 
     cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                       num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
@@ -472,7 +472,7 @@ def test_auto_with_a_bf16_retrieval_cache_equals_autoregressive_greedy():
 def test_auto_plans_with_the_tier_cache_dtype_the_user_pinned():
     """``--lower-kv-dtype float32`` with ``--mode auto``: the plan's bytes and reason are the fp32 cache's (no bf16
     plan that the pinned dtype would then contradict); without it, a bf16 cache where the kernels read one."""
-    from triforce.auto import bf16_cache_reads_fast
+    from triforce.speculation.auto import bf16_cache_reads_fast
 
     target = ours(hf_model(seed=13))
     engine = Engine(target)
@@ -527,9 +527,9 @@ def test_plan_weighs_a_retrieval_tier_on_measured_step_times_instead_of_bytes():
     prediction is tokens(alpha, 3) * decode / (3 * lower + verify), stated in the reason with the times. Times
     like the bf16 SmolLM2 copy's (a step at 0.65x the verifier's, which ran at 0.91x) leave it out. The measurement
     is asked for only where the KV-share rule admits a tier, with the budget, gamma2 and dtype the tier would run."""
-    from triforce.auto import ACCEPTANCE_PRIOR_SAMPLING, RETRIEVAL_MIN_PREDICTED_SPEEDUP
-    from triforce.config import ModelConfig
-    from triforce.steptimes import StepTimes, expected_tokens
+    from triforce.model.config import ModelConfig
+    from triforce.speculation.auto import ACCEPTANCE_PRIOR_SAMPLING, RETRIEVAL_MIN_PREDICTED_SPEEDUP
+    from triforce.speculation.steptimes import StepTimes, expected_tokens
 
     cfg = ModelConfig(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                       num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
@@ -608,7 +608,7 @@ def test_engine_measures_step_times_once_per_shape_and_keeps_no_copy_it_timed_fo
 def test_a_batched_generation_does_not_stall_the_others_to_measure_step_times():
     """Inside a batch with other generations running, ``step_times`` returns None (``auto`` plans on bytes) and keeps
     nothing, so a later request alone measures; a generation alone in the scheduler measures."""
-    from triforce.scheduling import BatchScheduler
+    from triforce.model.batching import BatchScheduler
 
     engine = Engine(ours(hf_model(seed=16)))
     seen = {}
@@ -627,8 +627,8 @@ def test_step_times_are_measured_in_the_kept_cache_without_changing_it():
     """With a kept prefix (a prompt cache, a previous turn), the measurement times its forwards in that cache instead
     of allocating a second one of the context's size: the kept positions, its length and its flags come back as they
     were, and the request after it gives autoregressive decoding's tokens."""
-    from triforce.caches import FullKVCache
-    from triforce.steptimes import measure_step_times
+    from triforce.kv.caches import FullKVCache
+    from triforce.speculation.steptimes import measure_step_times
 
     target = ours(hf_model(seed=18))
     cache = FullKVCache(target.cfg, 420, torch.float32, record_queries=True)

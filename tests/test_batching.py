@@ -15,10 +15,10 @@ import torch
 from test_distribution import NEW, PROMPT_LEN, SETTINGS, V, chi2_pvalue, exact_distribution
 from test_distribution import models as models  # noqa: F401  (fixture)
 from tiny import pair
-from triforce.caches import RaggedCache
 from triforce.engine import Engine, SpeculationConfig
-from triforce.sampling import SamplingParams
-from triforce.scheduling import BatchScheduler, Cancelled
+from triforce.kv.caches import RaggedCache
+from triforce.model.batching import BatchScheduler, Cancelled
+from triforce.speculation.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -92,7 +92,7 @@ def test_prefill_chunks_share_forwards_first_come_first_served(engine, monkeypat
     """With a prefill budget of 60 rows per forward (short forwards, at most 8 rows, always join), the target's
     prefills run in admission order, each forward holding at most 60 prefill rows (or one longer prefill), and every
     sequence still gives its tokens alone."""
-    import triforce.scheduling as scheduling
+    import triforce.model.batching as scheduling
 
     monkeypatch.setattr(scheduling, "SHORT_FORWARD_ROWS", 8)
     monkeypatch.setattr(scheduling, "PREFILL_ROWS_PER_FORWARD", 60)
@@ -114,8 +114,8 @@ def test_prefill_beside_a_running_stream_comes_in_chunks_sized_by_time(engine, m
     """While another generation runs, a long prompt is prefilled in chunks sized from the last prefill forward's
     seconds per token (scheduling.prefill_chunk): with a target of 0 s, the smallest chunk; alone, or before any
     prefill forward was timed, the tier's own chunk. Both generations still give their tokens alone."""
-    import triforce.scheduling as scheduling
-    from triforce.scheduling import prefill_chunk
+    import triforce.model.batching as scheduling
+    from triforce.model.batching import prefill_chunk
 
     assert prefill_chunk(512) == 512  # outside a scheduler
     monkeypatch.setattr(scheduling, "PREFILL_CHUNK_SECONDS", 0.0)
@@ -188,7 +188,7 @@ def test_cancelled_sequence_frees_its_caches_and_others_continue(engine):
 def test_ragged_forward_gives_each_block_its_logits_alone():
     """forward_ragged over a decode token, a 5-token block and a 9-token prefill chunk, each over its own cache:
     each block's logits equal a forward of that block alone (to fp32 rounding of the larger products)."""
-    from triforce.caches import FullKVCache
+    from triforce.kv.caches import FullKVCache
 
     target, _ = pair(seed=5)
     cfg = target.cfg
@@ -243,8 +243,8 @@ def test_batched_forward_seconds_exclude_waiting_for_others():
     its wall time holds the sleeps."""
     import time
 
-    from triforce.caches import FullKVCache
-    from triforce.scheduling import run_forward
+    from triforce.kv.caches import FullKVCache
+    from triforce.model.batching import run_forward
 
     target, _ = pair(seed=8)
 
@@ -314,8 +314,8 @@ def test_ragged_forward_of_a_coded_model_runs_in_one_call_bitwise_as_each_block_
     (issue 47: batch invariance)."""
     from test_blockcodes import gguf_like
     from tiny import hf_model, ours
-    from triforce import decode_step
-    from triforce.caches import FullKVCache
+    from triforce.kernels import decode_step
+    from triforce.kv.caches import FullKVCache
 
     if not decode_step.decode_step_status().startswith("on"):
         pytest.skip(f"decode step kernel {decode_step.decode_step_status()}")
@@ -323,7 +323,7 @@ def test_ragged_forward_of_a_coded_model_runs_in_one_call_bitwise_as_each_block_
     assert target.attach_block_codes() == 3 * 4 + 1
     ran = []
     real = decode_step.decode_layers_ragged
-    monkeypatch.setattr("triforce.decode_step.decode_layers_ragged",
+    monkeypatch.setattr("triforce.kernels.decode_step.decode_layers_ragged",
                         lambda *a: (r := real(*a), ran.append(r is not None))[0])
 
     def sequences(spec):  # (cached tokens, block tokens, records queries) per sequence

@@ -72,9 +72,9 @@ def test_every_method_ran_with_the_same_greedy_tokens(bench_result, tiny_folder)
 def test_json_records_the_cpu_and_the_kernels_that_ran(bench_result):
     """The machine entry names the ISA the kernels were built for and each kernel's status, as this process sees
     them (figures differ between an AVX-512 and an AVX2 machine)."""
-    from triforce import kernels
-    from triforce.blockcodes import blockcodes_status
-    from triforce.sampling import sampling_status
+    from triforce.kernels import cpu as kernels
+    from triforce.kernels.blockcodes import blockcodes_status
+    from triforce.speculation.sampling import sampling_status
 
     machine = bench_result[0]["machine"]
     assert {k: machine[k] for k in ("cpu", "cores", "isa")} == kernels.cpu()
@@ -262,7 +262,7 @@ def test_rope_scaling_runs_the_scaled_target_and_skips_transformers(tiny_folder)
     from triforce import load_model
     from triforce.engine import Engine, SpeculationConfig
     from triforce.lab.bench.runners import _OursRunner
-    from triforce.sampling import SamplingParams
+    from triforce.speculation.sampling import SamplingParams
 
     argv = ["--model", tiny_folder, "--rope-scaling", "yarn", "--rope-factor", "4", "--temperature", "0"]
     args = add_bench_parser(_subparsers()).parse_args(argv)

@@ -10,13 +10,13 @@ import torch
 
 from test_distribution import NEW, SETTINGS, V, chi2_pvalue, empirical, exact_distribution
 from tiny import hf_model, ours, pair
-from triforce import blockcodes
-from triforce.blockcodes import blockcode_linear, blockcode_linear_q8, find_block_codes
-from triforce.caches import FullKVCache
 from triforce.engine import Engine, SpeculationConfig
-from triforce.kernels import LINEAR_MAX_ROWS, f32_linear
-from triforce.model import Linear
-from triforce.sampling import SamplingParams
+from triforce.kernels import blockcodes
+from triforce.kernels.blockcodes import blockcode_linear, blockcode_linear_q8, find_block_codes
+from triforce.kernels.cpu import LINEAR_MAX_ROWS, f32_linear
+from triforce.kv.caches import FullKVCache
+from triforce.model.transformer import Linear
+from triforce.speculation.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not blockcodes.blockcodes_status().startswith("on"),
                                 reason=f"block-code kernel: {blockcodes.blockcodes_status()}")
@@ -174,8 +174,8 @@ def test_the_portable_build_with_hardware_fma_is_bitwise_the_avx2_build(fmt, mon
     (__FP_FAST_FMAF: aarch64), compiled here with -mfma and without -mavx2 so that their portable branches run: each
     output is the AVX2 build's chain of FMAs, so the fp32 and the exact block-code products are bitwise the AVX2
     build's, and the fit finds the same codes."""
-    from triforce import kernels
-    from triforce.kernelbuild import _cpu_flags, _Library
+    from triforce.kernels import cpu as kernels
+    from triforce.kernels.build import _cpu_flags, _Library
 
     avx2 = blockcodes.blockcodes_build("AVX2"), kernels.linear_build("AVX2")
     if not {"avx2", "fma", "f16c"} <= _cpu_flags() or any(lib.load() is None for lib in avx2):
@@ -257,14 +257,14 @@ def test_model_with_codes_matches_transformers_and_its_fp32_self():
 def test_codes_keep_every_mode_equal_to_autoregressive_greedy(monkeypatch):
     """Autoregressive decoding on codes (its decode steps in one call) against every mode: the retrieval tier on the
     target's own codes (one call too, exact or with int8 activations) or its int8 copy, the draft, TriForce."""
-    from triforce import decode_step
+    from triforce.kernels import decode_step
 
     _, draft = pair(seed=5)
     target = ours(gguf_like(hf_model(5, vocab=96, layers=3)))
     assert target.attach_block_codes() == 3 * 4 + 1
     ran = []
     real = decode_step.decode_layers
-    monkeypatch.setattr("triforce.decode_step.decode_layers", lambda *a: (r := real(*a), ran.append(r is not None))[0])
+    monkeypatch.setattr(decode_step, "decode_layers", lambda *a: (r := real(*a), ran.append(r is not None))[0])
     engine = Engine(target, draft)
     g = torch.Generator().manual_seed(5)
     greedy = SamplingParams(temperature=0)
@@ -315,8 +315,8 @@ def test_decode_step_on_codes_in_one_call_is_the_python_layers(family, heads, kv
     layers' may differ by one bf16 rounding step, from SiLU's last bit), and where the Python layers attend with
     the same kernel the same logits to float rounding; the retrieval tier's blocks of several tokens, which Python
     attends with SDPA in bf16 (queries rounded too), to bf16 rounding."""
-    from triforce import decode_step
-    from triforce.retrieval import RetrievalCache
+    from triforce.kernels import decode_step
+    from triforce.kv.retrieval import RetrievalCache
 
     if not decode_step.decode_step_status().startswith("on"):
         pytest.skip(f"decode step kernel {decode_step.decode_step_status()}")
@@ -342,7 +342,7 @@ def test_decode_step_on_codes_in_one_call_is_the_python_layers(family, heads, kv
     full.record_queries = False
     ran = []
     real = decode_step.decode_layers
-    monkeypatch.setattr("triforce.decode_step.decode_layers", lambda *a: (r := real(*a), ran.append(r is not None))[0])
+    monkeypatch.setattr(decode_step, "decode_layers", lambda *a: (r := real(*a), ran.append(r is not None))[0])
     step = target.decode_step
     block = torch.tensor([[7, 50, 3, 9, 9, 61, 20]])  # a verification block over the full cache
     # a decode step, a retrieval step, a verification block; the retrieval tier's blocks (verifying an n-gram
@@ -386,9 +386,9 @@ def test_int8_activation_copy_runs_its_decode_step_in_one_call(monkeypatch):
     as those are to the exact model's (not to float rounding: SiLU's exp rounds differently on the two sides, and
     a last-bit change can move an activation across an int8 rounding step); a model without codes gets the int8
     copy."""
-    from triforce import decode_step
-    from triforce.quant import lower_precision_copy
-    from triforce.retrieval import RetrievalCache
+    from triforce.kernels import decode_step
+    from triforce.kv.retrieval import RetrievalCache
+    from triforce.model.quant import lower_precision_copy
 
     if not decode_step.decode_step_status().startswith("on"):
         pytest.skip(f"decode step kernel {decode_step.decode_step_status()}")
@@ -408,7 +408,7 @@ def test_int8_activation_copy_runs_its_decode_step_in_one_call(monkeypatch):
     ret.build_from_full(n - 1)
     ran = []
     real = decode_step.decode_layers
-    monkeypatch.setattr("triforce.decode_step.decode_layers", lambda *a: (r := real(*a), ran.append(r is not None))[0])
+    monkeypatch.setattr(decode_step, "decode_layers", lambda *a: (r := real(*a), ran.append(r is not None))[0])
     block = torch.tensor([[7, 50, 3, 9, 9]])
     step = copy.decode_step
     target.decode_step = None

@@ -8,11 +8,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triforce.caches import FullKVCache
-from triforce.config import ModelConfig
-from triforce.retrieval import RetrievalCache
-from triforce.rope import RotaryEmbedding, apply_rope
-from triforce.streaming import StreamingCache
+from triforce.kernels.cpu import apply_rope
+from triforce.kv.caches import FullKVCache
+from triforce.kv.retrieval import RetrievalCache
+from triforce.kv.streaming import StreamingCache
+from triforce.model.config import ModelConfig
+from triforce.model.rope import RotaryEmbedding
 
 CFG = ModelConfig(model_type="llama", vocab_size=10, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -260,7 +261,7 @@ def test_streaming_attention_uses_in_cache_positions():
 
 
 def test_full_cache_nbytes_counts_k_and_v():
-    from triforce.caches import kv_bytes
+    from triforce.kv.caches import kv_bytes
 
     cfg = CFG
     assert FullKVCache(cfg, 40).nbytes == kv_bytes(cfg, 40, torch.float32)
@@ -275,9 +276,7 @@ def test_release_free_memory_returns_freed_heap_pages(tmp_path):
 
     script = tmp_path / "release.py"
     script.write_text('''
-import os, torch
-from triforce.memory import release_free_memory
-def rss():
+import os, torch from triforce.kv.memory import release_free_memory def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 big = torch.empty(16 << 20, dtype=torch.uint8); big.fill_(1); del big

@@ -233,7 +233,7 @@ def test_unsupported_architecture_is_refused_with_the_list(tmp_path):
 def test_request_that_does_not_fit_in_memory_is_refused_before_allocating():
     from tiny import hf_model, ours
     from triforce import Engine, SpeculationConfig
-    from triforce.memory import InsufficientMemoryError
+    from triforce.kv.memory import InsufficientMemoryError
 
     engine = Engine(ours(hf_model(max_pos=10**13)))  # a context long enough that only memory can refuse
     with pytest.raises(InsufficientMemoryError, match=r"full KV cache .* free"):
@@ -276,7 +276,7 @@ def test_sharded_folder_loads_the_same_weights(tmp_path):
     assert (tmp_path / "model.safetensors.index.json").is_file()
     lm = load_model(str(tmp_path))
     ids = torch.tensor([[5, 6, 7, 8]])
-    from triforce.caches import FullKVCache
+    from triforce.kv.caches import FullKVCache
 
     ours = lm.model(ids, torch.arange(4), FullKVCache(lm.model.cfg, 8))
     with torch.no_grad():
@@ -368,7 +368,7 @@ def test_json_stdout_holds_one_object_when_libraries_and_child_processes_print(t
 
 def test_download_sends_pips_messages_to_stderr(monkeypatch, tmp_path, capfd):
     """``pip download`` writes "Collecting ..." to stdout; ``triforce download`` / ``--json`` need stdout clean."""
-    from triforce import download
+    from triforce.formats import download
 
     real_run = subprocess.run
 
@@ -442,8 +442,8 @@ def test_the_largest_seed_is_the_same_everywhere():
     from tiny import pair
     from triforce.cli import check_seed
     from triforce.engine import MAX_SEED, Engine
-    from triforce.sampling import SamplingParams
     from triforce.serve.schema import MAX_SEED as SERVER_MAX_SEED
+    from triforce.speculation.sampling import SamplingParams
 
     engine = Engine(pair(seed=0)[0])
 
@@ -462,7 +462,7 @@ def test_triforce_warnings_print_as_one_line(monkeypatch, capsys):
     import warnings
 
     import triforce.cli as cli
-    import triforce.promptcache as pc
+    import triforce.kv.promptcache as pc
 
     monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after the test
     with pytest.raises(SystemExit):

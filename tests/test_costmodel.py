@@ -6,14 +6,14 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from triforce.caches import FullKVCache
-from triforce.config import ModelConfig
 from triforce.engine import Engine, SpeculationConfig
+from triforce.kv.caches import FullKVCache
+from triforce.kv.retrieval import RetrievalCache
+from triforce.kv.streaming import StreamingCache
 from triforce.lab.costmodel import expected_tokens, measure_tier_latencies, predict
 from triforce.lab.synthetic import SYNTHETIC_SHAPES, fill_random_kv, random_model, random_query, synthetic_config
-from triforce.retrieval import RetrievalCache
-from triforce.sampling import SamplingParams
-from triforce.streaming import StreamingCache
+from triforce.model.config import ModelConfig
+from triforce.speculation.sampling import SamplingParams
 
 
 def tiny_cfg(**kw) -> ModelConfig:
@@ -258,7 +258,7 @@ def test_measure_tier_latencies_times_the_lower_copy_and_token_selection(monkeyp
     """``lower`` runs the retrieval steps in the same loop as the verifier's; ``sampling`` adds each step's token
     selection (the engine's own functions, once per timed call: warm-up + reps, every model kind)."""
     import triforce.lab.costmodel as cm
-    from triforce.quant import lower_precision_copy
+    from triforce.model.quant import lower_precision_copy
 
     target = random_model(tiny_cfg(), seed=0)
     lower = lower_precision_copy(target, "int8")
@@ -350,7 +350,7 @@ def test_observed_run_lengths_replace_the_independent_model():
 def test_engine_records_accepted_lengths_consistent_with_its_counters():
     from tiny import pair
     from triforce.engine import Engine, SpeculationConfig
-    from triforce.sampling import SamplingParams
+    from triforce.speculation.sampling import SamplingParams
 
     target, draft = pair(seed=11)
     _, stats = Engine(target, draft).generate(list(range(5, 60)), max_new_tokens=40, sampling=SamplingParams(1.0),

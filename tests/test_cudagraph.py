@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from tiny import pair
-from triforce import cudagraph
-from triforce.caches import FullKVCache
 from triforce.engine import Engine, SpeculationConfig
-from triforce.retrieval import RetrievalCache
-from triforce.sampling import SamplingParams
-from triforce.streaming import StreamingCache
+from triforce.kv.caches import FullKVCache
+from triforce.kv.retrieval import RetrievalCache
+from triforce.kv.streaming import StreamingCache
+from triforce.model import cudagraph
+from triforce.speculation.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 SPECS = [SpeculationConfig(mode="retrieval", budget=24, chunk_size=4, gamma2=4),

@@ -12,9 +12,9 @@ import pytest
 
 from tiny import char_tokenizer
 from triforce.api import TriForce
-from triforce.detok import IncrementalDetokenizer
 from triforce.engine import GenerationStats, SpeculationConfig
-from triforce.sampling import SamplingParams
+from triforce.speculation.sampling import SamplingParams
+from triforce.text.detok import IncrementalDetokenizer
 
 SMOL = os.path.join(os.environ.get("TRIFORCE_CACHE", os.path.expanduser("~/.cache/triforce")), "SmolLM2-135M-Instruct")
 TEXT = "Hello wörld, 日本語 is fun. €5 and 🙂 too — naïve café, Ω ≈ ∑. 🙂🙂\n"

@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 
 from tiny import hf_model, ours
 from triforce.engine import Engine, SpeculationConfig
-from triforce.sampling import SamplingParams, logits_to_probs, sample
+from triforce.speculation.sampling import SamplingParams, logits_to_probs, sample
 
 V, NEW, PROMPT_LEN = 5, 3, 20
 N_FAST, N_SLOW = 3000, 20000
@@ -150,12 +150,12 @@ def test_int8_lower_tiers_with_bf16_caches_match_exact_distribution(models, monk
     """Cheaper lower tiers (int8 weights, bf16 retrieval and draft caches) under the fp32 verifier stay exact; the
     retrieval tier's steps over its bf16 cache run every layer in one call (``csrc/decode_step.c`` with the
     attention kernel's bf16 path) where those kernels are on."""
-    from triforce import decode_step
+    from triforce.kernels import decode_step
 
     hf, target, draft, prompt = models
     steps = []
     real = decode_step.decode_layers
-    monkeypatch.setattr("triforce.decode_step.decode_layers",
+    monkeypatch.setattr("triforce.kernels.decode_step.decode_layers",
                         lambda *a: (r := real(*a), steps.append((a[2].dtype, r is not None)))[0])
     params = SETTINGS["T0.6-p0.9-k5"]
     spec = SpeculationConfig(mode="triforce", budget=8, chunk_size=2, gamma1=2, gamma2=2, draft_sink=2, draft_window=4,
@@ -170,12 +170,12 @@ def test_int8_lower_tiers_with_bf16_caches_match_exact_distribution(models, monk
 def test_int8_retrieval_tier_in_one_kernel_call_matches_exact_distribution(models, monkeypatch):
     """The int8 retrieval tier with fp32 caches, whose decode steps run every layer in one call
     (``csrc/decode_step.c``), under the fp32 verifier: the exact distribution (same bound as above)."""
-    from triforce import decode_step
+    from triforce.kernels import decode_step
 
     hf, target, draft, prompt = models
     steps = []
     real = decode_step.decode_layers
-    monkeypatch.setattr("triforce.decode_step.decode_layers",
+    monkeypatch.setattr("triforce.kernels.decode_step.decode_layers",
                         lambda *a: (r := real(*a), steps.append(r is not None))[0])
     params = SETTINGS["T0.6-p0.9-k5"]
     spec = SpeculationConfig(mode="retrieval", budget=8, chunk_size=2, gamma2=3, lower_weights="int8")

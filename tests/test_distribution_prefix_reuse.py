@@ -14,7 +14,7 @@ import torch
 
 from test_distribution import NEW, SETTINGS, V, chi2_pvalue, exact_distribution, models  # noqa: F401
 from triforce.engine import Engine, SpeculationConfig
-from triforce.speculative import rejection_sample
+from triforce.speculation.rule import rejection_sample
 
 N_SLOW = 20000
 

@@ -14,7 +14,7 @@ import pytest
 
 from test_distribution import SETTINGS, chi2_pvalue, empirical, exact_distribution, models  # noqa: F401
 from triforce.engine import Engine, SpeculationConfig
-from triforce.tiers import RetrievalTier
+from triforce.speculation.tiers import RetrievalTier
 
 N_FAST, N_SLOW = 1500, 20000
 

@@ -80,7 +80,7 @@ def _ids(n: int, vocab: int, seed: int) -> list[int]:
 
 def _rows_differing(model, prompt: int, t: int, seed: int) -> int:
     """Rows of a t-token block (after a prompt) whose logits differ from the same tokens' decode steps."""
-    from triforce.caches import FullKVCache
+    from triforce.kv.caches import FullKVCache
 
     ids = torch.tensor([_ids(prompt + t, model.cfg.vocab_size, seed)])
     block, steps = FullKVCache(model.cfg, prompt + t + 1), FullKVCache(model.cfg, prompt + t + 1)
@@ -95,8 +95,8 @@ def _verification_differing(model, prompt: int, t: int, seed: int, num_logits: i
     """Rows of a t-token verification block run as the verifier runs it (``exact.verify_forward``: pieces of at most
     64 tokens past 64) whose logits differ from the same tokens' decode steps, plus positions whose recorded queries
     differ (the retrieval tier selects with them: the pieces' queries count as one forward's)."""
-    from triforce.caches import FullKVCache
-    from triforce.exact import verify_forward
+    from triforce.kernels.rows import verify_forward
+    from triforce.kv.caches import FullKVCache
 
     ids = torch.tensor([_ids(prompt + t, model.cfg.vocab_size, seed)])
     block, steps = (FullKVCache(model.cfg, prompt + t + 1, record_queries=True) for _ in range(2))
@@ -118,7 +118,7 @@ def _verification_differing(model, prompt: int, t: int, seed: int, num_logits: i
 
 def _ragged_blocks_differing(model, seqs: int, t: int) -> int:
     """Blocks of a ragged forward of ``seqs`` sequences' t-token blocks whose logits differ from the block alone."""
-    from triforce.caches import FullKVCache
+    from triforce.kv.caches import FullKVCache
 
     blocks, alone = [], []
     for i in range(seqs):
@@ -163,7 +163,7 @@ def _check_rows() -> dict:
 def _check_modes() -> dict:
     """(b): per (vocabulary, setting, prompt), whether the tokens equal the autoregressive ones."""
     from triforce.engine import Engine, SpeculationConfig
-    from triforce.sampling import SamplingParams
+    from triforce.speculation.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0)
     out = {}
@@ -188,9 +188,9 @@ def _check_modes() -> dict:
 def _check_long_blocks() -> dict:
     """(d): per (vocabulary, setting), whether the first tokens equal the autoregressive ones with verification
     blocks of 65-100 tokens, and whether such blocks ran (each verification's length recorded)."""
-    import triforce.tiers as tiers
+    import triforce.speculation.tiers as tiers
     from triforce.engine import Engine, SpeculationConfig
-    from triforce.sampling import SamplingParams
+    from triforce.speculation.sampling import SamplingParams
 
     lengths, verify = [], tiers.verify_forward
 
@@ -233,8 +233,8 @@ def _check_batch() -> dict:
     from tiny import char_tokenizer, hf_config
     from triforce.api import TriForce
     from triforce.engine import SpeculationConfig
-    from triforce.loading import LoadedModel
-    from triforce.sampling import SamplingParams
+    from triforce.formats.loading import LoadedModel
+    from triforce.speculation.sampling import SamplingParams
 
     out = {}
     for vocab in _vocabs():
@@ -264,12 +264,12 @@ def _check_reuse() -> dict:
     loading a prompt-cache file."""
     import tempfile
 
-    from triforce.caches import FullKVCache
     from triforce.engine import Engine, SpeculationConfig
-    from triforce.exact import PREFILL_EXACT_TAIL
-    from triforce.promptcache import PromptCache
-    from triforce.retrieval import ATTN_QUERY_WINDOW
-    from triforce.sampling import SamplingParams
+    from triforce.kernels.rows import PREFILL_EXACT_TAIL
+    from triforce.kv.caches import FullKVCache
+    from triforce.kv.promptcache import PromptCache
+    from triforce.kv.retrieval import ATTN_QUERY_WINDOW
+    from triforce.speculation.sampling import SamplingParams
 
     assert ATTN_QUERY_WINDOW <= PREFILL_EXACT_TAIL  # every mode's refeed runs on the row-invariant paths
     models = _models(VOCABS[-1], seed=3)
@@ -307,7 +307,8 @@ CHECKS = {"rows": _check_rows, "modes": _check_modes, "long": _check_long_blocks
 
 
 def _status() -> dict:
-    from triforce import blockcodes, decode_step, kernels
+    from triforce.kernels import blockcodes, decode_step
+    from triforce.kernels import cpu as kernels
 
     return {"attention": kernels.status(), "linear": kernels.linear_status(), "codes": blockcodes.blockcodes_status(),
             "decode_step": decode_step.decode_step_status()}
@@ -319,7 +320,7 @@ def _main() -> None:  # the subprocess: every check on the build its environment
 
 
 def _cpu_has(*flags: str) -> bool:
-    from triforce.kernelbuild import _cpu_flags
+    from triforce.kernels.build import _cpu_flags
 
     return set(flags) <= _cpu_flags()
 

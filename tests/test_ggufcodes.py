@@ -13,11 +13,11 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
-from triforce import blockcodes
-from triforce.blockcodes import blockcode_linear, concat_outputs
-from triforce.ggufcodes import CODED_TYPES, GGUFRows, codes_from_gguf
-from triforce.kernels import LINEAR_MAX_ROWS, f32_linear
-from triforce.model import Linear
+from triforce.formats.ggufcodes import CODED_TYPES, GGUFRows, codes_from_gguf
+from triforce.kernels import blockcodes
+from triforce.kernels.blockcodes import blockcode_linear, concat_outputs
+from triforce.kernels.cpu import LINEAR_MAX_ROWS, f32_linear
+from triforce.model.transformer import Linear
 
 pytestmark = pytest.mark.skipif(not blockcodes.blockcodes_status().startswith("on"),
                                 reason=f"block-code kernel: {blockcodes.blockcodes_status()}")
@@ -73,7 +73,7 @@ def test_int8_activation_products_of_every_type_compute_their_definition(qtype, 
     in float64 to fp32 rounding, a row alone = the row in a block, within a few percent of the exact product; the
     types it cannot take (groups of 16: Q6_K) are left to the exact product (None)."""
     from test_blockcodes import q8_dot_reference
-    from triforce.blockcodes import blockcode_linear_q8
+    from triforce.kernels.blockcodes import blockcode_linear_q8
 
     n_out, n_in = 96, 512
     raw = random_blocks(qtype, n_out, n_in, seed=int(qtype) + 50)
@@ -127,7 +127,7 @@ def test_k_quant_scales_are_kept_as_the_file_stores_them(qtype, blockcode_build,
                   * b[..., 192:208].copy().view(np.int8).astype(np.float32)).reshape(n_out, -1)
         want_m = None
     else:
-        from triforce.ggufcodes import _k_scale_min
+        from triforce.formats.ggufcodes import _k_scale_min
         sc, mn = _k_scale_min(b[..., 4:16])
         want_d = (b[..., 0:2].copy().view(np.float16).astype(np.float32) * sc.astype(np.float32)).reshape(n_out, -1)
         want_m = -(b[..., 2:4].copy().view(np.float16).astype(np.float32) * mn.astype(np.float32)).reshape(n_out, -1)
@@ -229,7 +229,7 @@ def test_tensors_read_as_stored_are_transformers_tensors(arch, tmp_path):
     (which dequantizes with gguf-py): every matrix bitwise."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from triforce.ggufcodes import read_gguf_codes
+    from triforce.formats.ggufcodes import read_gguf_codes
 
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, arch, {"attn_v.weight": QT.Q6_K, "ffn_down.weight": QT.Q6_K, "output.weight": QT.Q8_0,
@@ -258,7 +258,7 @@ def tiny_qwen_gguf(tmp_path_factory):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from triforce.config import ModelConfig
+    from triforce.model.config import ModelConfig
 
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     write_tiny_gguf(path, "qwen2", {"attn_v.weight": QT.Q6_K, "ffn_down.weight": QT.Q6_K, "output.weight": QT.Q6_K,
@@ -275,8 +275,8 @@ def tiny_qwen_gguf(tmp_path_factory):
 
 def coded_model(path, cfg):
     """Our model over the file's codes (no fp32 weights), with its one-call decode step."""
-    from triforce.ggufcodes import read_gguf_codes
-    from triforce.model import Transformer
+    from triforce.formats.ggufcodes import read_gguf_codes
+    from triforce.model.transformer import Transformer
 
     model = Transformer.from_state_dict(cfg, read_gguf_codes(path, cfg.num_attention_heads, cfg.num_key_value_heads,
                                                              cfg.tie_word_embeddings), consume=True)
@@ -285,8 +285,8 @@ def coded_model(path, cfg):
 
 
 def test_model_on_stored_weights_equals_the_dequantized_model(tiny_qwen_gguf):
-    from triforce.caches import FullKVCache
-    from triforce.model import Transformer
+    from triforce.kv.caches import FullKVCache
+    from triforce.model.transformer import Transformer
 
     path, cfg, dense = tiny_qwen_gguf
     coded = coded_model(path, cfg)
@@ -306,7 +306,7 @@ def test_model_on_stored_weights_equals_the_dequantized_model(tiny_qwen_gguf):
 
 def test_retrieval_modes_on_stored_weights_equal_autoregressive_greedy(tiny_qwen_gguf):
     from triforce.engine import Engine, SpeculationConfig
-    from triforce.sampling import SamplingParams
+    from triforce.speculation.sampling import SamplingParams
 
     path, cfg, _ = tiny_qwen_gguf
     engine = Engine(coded_model(path, cfg))

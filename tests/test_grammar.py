@@ -24,9 +24,9 @@ pytest.importorskip("llguidance")
 
 from tiny import char_tokenizer, hf_model, ours  # noqa: E402
 from triforce.engine import Engine, SpeculationConfig  # noqa: E402
-from triforce.grammar import GrammarError, constraint_for  # noqa: E402
-from triforce.sampling import SamplingParams, logits_to_probs  # noqa: E402
-from triforce.tiers import ModelTier  # noqa: E402
+from triforce.speculation.grammar import GrammarError, constraint_for  # noqa: E402
+from triforce.speculation.sampling import SamplingParams, logits_to_probs  # noqa: E402
+from triforce.speculation.tiers import ModelTier  # noqa: E402
 
 V, N = 96, 3000
 TOK = char_tokenizer()

@@ -7,7 +7,7 @@ import torch
 
 from tiny import hf_model, ours, pair
 from triforce.engine import Engine, SpeculationConfig
-from triforce.sampling import SamplingParams
+from triforce.speculation.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 # (budget, chunk_size, gamma1, gamma2): budget < prompt (retrieval differs from full), prompt lengths that are not a

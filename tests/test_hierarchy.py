@@ -7,8 +7,8 @@ import torch
 from tiny import pair
 from triforce.cli import CLIError, build_parser, spec_from_args
 from triforce.engine import Engine
-from triforce.hierarchy import KIND_OPTIONS, PRESETS, SpeculationConfig, TierSpec
 from triforce.plan import DRAFT_PREFILL_CHUNK, plan_request, size_request
+from triforce.speculation.hierarchy import KIND_OPTIONS, PRESETS, SpeculationConfig, TierSpec
 
 
 def test_presets_expand_to_tier_specs_with_each_kinds_own_options():
@@ -76,7 +76,7 @@ def test_planning_leaves_the_engine_alone():
 
 
 def test_public_hooks_replace_private_fields():
-    from triforce.caches import FullKVCache
+    from triforce.kv.caches import FullKVCache
 
     target, _ = pair(seed=0)
     engine = Engine(target)
@@ -93,8 +93,8 @@ def test_public_hooks_replace_private_fields():
 def test_the_plan_counts_the_draft_cache_in_the_dtype_the_engine_allocates():
     """bf16 target and draft with an fp32 KV cache: the draft's StreamingLLM cache is fp32, in the plan as in the
     engine."""
-    from triforce.caches import kv_bytes
-    from triforce.sampling import SamplingParams
+    from triforce.kv.caches import kv_bytes
+    from triforce.speculation.sampling import SamplingParams
 
     target, draft = (m.to(torch.bfloat16) for m in pair(seed=0))
     spec = SpeculationConfig(mode="draft", gamma2=3, draft_window=16)
@@ -109,7 +109,7 @@ def test_a_huge_gamma_is_capped_at_what_the_request_can_use():
     """``gamma2=100_000`` with 8 new tokens: no verification can ask for more than 7 proposals, so every gamma is
     capped at max_new_tokens - 1 per request; the caches are sized for the cap (they were sized for 100,000
     positions ahead: 42.9 GiB for SmolLM2), the stats report the gamma used, and the output is the same."""
-    from triforce.sampling import SamplingParams
+    from triforce.speculation.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0)
     target, draft = pair(seed=0)

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from triforce.kernelbuild import _build, _Library, _load_built, best_build, kernel_dirs
+from triforce.kernels.build import _build, _Library, _load_built, best_build, kernel_dirs
 
 FLAGS = ("-O1", "-shared", "-fPIC")
 
@@ -54,7 +54,7 @@ def test_a_built_library_is_readable_and_loadable_by_every_user(tmp_path, probe_
 
 def test_concurrent_first_uses_compile_once(tmp_path, probe_source):
     cc, log = _counting_cc(tmp_path, sleep=1.0)
-    code = (f"from pathlib import Path; from triforce.kernelbuild import _build; "
+    code = (f"from pathlib import Path; from triforce.kernels.build import _build; "
             f"print(_build(Path({str(tmp_path / 'kernels')!r}), Path({str(probe_source)!r}), {FLAGS!r}))")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "CC": cc}) for _ in range(3)]
@@ -78,7 +78,7 @@ def test_an_unusable_cache_directory_falls_back_to_a_per_user_temporary_one(tmp_
 
 
 def test_a_compiler_rejecting_avx512_flags_gets_the_avx2_build(tmp_path, monkeypatch):
-    from triforce import kernels
+    from triforce.kernels import cpu as kernels
 
     if "AVX-512" not in kernels.cpu()["isa"]:
         pytest.skip("the CPU has no AVX-512: its best build is already the AVX2 one")
@@ -110,8 +110,10 @@ def test_the_isa_variable_forces_the_portable_build_and_rejects_other_values(mon
     """TRIFORCE_KERNEL_ISA=portable hides every AVX flag, FMA and F16C, so each kernel's choice is its portable build
     (plain C, no ISA flags), as on a CPU without AVX2 or on aarch64; another value is a ValueError listing the allowed
     ones."""
-    from triforce import blockcodes, kernels, sampling
-    from triforce.kernelbuild import ISA_ENV, _cpu_flags
+    from triforce.kernels import blockcodes
+    from triforce.kernels import cpu as kernels
+    from triforce.kernels.build import ISA_ENV, _cpu_flags
+    from triforce.speculation import sampling
 
     monkeypatch.setenv(ISA_ENV, "portable")
     assert not {f for f in _cpu_flags() if f.startswith(("avx", "fma", "f16c"))}
@@ -128,7 +130,7 @@ def test_the_isa_variable_forces_the_portable_build_and_rejects_other_values(mon
 def test_a_compiler_rejecting_every_isa_flag_gets_the_portable_build(tmp_path, monkeypatch):
     """A compiler that refuses -mavx2 and -mavx512* (one for another architecture, say) still builds every kernel's
     portable branch: the next build after AVX-512 and AVX2, named in the status with the first refusal."""
-    from triforce import kernels
+    from triforce.kernels import cpu as kernels
 
     log, real = tmp_path / "cc.log", shutil.which("cc") or shutil.which("gcc")
     cc = tmp_path / "cc.sh"

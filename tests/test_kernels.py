@@ -8,10 +8,11 @@ import torch
 
 from conftest import use_avx2_build, use_portable_build
 from tiny import hf_config
-from triforce import kernels, sdpa
-from triforce.caches import FullKVCache, _causal_offset_mask
-from triforce.config import ModelConfig
-from triforce.sdpa import gqa_attention
+from triforce.kernels import cpu as kernels
+from triforce.kernels import sdpa
+from triforce.kernels.sdpa import gqa_attention
+from triforce.kv.caches import FullKVCache, _causal_offset_mask
+from triforce.model.config import ModelConfig
 
 pytestmark = pytest.mark.skipif(kernels.status().startswith("unavailable"), reason=f"kernel {kernels.status()}")
 
@@ -236,7 +237,7 @@ def test_f32_kernel_declines_what_it_does_not_handle():
 def test_linear_runs_the_kernel_for_a_few_rows_only():
     """model.Linear: 2..LINEAR_MAX_ROWS rows through the kernel (with the bias added), one row and prefill through
     PyTorch's product; all within fp32 rounding of each other."""
-    from triforce.model import Linear
+    from triforce.model.transformer import Linear
 
     lin = Linear(64, 96, bias=True)
     torch.nn.init.normal_(lin.weight_t)
@@ -259,7 +260,7 @@ def test_one_row_switch_chooses_the_decode_steps_product(value, monkeypatch):
     """TRIFORCE_ONE_ROW_KERNEL: "1" puts a decode step's products on our kernel whatever the build (its row then equals
     its row in a 7-row block bitwise), "0" on MKL's GEMV, unset the build's default (AVX-512 only); another value is a
     ValueError naming the variable and the allowed values."""
-    from triforce.model import Linear
+    from triforce.model.transformer import Linear
 
     status = kernels.linear_status()
     fresh = kernels.linear_build("AVX-512" if "AVX-512" in status else "AVX2" if "AVX2" in status else "portable")
@@ -285,7 +286,7 @@ def test_packed_weights_take_blocks_where_onednn_is_faster(beats, monkeypatch):
     """With packed weights, a block of 2..64 rows runs on our kernel where it beats oneDNN (AVX-512 build) and on
     oneDNN's packed product where it does not (AVX2 build): bitwise the one or the other, both within fp32 rounding of
     the plain product; packing_pays packs exactly where oneDNN wins."""
-    from triforce.model import Linear
+    from triforce.model.transformer import Linear
 
     monkeypatch.setattr(kernels._linear, "beats_onednn", beats)
     lin = Linear(64, 96)
@@ -384,11 +385,11 @@ def test_speculative_modes_through_the_lower_right_path_equal_autoregressive_gre
     """Prefill and verification blocks over the full cache through lower_right_attention (an MHA target; the CPU
     kernel off, so every block of 2+ tokens takes it): each mode's greedy tokens equal autoregressive decoding's
     with the boolean mask."""
-    import triforce.caches as caches
+    import triforce.kv.caches as caches
     from tiny import hf_model, ours
     from triforce.engine import Engine, SpeculationConfig
-    from triforce.exact import PREFILL_EXACT_TAIL
-    from triforce.sampling import SamplingParams
+    from triforce.kernels.rows import PREFILL_EXACT_TAIL
+    from triforce.speculation.sampling import SamplingParams
 
     target = ours(hf_model(3, vocab=96, layers=3, heads=4, kv_heads=4))
     draft = ours(hf_model(1003, vocab=96, layers=1, hidden=32, heads=2, kv_heads=2))
@@ -419,7 +420,7 @@ def test_decode_steps_silu_equals_pytorchs_and_is_the_same_at_every_width():
     down to -FLT_MAX: exp(-g) is inf, as in PyTorch); NaN propagates, g = +inf gives inf u and g = -inf NaN (as
     PyTorch's inf / inf); every width this CPU has (AVX-512, AVX2, scalar) gives the same bits; and an element
     gives the same bits in a vector lane as in the scalar tail (n = 16 + 8 + 3)."""
-    from triforce import decode_step
+    from triforce.kernels import decode_step
 
     lib = decode_step._decode_step.load()
     if lib is None:

@@ -1,6 +1,6 @@
-"""The package's layout (issue 12): no import cycles, the core never imports the entry points or the research tools,
-modules stay small, the module map (docs/architecture.md) and README's options table match the code, README stays a
-quick guide and the docs' links resolve (issue 48). Static checks: well under a second."""
+"""The package's layout: no import cycles, the subpackages import one way only (:data:`LAYERS`), the core never imports
+the entry points or the research tools, the module map (docs/architecture.md) and README's options table match the
+code, README stays a quick guide and the docs' links resolve. Static checks: well under a second."""
 
 import argparse
 import ast
@@ -18,8 +18,23 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 ARCHITECTURE = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
 #: README.md is a quick guide (issue 48): the rest is in docs/
 README_MAX_LINES = 220
-#: the largest module, in lines ("no module over about 500 lines")
-MAX_LINES = 510
+#: the package's layers, bottom first: a module imports only modules of its own layer or of a layer below it
+#: (a module belongs to the longest prefix named here; src/triforce/__init__.py's docstring shows the same order)
+LAYERS = (
+    ("triforce._version", "triforce.defaults", "triforce.errors"),
+    ("triforce.text",),
+    ("triforce.kernels",),
+    ("triforce.kv",),
+    ("triforce.model",),
+    ("triforce.formats",),
+    ("triforce.speculation",),
+    ("triforce.plan",),
+    ("triforce.engine",),
+    ("triforce.api",),
+    ("triforce",),
+    ("triforce.serve", "triforce.lab"),
+    ("triforce.cli", "triforce.__main__", "triforce.serve.__main__"),  # the entry points
+)
 #: import edges allowed to close a cycle, each with its reason
 ALLOWED_EDGES: set[tuple[str, str]] = set()
 ENTRY_PACKAGES = ("triforce.cli", "triforce.serve", "triforce.lab")
@@ -124,9 +139,42 @@ def test_the_core_never_imports_the_entry_points_or_the_lab():
             assert not [n for n in GRAPH[m] if n.startswith("triforce.serve")], m
 
 
-def test_modules_stay_small():
-    sizes = {m: len(p.read_text(encoding="utf-8").splitlines()) for m, p in MODULES.items()}
-    assert {m: n for m, n in sizes.items() if n > MAX_LINES} == {}
+def _layer(name: str) -> int:
+    """The index in :data:`LAYERS` of the longest prefix of ``name`` listed there."""
+    best, index = "", None
+    for i, layer in enumerate(LAYERS):
+        for prefix in layer:
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > len(best):
+                best, index = prefix, i
+    assert index is not None, f"{name} is in no layer of LAYERS"
+    return index
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import edge that goes from a layer to a layer above it."""
+    return sorted(f"{m} -> {n}" for m, targets in graph.items() for n in targets if _layer(n) > _layer(m))
+
+
+def test_subpackages_import_one_way():
+    """Every module is in a layer, and none imports a module of a layer above its own (functions included)."""
+    assert _upward_imports(GRAPH) == []
+    assert set(_layer(m) for m in MODULES) == set(range(len(LAYERS)))  # every layer holds a module
+
+
+def test_the_layer_check_sees_an_upward_import():
+    graph = {"triforce.kernels.cpu": {"triforce.kv.caches"}, "triforce.kv.caches": {"triforce.kernels.cpu"}}
+    assert _upward_imports(graph) == ["triforce.kernels.cpu -> triforce.kv.caches"]
+
+
+def test_every_subpackage_says_what_it_is():
+    """Each subpackage's ``__init__.py`` is a docstring that names its idea (and imports nothing: no side effects,
+    no cycles through a package's re-exports)."""
+    for m, p in MODULES.items():
+        if p.name == "__init__.py" and m.count(".") == 1 and m.split(".")[1] in {"kernels", "kv", "model", "formats",
+                                                                             "speculation", "text"}:
+            tree = ast.parse(p.read_text(encoding="utf-8"))
+            assert ast.get_docstring(tree), m
+            assert [type(n).__name__ for n in tree.body] == ["Expr"], m
 
 
 def test_nothing_outside_the_engine_touches_its_private_fields():
@@ -144,7 +192,8 @@ def test_nothing_outside_the_engine_touches_its_private_fields():
 
 def test_module_map_lists_every_module():
     """Every module of src/ is named in docs/architecture.md's "Where things are" table (a subpackage's
-    ``__init__.py`` by its folder; ``__main__.py`` files, the ``python -m`` entry points, need not be)."""
+    ``__init__.py`` by its folder; ``__main__.py`` files, the ``python -m`` entry points, need not be), and every path
+    the table names exists."""
     section = ARCHITECTURE.split("## Where things are", 1)[1].split("\n## ", 1)[0]
     listed = set()
     for row in re.findall(r"^\| (.+) \|$", section, re.MULTILINE):
@@ -165,6 +214,7 @@ def test_module_map_lists_every_module():
         if rel not in listed:
             missing.append(rel)
     assert missing == []
+    assert sorted(p for p in listed if not (ROOT / p).exists()) == []  # and names nothing that is not there
 
 
 def test_readme_is_a_quick_guide():
@@ -269,11 +319,11 @@ def test_lab_option_names_match_the_lab(command):
 
 
 def test_shared_defaults_come_from_one_table():
-    from triforce.auto import plan_hierarchy
     from triforce.defaults import DEFAULTS, LIBRARY_MODE, SERVE_DEFAULTS
-    from triforce.hierarchy import SpeculationConfig
-    from triforce.sampling import SamplingParams
     from triforce.serve import ServerDefaults
+    from triforce.speculation.auto import plan_hierarchy
+    from triforce.speculation.hierarchy import SpeculationConfig
+    from triforce.speculation.sampling import SamplingParams
 
     spec, options = SpeculationConfig(), _parser_options()
     assert spec.mode == LIBRARY_MODE and options["--mode"].default == DEFAULTS["mode"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from triforce import SamplingParams, SpeculationConfig, TriForce
-from triforce.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from triforce.speculation.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 
 PROMPT = [3 + (7 * i * i + i) % 90 for i in range(60)]
 TOP = 5
@@ -92,7 +92,7 @@ def test_prompt_logprobs_equal_transformers(tf, hf):
     assert len(out) == len(PROMPT) and out[0] is None
     check(out[1:], reference(hf, PROMPT)[:-1], PROMPT[1:], 3)
     tf_small = tf.fork()  # chunks of a few tokens give the same values as one pass
-    from triforce.logprobs import prompt_logprobs
+    from triforce.speculation.logprobs import prompt_logprobs
 
     chunked = prompt_logprobs(tf_small.target.model, PROMPT, 3, chunk=7)
     assert [e.token_id for e in chunked[1:]] == PROMPT[1:]

@@ -21,10 +21,10 @@ import torch
 
 from test_caches import _reference_selection
 from tiny import hf_model, ours, pair
-from triforce.caches import KVCache
 from triforce.engine import Engine, SpeculationConfig
-from triforce.rope import apply_rope
-from triforce.sampling import SamplingParams
+from triforce.kernels.cpu import apply_rope
+from triforce.kv.caches import KVCache
+from triforce.speculation.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 ATOL = 1e-4

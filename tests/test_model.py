@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from tiny import hf_model, ours
-from triforce.caches import FullKVCache
-from triforce.config import ModelConfig, UnsupportedModelError
+from triforce.kv.caches import FullKVCache
+from triforce.model.config import ModelConfig, UnsupportedModelError
 
 VARIANTS = {
     "llama-default": dict(family="llama"),
@@ -96,7 +96,7 @@ def test_compiled_blocks_give_the_same_greedy_tokens():
     """torch.compile of the norms and MLP (inductor; about 2 minutes of compilation on this CPU)."""
     from tiny import pair
     from triforce.engine import Engine, SpeculationConfig
-    from triforce.sampling import SamplingParams
+    from triforce.speculation.sampling import SamplingParams
 
     target, draft = pair(seed=0)
     engine = Engine(target, draft)
@@ -138,7 +138,7 @@ def test_packed_weights_match_transformers():
 def test_reduce_overhead_compile_clones_each_output(monkeypatch):
     """CUDA graphs reuse a graph's output memory at its next replay: with reduce-overhead every compiled call's
     output is a fresh copy (the other modes return the compiled function itself)."""
-    from triforce.model import compile_forward
+    from triforce.model.transformer import compile_forward
 
     buffer = torch.zeros(3)
 

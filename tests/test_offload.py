@@ -9,8 +9,8 @@ import pytest
 
 from tiny import pair
 from triforce.engine import Engine, SpeculationConfig
-from triforce.memory import InsufficientMemoryError, plan_kv_placement
-from triforce.sampling import SamplingParams
+from triforce.kv.memory import InsufficientMemoryError, plan_kv_placement
+from triforce.speculation.sampling import SamplingParams
 
 SPECS = [SpeculationConfig(),
          SpeculationConfig(mode="retrieval", budget=16, chunk_size=4, gamma2=3),
@@ -56,7 +56,7 @@ def test_offloaded_prefix_reuse_and_longer_request(models):
 
 
 def test_planner_fills_free_memory_and_keeps_two_buffers(monkeypatch):
-    import triforce.memory as memory
+    import triforce.kv.memory as memory
 
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1000)
     p = plan_kv_placement(32, 100, "cpu", headroom=0.1)  # 900 usable: 7 layers + 2 buffers

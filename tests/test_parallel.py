@@ -11,11 +11,11 @@ import torch
 import torch.multiprocessing as mp
 
 from tiny import hf_model, pair
-from triforce.config import ModelConfig
 from triforce.engine import Engine, SpeculationConfig
-from triforce.model import Transformer
-from triforce.parallel import check_tp_size, shard_config, valid_tp_sizes
-from triforce.sampling import SamplingParams
+from triforce.model.config import ModelConfig
+from triforce.model.parallel import check_tp_size, shard_config, valid_tp_sizes
+from triforce.model.transformer import Transformer
+from triforce.speculation.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.95)
@@ -50,7 +50,7 @@ def _tiny_worker(rank: int, world: int, port: int, queue) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    from triforce.parallel import init_tensor_parallel
+    from triforce.model.parallel import init_tensor_parallel
 
     tp = init_tensor_parallel(world)
     hf = hf_model(0, vocab=96, layers=3)
@@ -88,7 +88,7 @@ def test_valid_sizes_and_error_lists_them():
 
 
 def test_tp_without_launcher_is_refused_with_the_torchrun_command(monkeypatch):
-    from triforce.parallel import init_tensor_parallel
+    from triforce.model.parallel import init_tensor_parallel
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):
@@ -122,8 +122,8 @@ def _smol_worker(rank: int, world: int, port: int, folder: str, prompt: list, qu
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    from triforce.loading import load_model
-    from triforce.parallel import init_tensor_parallel
+    from triforce.formats.loading import load_model
+    from triforce.model.parallel import init_tensor_parallel
 
     tp = init_tensor_parallel(world)
     lm = load_model(folder, tp=tp)
@@ -136,7 +136,7 @@ def _smol_worker(rank: int, world: int, port: int, folder: str, prompt: list, qu
 @pytest.mark.slow  # 75 s of three ranks on a 2-core CI machine; test_tp2_equals_tp1_in_every_mode covers TP in CI
 @pytest.mark.realmodel
 def test_tp3_smollm2_equals_tp1(smollm2, book_text):
-    from triforce.loading import load_model
+    from triforce.formats.loading import load_model
 
     lm = load_model(smollm2)
     prompt = lm.tokenizer(book_text[:1200])["input_ids"][:200]
@@ -172,9 +172,9 @@ def _tp_memory_worker(rank, world, port, folder, prompt, queue):
                       MASTER_PORT=str(port))
     import torch.distributed as dist
 
-    from triforce import memory
-    from triforce.loading import load_model
-    from triforce.parallel import init_tensor_parallel
+    from triforce.formats.loading import load_model
+    from triforce.kv import memory
+    from triforce.model.parallel import init_tensor_parallel
 
     tp = init_tensor_parallel(world)
     real = memory.available_bytes
@@ -205,7 +205,7 @@ def test_tensor_parallel_ranks_agree_when_one_lacks_memory(tiny_folder):
 
     import torch.multiprocessing as mp
 
-    from triforce.loading import load_model
+    from triforce.formats.loading import load_model
 
     prompt = list(range(3, 40))
     ref, _ = Engine(load_model(tiny_folder).model).generate(

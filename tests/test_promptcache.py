@@ -14,7 +14,7 @@ import warnings
 import pytest
 
 from triforce import SamplingParams, SpeculationConfig, TriForce
-from triforce.promptcache import PromptCache
+from triforce.kv.promptcache import PromptCache
 
 GREEDY = SamplingParams(temperature=0)
 AR = SpeculationConfig(mode="autoregressive")
@@ -69,7 +69,7 @@ def corrupt(path, how: str) -> None:
         from safetensors import safe_open
         from safetensors.torch import save_file
 
-        from triforce.promptcache import _crc
+        from triforce.kv.promptcache import _crc
 
         with safe_open(str(path), framework="pt") as f:
             meta, t = f.metadata(), {n: f.get_tensor(n) for n in f.keys()}
@@ -230,8 +230,9 @@ def test_a_failed_write_warns_and_keeps_the_answer(tiny_folder, tmp_path):
 
 def test_concurrent_capped_stores_do_not_trip_over_each_others_deletions(tiny_folder, tmp_path):
     """Processes writing the same capped directory at once: no store fails because another deleted a file."""
-    code = ("import sys, torch; from triforce.promptcache import PromptCache; from triforce.caches import FullKVCache;"
-            "from triforce.loading import load_model; cfg = load_model(sys.argv[1]).model.cfg;"
+    code = ("import sys, torch; from triforce.kv.promptcache import PromptCache;"
+            "from triforce.kv.caches import FullKVCache;"
+            "from triforce.formats.loading import load_model; cfg = load_model(sys.argv[1]).model.cfg;"
             "c = PromptCache(sys.argv[2], 'k', max_bytes=0); cache = FullKVCache(cfg, 40); cache.length = 40\n"
             "for i in range(60): c.store(cache, [int(sys.argv[3]) * 1000 + i] * 40)")
     procs = [subprocess.Popen([sys.executable, "-W", "error", "-c", code, tiny_folder, str(tmp_path), str(r)],

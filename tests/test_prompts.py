@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from triforce import SamplingParams, TriForce
-from triforce.prompts import strip_gutenberg
+from triforce.text.prompts import strip_gutenberg
 
 GREEDY = SamplingParams(temperature=0)
 

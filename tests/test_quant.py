@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from tiny import hf_model, ours, pair
-from triforce import decode_step
-from triforce.caches import FullKVCache
 from triforce.engine import Engine, SpeculationConfig
-from triforce.model import Linear
-from triforce.quant import BF16Linear, Int8Linear, lower_precision_copy
-from triforce.retrieval import RetrievalCache
-from triforce.sampling import SamplingParams
+from triforce.kernels import decode_step
+from triforce.kv.caches import FullKVCache
+from triforce.kv.retrieval import RetrievalCache
+from triforce.model.quant import BF16Linear, Int8Linear, lower_precision_copy
+from triforce.model.transformer import Linear
+from triforce.speculation.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -35,7 +35,7 @@ def test_int8_linear_error_within_quantization_bound(monkeypatch):
     assert torch.all((q(x) - ref).abs() <= bound + 1e-6)
     assert (q(x) - ref).abs().max() > 0  # it really is quantized
     ours = q(x)  # our kernel where the CPU has AVX-512, else PyTorch's op
-    monkeypatch.setattr("triforce.quant.int8_linear", lambda *a: None)  # PyTorch's op (bf16 activations)
+    monkeypatch.setattr("triforce.model.quant.int8_linear", lambda *a: None)  # PyTorch's op (bf16 activations)
     assert torch.all((q(x) - ref).abs() <= bound + 1e-6)
     assert torch.allclose(q(x), ours, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
     slow = Int8Linear(lin)
@@ -202,7 +202,7 @@ def test_int8_retrieval_tier_in_one_call_is_lossless_greedy(monkeypatch):
     engine = Engine(target, draft)
     steps = []
     real = decode_step.decode_layers
-    monkeypatch.setattr("triforce.decode_step.decode_layers", lambda *a: steps.append(real(*a)) or steps[-1])
+    monkeypatch.setattr("triforce.kernels.decode_step.decode_layers", lambda *a: steps.append(real(*a)) or steps[-1])
     g = torch.Generator().manual_seed(11)
     for _ in range(3):
         prompt = torch.randint(3, 96, (int(torch.randint(40, 90, (1,), generator=g)),), generator=g).tolist()
@@ -235,8 +235,8 @@ def test_lower_precision_copy_of_a_compiled_model_runs_its_own_mlp(monkeypatch, 
     """compile_blocks stores a compiled forward bound to each full-precision MLP; the lower-precision copy used to
     carry it along, so its MLPs ran the source's weights. torch.compile is replaced by a pass-through that keeps the
     bound method (what the real one does, without minutes of inductor compilation)."""
-    from triforce.caches import FullKVCache
-    from triforce.quant import lower_precision_copy
+    from triforce.kv.caches import FullKVCache
+    from triforce.model.quant import lower_precision_copy
 
     compiled = []
 

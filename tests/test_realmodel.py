@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from triforce import SamplingParams, SpeculationConfig, load_model
-from triforce.caches import FullKVCache
+from triforce.kv.caches import FullKVCache
 
 pytestmark = pytest.mark.realmodel
 
@@ -53,7 +53,7 @@ def test_greedy_64_tokens_after_1k_book_excerpt_equal_transformers(loaded, hf, b
 
 
 def test_gguf_file_loads_to_the_same_model(smollm2, loaded):
-    from triforce.download import default_gguf_path
+    from triforce.formats.download import default_gguf_path
 
     gguf = default_gguf_path()
     if not gguf.is_file():

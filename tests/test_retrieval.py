@@ -20,14 +20,14 @@ from test_greedy_equality import (
     engine,  # noqa: F401  (fixture)
 )
 from tiny import pair
-from triforce.caches import FullKVCache
 from triforce.engine import Engine, SpeculationConfig
-from triforce.retrieval import CHUNK_SCORES, RetrievalCache, attention_mass_scores, recent_queries
+from triforce.kv.caches import FullKVCache
+from triforce.kv.retrieval import CHUNK_SCORES, RetrievalCache, attention_mass_scores, recent_queries
 
 
 def _filled(seed=0, n=37, L=2, nkv=2, g=3, hs=8):
     """A tiny config and a full cache holding n random post-RoPE keys/values, recording queries of a 5-token block."""
-    from triforce.config import ModelConfig
+    from triforce.model.config import ModelConfig
 
     cfg = ModelConfig(model_type="llama", head_dim=hs, vocab_size=16, hidden_size=nkv * g * hs, intermediate_size=16,
                       num_hidden_layers=L, num_attention_heads=nkv * g, num_key_value_heads=nkv)
@@ -170,7 +170,7 @@ def test_one_query_over_a_cache_with_empty_slots_matches_sdpa(n, budget):
     """A prompt shorter than the budget leaves slots between the selected and the generated ones empty: a decode step
     then attends over the two filled ranges with the kernel (merged by log-sum-exp) where it applies, and equals SDPA
     over every slot with the cache's mask within fp32 rounding, step after step."""
-    from triforce.sdpa import gqa_attention
+    from triforce.kernels.sdpa import gqa_attention
 
     cfg, full = _filled(n=n, hs=16)
     cache = RetrievalCache(cfg, full, budget, 8)

@@ -7,7 +7,7 @@ import torch
 
 from tiny import pair
 from triforce.engine import Engine, SpeculationConfig
-from triforce.sampling import SamplingParams
+from triforce.speculation.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.95)
@@ -28,7 +28,7 @@ def _prompts(n, seed, lo=30, hi=90):
 def _count_unrecorded_queries(monkeypatch) -> list:
     """Record every position whose query the retrieval tier asked the full cache for while the full cache's last
     forward did not compute it (the case that used to crash); returns the list it fills."""
-    from triforce.caches import CacheError, FullKVCache
+    from triforce.kv.caches import CacheError, FullKVCache
 
     missed = []
     original = FullKVCache.query_at
@@ -68,7 +68,7 @@ def test_reselection_right_after_the_first_verification(engine, kw, monkeypatch)
 def test_reselection_after_a_first_verification_that_accepted_nothing(engine):
     """The exact failing case, forced: the verifier rejects the whole first block (a verification rule that accepts
     nothing and emits the target's argmax stays lossless under greedy decoding), then the chunks are re-selected."""
-    from triforce.speculative import rejection_sample
+    from triforce.speculation.rule import rejection_sample
 
     def reject_all(d, q, p, generator, greedy=False):
         n_acc, nxt = rejection_sample(d[:, :0], q[:, :0], p[:, :1], generator, greedy=greedy)

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from tiny import save_folder
-from triforce.caches import FullKVCache
 from triforce.cli import main
-from triforce.config import ModelConfig, with_rope_scaling
 from triforce.engine import SpeculationConfig
-from triforce.loading import load_model
-from triforce.sampling import SamplingParams
+from triforce.formats.loading import load_model
+from triforce.kv.caches import FullKVCache
+from triforce.model.config import ModelConfig, with_rope_scaling
+from triforce.speculation.sampling import SamplingParams
 
 OLD = 64  # the trained context of every tiny checkpoint here
 GREEDY = SamplingParams(temperature=0)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from triforce.sampling import SamplingParams, logits_to_probs
-from triforce.speculative import rejection_sample
+from triforce.speculation.rule import rejection_sample
+from triforce.speculation.sampling import SamplingParams, logits_to_probs
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.6, 0.9, 0), (0.3, 0.5, 5), (1.3, 0.95, 20)])
@@ -33,7 +33,7 @@ def test_top_p_on_a_large_vocabulary_matches_transformers(scale):
     """Rows of a 49,152-token vocabulary: the candidates path and the sort fallback give transformers' nucleus."""
     from transformers.generation.logits_process import TopPLogitsWarper
 
-    from triforce.sampling import NUCLEUS_CANDIDATES
+    from triforce.speculation.sampling import NUCLEUS_CANDIDATES
 
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(6, 49152, generator=gen) * scale
@@ -170,7 +170,7 @@ def test_inverse_cdf_sample_draws_each_row_from_its_distribution():
     """``sampling.sample``: each row's draws fit its (unnormalised) weights, chi-square p > 1e-3 over 20,000 draws
     per row, never a zero-weight token, and the last token is reachable; rows of zeros, NaN, inf or a negative entry
     and shapes other than (N, V) are refused."""
-    from triforce.sampling import sample
+    from triforce.speculation.sampling import sample
 
     gen = torch.Generator().manual_seed(7)
     v, n = 50, 20000
@@ -193,7 +193,7 @@ def test_inverse_cdf_sample_draws_each_row_from_its_distribution():
 
 
 def _kernel_on():
-    from triforce.sampling import sampling_status
+    from triforce.speculation.sampling import sampling_status
 
     status = sampling_status()
     if not status.startswith("on"):
@@ -229,7 +229,7 @@ def test_sampling_kernel_matches_pytorch_ops(monkeypatch, temperature, top_p):
     hand that call back to the sort). Where the boundary falls among equal probabilities (row 5: 20 tokens of 0.05)
     either rule keeps as many of them; the kernel the lowest indices, PyTorch's topk an order of its own."""
     _kernel_on()
-    from triforce import sampling
+    from triforce.speculation import sampling
 
     logits = _rows_for_the_kernel()
     params = SamplingParams(temperature, top_p, 0)
@@ -252,7 +252,7 @@ def test_sampling_kernel_draws_what_pytorch_ops_draw(monkeypatch):
     """``triforce_sample`` against PyTorch's inverse CDF: the same token for the same uniforms, in nucleus rows
     (runs of zeros skipped) and dense ones, 2,000 draws; a row that is not a distribution is refused the same way."""
     _kernel_on()
-    from triforce import sampling
+    from triforce.speculation import sampling
 
     probs = logits_to_probs(_rows_for_the_kernel(), SamplingParams(0.6, 0.9, 0))
     dense = torch.softmax(torch.randn(2, 49152, generator=torch.Generator().manual_seed(4)), -1)
@@ -271,7 +271,7 @@ def test_sampling_kernel_rounds_the_boundary_as_pytorch_ops(monkeypatch):
     one at top-p 0.999999), and the same row gives the same result alone and beside a flat row that the kernel leaves
     to the full sort."""
     _kernel_on()
-    from triforce import sampling
+    from triforce.speculation import sampling
 
     gen = torch.Generator().manual_seed(9)
     cases = [(torch.randn(2000, 100, generator=gen) * 2, SamplingParams(1.0, tp, 0)) for tp in (0.999, 0.99999)]
@@ -296,7 +296,7 @@ def test_sampling_kernel_refuses_a_row_before_drawing(monkeypatch):
     """A refused row leaves the generator as PyTorch's path leaves it: the rows are checked before the uniforms are
     drawn."""
     _kernel_on()
-    from triforce import sampling
+    from triforce.speculation import sampling
 
     def state_after_refusal():
         g = torch.Generator().manual_seed(0)

@@ -18,9 +18,9 @@ from test_distribution import (
 )
 from tiny import hf_model, ours
 from triforce.engine import Engine, SpeculationConfig
-from triforce.model import Linear
-from triforce.quant import INT4_GROUP, Int4Linear, lower_precision_copy
-from triforce.sampling import SamplingParams
+from triforce.model.quant import INT4_GROUP, Int4Linear, lower_precision_copy
+from triforce.model.transformer import Linear
+from triforce.speculation.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 

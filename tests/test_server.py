@@ -637,7 +637,7 @@ def test_second_chat_turn_reuses_the_prefix_and_matches_a_cold_run(client, ref):
 
 
 def test_prefix_cache_is_bounded_by_bytes_and_evicts_the_least_recently_used(tiny_folder):
-    from triforce.caches import FullKVCache
+    from triforce.kv.caches import FullKVCache
     from triforce.serve.metrics import ServerMetrics
     from triforce.serve.worker import GenerationWorker
 

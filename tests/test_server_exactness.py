@@ -24,7 +24,7 @@ from test_exactness import GREEDY_NEW, _ids, _models  # noqa: E402
 from test_server import metric, serve_in_thread  # noqa: E402
 from tiny import char_tokenizer, hf_config  # noqa: E402
 from triforce import SpeculationConfig, TriForce  # noqa: E402
-from triforce.loading import LoadedModel  # noqa: E402
+from triforce.formats.loading import LoadedModel  # noqa: E402
 from triforce.serve import ServerDefaults, create_app  # noqa: E402
 
 VOCAB = 96  # the character tokenizer's: every token decodes to its own character

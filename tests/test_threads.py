@@ -72,7 +72,7 @@ def test_huge_pages_back_a_large_tensor():
 
 def test_default_threads_follow_the_affinity_mask():
     code = ("import os; os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]}); "
-            "from triforce.threads import default_threads; print(default_threads())")
+            "from triforce.kernels.threads import default_threads; print(default_threads())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"
@@ -81,7 +81,7 @@ def test_default_threads_follow_the_affinity_mask():
 def test_python_api_threads(tiny_folder):
     import torch
 
-    from triforce.threads import available_cpus
+    from triforce.kernels.threads import available_cpus
 
     try:
         TriForce.load(tiny_folder, threads="auto")
@@ -100,7 +100,7 @@ def test_idle_cpu_probe_sees_a_busy_core():
     code = ("import os, subprocess, sys, time; cpu = sorted(os.sched_getaffinity(0))[0]\n"
             "os.sched_setaffinity(0, {cpu})\n"
             "hog = subprocess.Popen([sys.executable, '-c', 'while True: pass']); time.sleep(0.3)\n"
-            "from triforce.threads import IdleCPUProbe, default_threads\n"
+            "from triforce.kernels.threads import IdleCPUProbe, default_threads\n"
             "p = IdleCPUProbe(); idle = p.idle_cpus(min_window=1.0); hog.kill()\n"
             "print(idle, default_threads(idle))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), timeout=120)
@@ -110,7 +110,7 @@ def test_idle_cpu_probe_sees_a_busy_core():
 
 
 def test_default_threads_counts_cores_at_least_three_quarters_idle():
-    from triforce.threads import available_cpus, default_threads
+    from triforce.kernels.threads import available_cpus, default_threads
 
     assert default_threads(0.0) == default_threads(0.7) == 1
     assert default_threads(float(available_cpus())) == default_threads() >= 1

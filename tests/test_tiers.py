@@ -5,8 +5,8 @@ import torch
 
 from tiny import pair
 from triforce.engine import Engine, SpeculationConfig
-from triforce.ngram import NGramDrafter
-from triforce.sampling import SamplingParams
+from triforce.speculation.ngram import NGramDrafter
+from triforce.speculation.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 

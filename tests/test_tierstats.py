@@ -4,7 +4,7 @@ cut at a position is discounted exactly, and the summary line's wording."""
 import pytest
 
 from triforce import SamplingParams, SpeculationConfig, TriForce
-from triforce.tierstats import TierStats
+from triforce.speculation.stats import TierStats
 
 GREEDY = SamplingParams(temperature=0)
 

@@ -106,7 +106,7 @@ def test_tags_that_are_tokens_of_their_own_are_named_in_the_grammar():
     """Qwen2.5's ``<tool_call>`` is one added token, which llguidance reads as special: its mask offers that token
     for the quoted text but its matcher then refuses it, so the forced grammar names the token."""
     from tiny import tool_tokenizer
-    from triforce.grammar import constraint_for, reads_as_special
+    from triforce.speculation.grammar import constraint_for, reads_as_special
 
     tok = tool_tokenizer()
     assert not reads_as_special(tok, "<tool_call>", len(tok), (2,))  # not a token: the quoted text

@@ -9,10 +9,10 @@ checkpoint read in fp32, and every speculative mode must equal autoregressive gr
 import pytest
 import torch
 
-from triforce import blockcodes
-from triforce.blockcodes import StoredRows, blockcode_linear, codes_from_16bit, concat_outputs
-from triforce.kernels import LINEAR_MAX_ROWS, f32_linear
-from triforce.model import Linear
+from triforce.kernels import blockcodes
+from triforce.kernels.blockcodes import StoredRows, blockcode_linear, codes_from_16bit, concat_outputs
+from triforce.kernels.cpu import LINEAR_MAX_ROWS, f32_linear
+from triforce.model.transformer import Linear
 
 pytestmark = pytest.mark.skipif(not blockcodes.blockcodes_status().startswith("on"),
                                 reason=f"block-code kernel: {blockcodes.blockcodes_status()}")
@@ -93,8 +93,8 @@ def bf16_folder(request, tmp_path_factory):
 
 
 def test_bf16_checkpoint_is_kept_at_two_bytes_and_gives_transformers_logits(bf16_folder):
-    from triforce.caches import FullKVCache
-    from triforce.loading import load_model
+    from triforce.formats.loading import load_model
+    from triforce.kv.caches import FullKVCache
 
     path, hf = bf16_folder
     model = load_model(path).model
@@ -115,8 +115,8 @@ def test_bf16_checkpoint_is_kept_at_two_bytes_and_gives_transformers_logits(bf16
 
 def test_speculative_modes_on_bf16_weights_equal_autoregressive_greedy(bf16_folder):
     from triforce.engine import Engine, SpeculationConfig
-    from triforce.loading import load_model
-    from triforce.sampling import SamplingParams
+    from triforce.formats.loading import load_model
+    from triforce.speculation.sampling import SamplingParams
 
     engine = Engine(load_model(bf16_folder[0]).model)
     g, greedy = torch.Generator().manual_seed(5), SamplingParams(temperature=0)
@@ -133,8 +133,8 @@ def test_speculative_modes_on_bf16_weights_equal_autoregressive_greedy(bf16_fold
 def test_auto_weighs_the_int8_tier_by_its_copys_bytes_not_the_stored_ones(bf16_folder):
     """The int8 tier under a 2-byte verifier reads one byte a weight (half the verifier's), not a quarter as an fp32
     verifier's bytes over 4 would say: ``int8_copy_bytes`` counts the copy ``lower_precision_copy`` makes."""
-    from triforce.loading import load_model
-    from triforce.quant import int8_copy_bytes, lower_precision_copy
+    from triforce.formats.loading import load_model
+    from triforce.model.quant import int8_copy_bytes, lower_precision_copy
 
     model = load_model(bf16_folder[0]).model
     copy = lower_precision_copy(model, "int8")

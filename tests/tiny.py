@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from triforce.config import ModelConfig
-from triforce.model import Transformer
+from triforce.model.config import ModelConfig
+from triforce.model.transformer import Transformer
 
 
 def hf_config(family: str = "llama", vocab: int = 96, hidden: int = 64, layers: int = 2, heads: int = 4,

@@ -33,9 +33,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
+from triforce.kv.retrieval import RetrievalCache  # noqa: E402
 from triforce.lab.analyze import prefill_recorded  # noqa: E402
 from triforce.lab.books import book_prompt, resolve_book  # noqa: E402
-from triforce.retrieval import RetrievalCache  # noqa: E402
 
 #: name -> (score, recent, query_window)
 RULES = {
@@ -175,8 +175,8 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     from triforce.engine import Engine
-    from triforce.loading import load_model
-    from triforce.sampling import SamplingParams
+    from triforce.formats.loading import load_model
+    from triforce.speculation.sampling import SamplingParams
 
     t_all = time.time()
     lm = load_model(args.model)

@@ -3,7 +3,7 @@
     python bench/analysis/batching_profile.py --prompt-tokens 4000 --batch 4 --new-tokens 48 --threads 2
 
 B sequences (each from its own copy of the prompt's KV, T = 0.6) decode ``--new-tokens`` tokens each through
-:class:`~triforce.scheduling.BatchScheduler`; prints the batched and one-at-a-time throughput of two interleaved
+:class:`~triforce.model.batching.BatchScheduler`; prints the batched and one-at-a-time throughput of two interleaved
 runs, then the profile of one more batched run: seconds per call of the attention kernel (one layer of one sequence)
 and of the projections (one weight matrix over the batch's rows), and the bandwidth each implies from the bytes it
 reads, and the 25 functions with the most own time (ms per batched step). Prints JSON.
@@ -37,9 +37,9 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from triforce import SamplingParams, SpeculationConfig, TriForce
-    from triforce.caches import FullKVCache, kv_bytes
+    from triforce.kv.caches import FullKVCache, kv_bytes
     from triforce.lab.books import book_prompt, resolve_book
-    from triforce.scheduling import BatchScheduler
+    from triforce.model.batching import BatchScheduler
 
     tf = TriForce.load(None, threads=args.threads)
     model, n, b, g = tf.target.model, args.prompt_tokens, args.batch, args.new_tokens

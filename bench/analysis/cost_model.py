@@ -107,7 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         acc[tier] = value
     a.acceptance = acc
     try:
-        from triforce.loading import parse_device, parse_dtype
+        from triforce.formats.loading import parse_device, parse_dtype
 
         a.torch_dtype, a.torch_device = parse_dtype(a.dtype), parse_device(a.device)
     except ValueError as e:
@@ -133,7 +133,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_models(a):
     """(target, draft or None, label dict) for the arguments."""
-    from triforce.memory import check_fits
+    from triforce.kv.memory import check_fits
 
     if a.synthetic:
         from triforce.lab.synthetic import random_model, synthetic_config, synthetic_label
@@ -153,7 +153,7 @@ def build_models(a):
         label = synthetic_label(a.synthetic, cfg.num_hidden_layers, d_name)
         label.update(model=target.name, draft=draft.name if draft else "ngram")
         return target, draft, label
-    from triforce.loading import load_model
+    from triforce.formats.loading import load_model
 
     target = load_model(a.model, a.torch_dtype, a.torch_device).model
     draft = load_model(a.draft, a.torch_dtype, a.torch_device).model if a.has_draft else None
@@ -164,8 +164,8 @@ def build_models(a):
 
 def check_memory(a, target, draft) -> None:
     """Refuse, before allocating, a largest context whose caches do not fit."""
-    from triforce.caches import kv_bytes
-    from triforce.memory import check_fits
+    from triforce.kv.caches import kv_bytes
+    from triforce.kv.memory import check_fits
 
     n = max(a.contexts) + max(a.gamma1, a.gamma2) + 2
     needed = {"full KV cache": kv_bytes(target.cfg, n, target.dtype),
@@ -231,8 +231,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     from tqdm import tqdm
 
+    from triforce.kv.memory import InsufficientMemoryError
     from triforce.lab.costmodel import measure_tier_latencies, predict
-    from triforce.memory import InsufficientMemoryError
 
     try:
         target, draft = None, None

@@ -8,7 +8,8 @@ where that pays), in one process, alternately:
 
 * ``autoregressive``: plain decoding of the prompt; each step's wall time (the request's decode time per token,
   what the governor should hold speculation against);
-* ``auto``: the hierarchy :func:`~triforce.auto.plan_hierarchy` chooses, its :class:`~triforce.auto.SpeedGovernor`
+* ``auto``: the hierarchy :func:`~triforce.speculation.auto.plan_hierarchy` chooses, its
+:class:`~triforce.speculation.auto.SpeedGovernor`
   replaced by one that probes ``--probe`` decode steps as the governor does and then never bypasses: each
   speculative step's wall time (``step`` + ``commit``, as the engine times it) and the tokens it emitted.
 
@@ -17,7 +18,7 @@ replayed on each trace (``first_bypass_step``: the index, from 0, of the specula
 have bypassed drafting, null: never; the first speculative step, 0, is never timed, so the index is also the number
 of timed steps at the bypass), each given the probe's decode times the governor would have had:
 
-* ``governor``: :class:`~triforce.auto.SpeedGovernor` as it is (the window's tokens per step against the
+* ``governor``: :class:`~triforce.speculation.auto.SpeedGovernor` as it is (the window's tokens per step against the
   break-even, from the lower quartiles of the step times);
 * ``previous``: the rule it replaced (the time per token of the last 8 and 32 steps against the median of the
   probe's decode steps).
@@ -45,7 +46,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import add_run_options, emit_json  # noqa: E402
-from triforce.auto import SpeedGovernor, lower_quartile  # noqa: E402
+from triforce.speculation.auto import SpeedGovernor, lower_quartile  # noqa: E402
 
 
 class _Recorder(SpeedGovernor):
@@ -61,7 +62,7 @@ class _Recorder(SpeedGovernor):
 
 
 class _Top:
-    """The part of a :class:`~triforce.tiers.ModelTier` a governor touches."""
+    """The part of a :class:`~triforce.speculation.tiers.ModelTier` a governor touches."""
 
     drafter = object()
     drafting = False
@@ -127,9 +128,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     from triforce.engine import Engine, SpeculationConfig
+    from triforce.formats.loading import load_model
     from triforce.lab.books import book_prompt, resolve_book
-    from triforce.loading import load_model
-    from triforce.sampling import SamplingParams
+    from triforce.speculation.sampling import SamplingParams
 
     lm = load_model(None)
     if lm.model.packing_pays():

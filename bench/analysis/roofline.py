@@ -64,8 +64,8 @@ from common import (  # noqa: E402
     random_kv_steps,
     stream_probe,
 )
-from triforce.auto import retrieval_budget  # noqa: E402
 from triforce.defaults import DEFAULTS  # noqa: E402
+from triforce.speculation.auto import retrieval_budget  # noqa: E402
 
 
 def _speedup(tau: float, gamma: int, decode: float, verify: float, propose: float) -> float:
@@ -78,7 +78,7 @@ def main() -> int:
     p.add_argument("--model", help="a GGUF file instead of the embedded SmolLM2 (its block codes)")
     p.add_argument("--context", type=int, default=8000, help="tokens in the KV cache (8000)")
     p.add_argument("--budget", type=int, help="retrieval cache slots (default: auto's under sampling, "
-                   "triforce.auto.retrieval_budget: 1000 at 8K)")
+                   "triforce.speculation.auto.retrieval_budget: 1000 at 8K)")
     p.add_argument("--gamma2", type=int, default=DEFAULTS["gamma2"], help="proposals per verification")
     p.add_argument("--tokens-per-verification", type=float, default=5.5,
                    help="tau, tokens emitted per verification (5.5: `triforce bench` at 8K, T = 0.6)")
@@ -100,9 +100,9 @@ def main() -> int:
         p.error(f"--short-context must be below --context ({args.context}), got {args.short_context}")
     torch.set_num_threads(args.threads)
 
-    from triforce.caches import FullKVCache, kv_bytes
+    from triforce.kv.caches import FullKVCache, kv_bytes
     from triforce.lab.synthetic import fill_random_kv
-    from triforce.model import Linear
+    from triforce.model.transformer import Linear
 
     n, g = args.context, args.gamma2
     # random KV; each forward below rolled back so that every repetition sees the same context (as

@@ -40,11 +40,11 @@ def main() -> int:
     add_run_options(p, None, reps=3)
     args = p.parse_args()
 
-    from triforce import sampling, tiers
     from triforce.api import TriForce
-    from triforce.hierarchy import SpeculationConfig
     from triforce.lab.books import BOOKS_DIR
-    from triforce.sampling import SamplingParams
+    from triforce.speculation import sampling, tiers
+    from triforce.speculation.hierarchy import SpeculationConfig
+    from triforce.speculation.sampling import SamplingParams
 
     spec = SpeculationConfig(mode=args.mode)
     tf = TriForce.load(threads=args.threads)

@@ -7,8 +7,8 @@ For each prompt length (the first N tokens of a book, default pg1342) and each h
 ``retrieval`` with int8 weights and a budget of 1/8 of the prompt, what ``--mode auto`` picks at T = 0.6), B
 sequences generate ``--new-tokens`` tokens each at T = 0.6 / top-p 0.9 with their own seeds:
 
-* ``batched``: all B at once through :class:`~triforce.scheduling.BatchScheduler` (what ``triforce serve --max-batch``
-  runs);
+* ``batched``: all B at once through :class:`~triforce.model.batching.BatchScheduler` (what ``triforce serve
+  --max-batch`` runs);
 * ``one at a time``: the same B sequences one after another (what the server did before, and does with
   ``--max-batch 1``).
 
@@ -56,9 +56,9 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from triforce import SamplingParams, SpeculationConfig, TriForce
-    from triforce.caches import FullKVCache
+    from triforce.kv.caches import FullKVCache
     from triforce.lab.books import book_prompt, resolve_book
-    from triforce.scheduling import BatchScheduler
+    from triforce.model.batching import BatchScheduler
 
     tf = TriForce.load(args.model, threads=args.threads)
     model = tf.target.model

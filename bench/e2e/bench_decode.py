@@ -120,8 +120,8 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     from triforce import Engine, SamplingParams, SpeculationConfig, load_model
-    from triforce.caches import kv_bytes
-    from triforce.prompts import strip_gutenberg
+    from triforce.kv.caches import kv_bytes
+    from triforce.text.prompts import strip_gutenberg
 
     book = os.path.join(BOOKS, args.book)
     if not os.path.isfile(book):

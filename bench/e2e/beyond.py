@@ -97,7 +97,7 @@ def load_book(book: str) -> str | None:
     if not os.path.isfile(path):
         print(f"skipping {book}: not found", file=sys.stderr)
         return None
-    from triforce.prompts import strip_gutenberg
+    from triforce.text.prompts import strip_gutenberg
 
     with open(path, encoding="utf-8") as f:
         return strip_gutenberg(f.read())

@@ -85,9 +85,9 @@ def main() -> int:
 
     from triforce import SamplingParams, SpeculationConfig
     from triforce.engine import Engine
-    from triforce.loading import load_model
-    from triforce.prompts import strip_gutenberg
-    from triforce.quant import lower_precision_copy
+    from triforce.formats.loading import load_model
+    from triforce.model.quant import lower_precision_copy
+    from triforce.text.prompts import strip_gutenberg
 
     with open(os.path.join(BOOKS, args.book), encoding="utf-8") as f:
         text = strip_gutenberg(f.read())

@@ -84,8 +84,8 @@ def main() -> int:
     from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
 
-    from triforce.download import default_model_dir
-    from triforce.prompts import strip_gutenberg
+    from triforce.formats.download import default_model_dir
+    from triforce.text.prompts import strip_gutenberg
 
     folder = args.model or str(default_model_dir())
     gguf = os.path.basename(folder) if folder.endswith(".gguf") else None

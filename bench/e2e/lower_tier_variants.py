@@ -40,7 +40,7 @@ VARIANTS = ("codes_q8", "codes_exact", "head_4bit")
 
 def _head_4bit(lin):
     """A copy of the Linear ``lin`` (block codes) whose codes are its weights requantized to Q4_1-style 4-bit blocks."""
-    from triforce.blockcodes import GROUP, find_block_codes
+    from triforce.kernels.blockcodes import GROUP, find_block_codes
 
     w = lin.codes.dequantize()  # (in, out)
     n_in, n_out = w.shape
@@ -68,12 +68,12 @@ def main() -> int:
     add_run_options(p, None, reps=1)
     args = p.parse_args()
 
-    from triforce import quant
     from triforce.api import TriForce
-    from triforce.decode_step import DecodeStep
-    from triforce.hierarchy import SpeculationConfig
+    from triforce.kernels.decode_step import DecodeStep
     from triforce.lab.books import BOOKS_DIR
-    from triforce.sampling import SamplingParams
+    from triforce.model import quant
+    from triforce.speculation.hierarchy import SpeculationConfig
+    from triforce.speculation.sampling import SamplingParams
 
     with open(f"{BOOKS_DIR}/{args.book}") as f:
         text = f.read()

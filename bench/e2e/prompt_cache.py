@@ -40,7 +40,7 @@ def main() -> int:
     questions = args.question or ["Who is Mr. Bingley?", "What does Mrs. Bennet want?"]
 
     from triforce.lab.books import BOOKS_DIR
-    from triforce.prompts import strip_gutenberg
+    from triforce.text.prompts import strip_gutenberg
 
     cache = Path(args.cache_dir)
     shutil.rmtree(cache, ignore_errors=True)

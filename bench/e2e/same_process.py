@@ -8,9 +8,9 @@ between repetitions, and the medians of the engine's time between tokens are com
     python bench/e2e/same_process.py --book pg2701.txt --prompt-tokens 4000 --new-tokens 64 --reps 3 \
         --modes auto autoregressive --out bench/results/same_process_pg2701_4000.json
 
-A ``--modes`` entry is a mode with optional :class:`~triforce.hierarchy.SpeculationConfig` fields after commas, so
-one process can also compare settings of one mode, e.g. gamma2 of ``auto`` (``auto,gamma2=3``; numbers are read as
-numbers, ``true`` / ``false`` as bools, ``none`` as None):
+A ``--modes`` entry is a mode with optional :class:`~triforce.speculation.hierarchy.SpeculationConfig` fields after
+commas, so one process can also compare settings of one mode, e.g. gamma2 of ``auto`` (``auto,gamma2=3``; numbers are
+read as numbers, ``true`` / ``false`` as bools, ``none`` as None):
 
     python bench/e2e/same_process.py --book pg1342.txt --prompt-tokens 8000 --new-tokens 128 --reps 5 \
         --modes autoregressive auto,gamma2=3 auto,gamma2=6
@@ -72,9 +72,9 @@ def main() -> int:
     args = p.parse_args()
 
     from triforce.api import TriForce
-    from triforce.hierarchy import SpeculationConfig
     from triforce.lab.books import BOOKS_DIR
-    from triforce.sampling import SamplingParams
+    from triforce.speculation.hierarchy import SpeculationConfig
+    from triforce.speculation.sampling import SamplingParams
 
     specs = {m: _spec(m, SpeculationConfig) for m in args.modes}  # bad entries fail before the model loads
     tf = TriForce.load(threads=args.threads)

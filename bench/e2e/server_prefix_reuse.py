@@ -49,8 +49,8 @@ def main() -> int:
     import uvicorn
 
     from triforce import TriForce
-    from triforce.prompts import strip_gutenberg
     from triforce.serve import ServerDefaults, create_app, model_id_for
+    from triforce.text.prompts import strip_gutenberg
 
     if args.threads:
         torch.set_num_threads(args.threads)

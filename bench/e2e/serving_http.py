@@ -223,8 +223,8 @@ def main() -> int:
     sys.path.insert(0, SRC)
     from transformers import AutoTokenizer
 
-    from triforce.download import default_model_dir
-    from triforce.prompts import strip_gutenberg
+    from triforce.formats.download import default_model_dir
+    from triforce.text.prompts import strip_gutenberg
 
     tok = AutoTokenizer.from_pretrained(args.model or str(default_model_dir()))  # a local folder
     DECODE[0] = tok.decode

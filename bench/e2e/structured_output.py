@@ -52,7 +52,7 @@ def main() -> int:
 
     from triforce import SamplingParams, TriForce
     from triforce.lab.books import resolve_book
-    from triforce.prompts import strip_gutenberg
+    from triforce.text.prompts import strip_gutenberg
 
     torch.set_num_threads(args.threads)
     tf = TriForce.load(args.model)

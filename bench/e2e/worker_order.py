@@ -44,7 +44,7 @@ import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it,
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import add_run_options, emit_json  # noqa: E402
 from triforce.defaults import DEFAULTS  # noqa: E402
-from triforce.hugepages import HUGE_PAGES_VAR  # noqa: E402
+from triforce.kernels.hugepages import HUGE_PAGES_VAR  # noqa: E402
 from triforce.lab.bench.methods import (  # noqa: E402
     METHODS,
     PAUSE_BETWEEN_RUNS_S,

@@ -15,7 +15,8 @@ Stages (``--stages``, all by default, run in this order):
    against sequences sampled by ``triforce`` and by ``self:2,retrieval:2``; chi-square p > 1e-3 (as
    tests/test_distribution.py).
 4. ``attention``: one layer's attention for a 7-token verification block of Llama-2-7B at each context: SDPA with
-   the full cache's boolean mask against the lower-right causal bias (:func:`triforce.sdpa.lower_right_attention`).
+   the full cache's boolean mask against the lower-right causal bias
+   (:func:`triforce.kernels.sdpa.lower_right_attention`).
 5. ``compiled``: ``--compile reduce-overhead`` (CUDA graphs of the norms and MLPs): greedy equality of
    autoregressive and ``triforce`` on one prompt (skipped on a CPU, or when the run is past ``--compile-after``
    seconds).
@@ -50,10 +51,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 
-from triforce import cudagraph  # noqa: E402
-from triforce.auto import plan_hierarchy  # noqa: E402
-from triforce.caches import FullKVCache  # noqa: E402
 from triforce.engine import Engine, SpeculationConfig  # noqa: E402
+from triforce.kv.caches import FullKVCache  # noqa: E402
+from triforce.kv.retrieval import RetrievalCache  # noqa: E402
+from triforce.kv.streaming import StreamingCache  # noqa: E402
 from triforce.lab.synthetic import (  # noqa: E402
     fill_random_kv,
     random_model,
@@ -61,9 +62,9 @@ from triforce.lab.synthetic import (  # noqa: E402
     synthetic_config,
     synthetic_label,
 )
-from triforce.retrieval import RetrievalCache  # noqa: E402
-from triforce.sampling import SamplingParams, logits_to_probs  # noqa: E402
-from triforce.streaming import StreamingCache  # noqa: E402
+from triforce.model import cudagraph  # noqa: E402
+from triforce.speculation.auto import plan_hierarchy  # noqa: E402
+from triforce.speculation.sampling import SamplingParams, logits_to_probs  # noqa: E402
 
 
 class CountingBackend(cudagraph.Backend):
@@ -291,10 +292,10 @@ def block_attention(device: torch.device, contexts: list[int], reps: int) -> dic
     """Seconds of one layer's attention for a verification block of 7 tokens of Llama-2-7B (32 heads of 128, bf16)
     over ``n`` cached keys in a cache with room for more (as the full KV cache holds them): SDPA with the full
     cache's boolean block mask (``sdpa.gqa_attention``, what the cache ran before), through
-    :func:`triforce.sdpa.lower_right_attention` (PyTorch's lower-right causal bias: the same visibility, no
+    :func:`triforce.kernels.sdpa.lower_right_attention` (PyTorch's lower-right causal bias: the same visibility, no
     materialised mask), and one query without a mask (a decode step). The block's two outputs must agree."""
-    from triforce.caches import _causal_offset_mask
-    from triforce.sdpa import gqa_attention, lower_right_attention
+    from triforce.kernels.sdpa import gqa_attention, lower_right_attention
+    from triforce.kv.caches import _causal_offset_mask
 
     out = {"rows": []}
     for n in contexts:

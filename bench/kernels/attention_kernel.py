@@ -21,10 +21,10 @@ Three measurements, in one process, repetitions interleaved (kernel and SDPA alt
   autoregressive decode step) and 7 tokens (``full_pass``), the cache attending with SDPA or with the kernel
   (``FullKVCache.kernel_max_block``).
 
-With ``--baseline-source FILE`` (an earlier ``attention.c``, e.g. ``git show HEAD~1:src/triforce/csrc/attention.c``)
-the attention rows also time the kernel built from that file (``baseline``), interleaved with the others, so that a
-change to the kernel is measured against the code before it in one run, and check that both give bitwise the same
-output (``baseline_bitwise_equal``).
+With ``--baseline-source FILE`` (an earlier ``attention.c``, e.g. ``git show
+HEAD~1:src/triforce/kernels/csrc/attention.c``) the attention rows also time the kernel built from that file
+(``baseline``), interleaved with the others, so that a change to the kernel is measured against the code before it in
+one run, and check that both give bitwise the same output (``baseline_bitwise_equal``).
 
 JSON on stdout (and to ``--out``).
 """
@@ -46,7 +46,7 @@ from common import _interleaved, emit_json, floor_bandwidth, gemv_probe, peak_fl
 
 def _with_library(lib, fn):
     """Run ``fn`` with ``kernels.gqa_attention_kernel`` calling the attention library ``lib`` (a kernels._Library)."""
-    from triforce import kernels
+    from triforce.kernels import cpu as kernels
 
     current, kernels._attention = kernels._attention, lib
     try:
@@ -57,9 +57,9 @@ def _with_library(lib, fn):
 
 def attention_rows(shape: tuple[int, int, int, int], context: int, t: int, reps: int, bw: float, peak: float,
                    baseline=None) -> dict:
-    from triforce.caches import _causal_offset_mask
-    from triforce.kernels import gqa_attention_kernel
-    from triforce.sdpa import gqa_attention
+    from triforce.kernels.cpu import gqa_attention_kernel
+    from triforce.kernels.sdpa import gqa_attention
+    from triforce.kv.caches import _causal_offset_mask
 
     layers, nh, nkv, hs = shape
     k = torch.randn(layers, 1, nkv, context + 8, hs)
@@ -88,7 +88,7 @@ def attention_rows(shape: tuple[int, int, int, int], context: int, t: int, reps:
 
 
 def forward_rows(model, context: int, reps: int) -> list[dict]:
-    from triforce.caches import FullKVCache
+    from triforce.kv.caches import FullKVCache
     from triforce.lab.synthetic import fill_random_kv
 
     cache = FullKVCache(model.cfg, capacity=context + 8)
@@ -122,7 +122,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     from pathlib import Path
 
-    from triforce import kernels
+    from triforce.kernels import cpu as kernels
 
     out = {"threads": args.threads, "kernel": kernels.status(), "reps": args.reps}
     baseline = None
@@ -143,7 +143,7 @@ def main() -> int:
     out["attention"] = [attention_rows(shape, c, t, args.reps, bw, peak, baseline)
                         for shape in ((30, 9, 3, 64), (28, 12, 2, 128)) for c in args.contexts for t in args.tokens]
     if not args.no_forward:
-        from triforce.loading import load_model
+        from triforce.formats.loading import load_model
 
         model = load_model(None).model
         model.pack_weights()

@@ -37,7 +37,7 @@ def main() -> int:
     p.add_argument("--out")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from triforce.sdpa import gqa_attention
+    from triforce.kernels.sdpa import gqa_attention
 
     layers, nkv, nh, hs, s = 30, 3, 9, 64, args.context  # SmolLM2-135M
     t_max = max(args.rows)

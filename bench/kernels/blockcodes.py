@@ -1,10 +1,11 @@
 """The block-code products (csrc/blockcodes.c) over the embedded model's own codes, against an earlier build.
 
     python bench/kernels/blockcodes.py --threads 2 --reps 15 --rows 1 7 \
-        --baseline-source <(git show HEAD~1:src/triforce/csrc/blockcodes.c) --out bench/results/blockcodes.json
+        --baseline-source <(git show HEAD~1:src/triforce/kernels/csrc/blockcodes.c) --out bench/results/blockcodes.json
     python bench/kernels/blockcodes.py --threads 2 --reps 21 --rows 1 2 4 7 --q8 --out bench/results/blockcodes_q8.json
     python bench/kernels/blockcodes.py --threads 2 --reps 21 --rows 1 2 4 7 --q8 --baseline-scales fp32 \
-        --baseline-source <(git show 2a25216:src/triforce/csrc/blockcodes.c) --out bench/results/blockcodes_fp16.json
+        --baseline-source <(git show 2a25216:src/triforce/kernels/csrc/blockcodes.c) --out
+        bench/results/blockcodes_fp16.json
 
 For every projection of SmolLM2-135M-Instruct (30 layers of Q4_1 codes, and its Q8_0 LM head: the weights a decode
 step of the verifier reads, ``blockcodes.py``), one ``blockcode_linear`` call each, in order, every matrix distinct
@@ -50,16 +51,16 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from triforce import blockcodes
-    from triforce.loading import load_model
-    from triforce.model import Linear
+    from triforce.formats.loading import load_model
+    from triforce.kernels import blockcodes
+    from triforce.model.transformer import Linear
 
     if not blockcodes.blockcodes_status().startswith("on"):
         p.error(f"block-code kernel: {blockcodes.blockcodes_status()}")
     ours = blockcodes._blockcodes
     libs = {"ours": ours}
     if args.baseline_source:
-        from triforce.download import cache_dir
+        from triforce.formats.download import cache_dir
 
         src = Path(args.baseline_source)
         if not src.exists():

@@ -43,11 +43,12 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from triforce import decode_step, kernels
-    from triforce.caches import FullKVCache
+    from triforce.formats.loading import load_model
+    from triforce.kernels import cpu as kernels
+    from triforce.kernels import decode_step
+    from triforce.kv.caches import FullKVCache
     from triforce.lab.synthetic import fill_random_kv
-    from triforce.loading import load_model
-    from triforce.quant import Int8Linear, lower_precision_copy
+    from triforce.model.quant import Int8Linear, lower_precision_copy
 
     model = load_model(args.model).model
     model.pack_weights()
@@ -60,7 +61,7 @@ def main() -> int:
         m.set_request_length(n + 2)
     full = FullKVCache(cfg, n + 2)
     fill_random_kv(full, n)
-    ret = triforce.retrieval.RetrievalCache(cfg, full, args.budget, 8)
+    ret = triforce.kv.retrieval.RetrievalCache(cfg, full, args.budget, 8)
     fill_random_kv(ret, n, 1)
     one_call = low.decode_step
     gen = torch.Generator().manual_seed(0)

@@ -50,8 +50,8 @@ def _entry(fns: dict, reps: int) -> dict:
 
 
 def _products(rows: int, weights: list, reps: int) -> dict:
-    from triforce.exact import _chunks
-    from triforce.kernels import F32_MAX_ROWS, f32_linear
+    from triforce.kernels.cpu import F32_MAX_ROWS, f32_linear
+    from triforce.kernels.rows import _chunks
 
     out = {}
     for name, ws in (("layer", weights[:4]), ("lm_head", weights[4:])):
@@ -65,9 +65,9 @@ def _products(rows: int, weights: list, reps: int) -> dict:
 
 
 def _coded(context: int, reps: int) -> dict:
-    from triforce.caches import FullKVCache
+    from triforce.formats.loading import load_model
+    from triforce.kv.caches import FullKVCache
     from triforce.lab.synthetic import fill_random_kv
-    from triforce.loading import load_model
 
     model = load_model(None).model
     model.set_request_length(context + 32)
@@ -84,7 +84,7 @@ def _coded(context: int, reps: int) -> dict:
     step = model.decode_step
 
     def before(fn):  # the layers in Python, SDPA past 16 tokens, the rule off: the paths before issue 47
-        import triforce.exact as exact
+        import triforce.kernels.rows as exact
 
         model.decode_step, exact.ROW_INVARIANT = None, False
         for c in [full] + [b[2] for b in batch]:
@@ -123,10 +123,10 @@ def main() -> int:
     add_run_options(p, None, reps=9, sampling=False)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from triforce import kernels
-    from triforce.caches import _causal_offset_mask
-    from triforce.exact import _rowwise, rowwise_attention
-    from triforce.sdpa import gqa_attention
+    from triforce.kernels import cpu as kernels
+    from triforce.kernels.rows import _rowwise, rowwise_attention
+    from triforce.kernels.sdpa import gqa_attention
+    from triforce.kv.caches import _causal_offset_mask
 
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(i, o, generator=gen) * 0.05 for i, o in SHAPES]

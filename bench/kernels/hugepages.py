@@ -66,7 +66,7 @@ def main() -> int:
     args = p.parse_args()
 
     from triforce.api import TriForce
-    from triforce.caches import FullKVCache
+    from triforce.kv.caches import FullKVCache
     from triforce.lab.synthetic import fill_random_kv
 
     tf = TriForce.load(threads=args.threads)

@@ -2,7 +2,7 @@
 
     OMP_WAIT_POLICY=PASSIVE python bench/kernels/kv_layout.py --threads 2 --out bench/results/kv_layout.json
 
-The server gives each request its own contiguous :class:`~triforce.caches.FullKVCache`, sized when the request
+The server gives each request its own contiguous :class:`~triforce.kv.caches.FullKVCache`, sized when the request
 starts for its prompt, its ``max_tokens`` and one verification block (``plan.size_request``), allocated then and
 freed when it ends. vLLM's PagedAttention (Kwon et al., SOSP 2023) instead keeps one pool of fixed-size blocks and
 a block table per sequence. This script measures what that choice costs on this machine, with SmolLM2-135M's
@@ -56,7 +56,7 @@ def rss_bytes() -> int:
 def time_attention(cfg, n_keys: int, reps: int) -> dict:
     """One decode step's attention over every layer of one sequence (each layer's KV distinct, so the step reads
     them from memory as a real one does), contiguous against paged; per layer, median of ``reps``."""
-    from triforce.kernels import gqa_attention_kernel
+    from triforce.kernels.cpu import gqa_attention_kernel
 
     L, nkv, nh, hs = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
     q = torch.randn(1, nh, 1, hs)
@@ -101,8 +101,8 @@ def time_attention(cfg, n_keys: int, reps: int) -> dict:
 def fragmentation(cfg, ops: int, seed: int, after_leave=None) -> dict:
     """``ops`` admissions (up to 8 live caches, a random one leaving first at random); ``after_leave()`` runs after
     each departure. Resident memory is measured against the live caches' bytes."""
-    from triforce.caches import FullKVCache
-    from triforce.memory import release_free_memory
+    from triforce.kv.caches import FullKVCache
+    from triforce.kv.memory import release_free_memory
 
     rng = random.Random(seed)
     gc.collect()
@@ -135,7 +135,7 @@ def fragmentation(cfg, ops: int, seed: int, after_leave=None) -> dict:
 
 
 def fragmentation_variants(ops: int, seed: int, threads: int) -> dict:
-    """:func:`fragmentation` with the C allocator as it is, and with ``triforce.memory.release_free_memory`` after
+    """:func:`fragmentation` with the C allocator as it is, and with ``triforce.kv.memory.release_free_memory`` after
     each departure (what the server does), each in a fresh process (the heap's history is the point)."""
     import subprocess
     import sys
@@ -151,7 +151,7 @@ def fragmentation_variants(ops: int, seed: int, threads: int) -> dict:
 
 def allocation_against_prefill(tf, prompt_tokens: int, reps: int) -> dict:
     from triforce import SamplingParams, SpeculationConfig
-    from triforce.caches import FullKVCache
+    from triforce.kv.caches import FullKVCache
     from triforce.plan import size_request
 
     spec = SpeculationConfig()
@@ -174,7 +174,7 @@ def allocation_against_prefill(tf, prompt_tokens: int, reps: int) -> dict:
 
 def reserved(cfg, prompts=(512, 2048, 8192), max_tokens: int = 256) -> list[dict]:
     from triforce import SpeculationConfig
-    from triforce.caches import kv_bytes
+    from triforce.kv.caches import kv_bytes
     from triforce.plan import size_request
 
     rows = []
@@ -206,7 +206,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     from triforce import TriForce
-    from triforce.memory import release_free_memory
+    from triforce.kv.memory import release_free_memory
 
     if args.fragmentation_only:
         cfg = TriForce.load(None, threads=args.threads).target.model.cfg  # the server's state: the model loaded

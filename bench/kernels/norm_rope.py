@@ -34,19 +34,18 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from triforce import kernels
-    from triforce import model as model_module
-    from triforce import rope as rope_module
-    from triforce.caches import FullKVCache
+    from triforce.formats.loading import load_model
+    from triforce.kernels import cpu as kernels
+    from triforce.kv.caches import FullKVCache
     from triforce.lab.synthetic import fill_random_kv
-    from triforce.loading import load_model
+    from triforce.model import transformer as model_module
 
     model = load_model(None).model
     on = {"rms_norm": kernels.rms_norm, "rope": kernels.rope}
 
     def use(kernel: bool) -> None:
         model_module.rms_norm = on["rms_norm"] if kernel else (lambda *a: None)
-        rope_module.rope_kernel = on["rope"] if kernel else (lambda *a: None)
+        kernels.rope = on["rope"] if kernel else (lambda *a: None)  # apply_rope calls it by name
 
     results = []
     gen = torch.Generator().manual_seed(0)

@@ -57,16 +57,16 @@ def main() -> int:
     add_run_options(p, None, reps=50, out_help="write the JSON there")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from triforce.sampling import SamplingParams, logits_to_probs, sample
+    from triforce.speculation.sampling import SamplingParams, logits_to_probs, sample
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     if args.flat:
         logits = torch.randn(7, 49152, generator=torch.Generator().manual_seed(0)) * 0.05
         source = "N(0, 0.05) noise"
     else:
-        from triforce.caches import FullKVCache
+        from triforce.formats.loading import load_model
+        from triforce.kv.caches import FullKVCache
         from triforce.lab.books import book_prompt, resolve_book
-        from triforce.loading import load_model
 
         loaded = load_model(None)
         ids = book_prompt(loaded.tokenizer, resolve_book("pg1342.txt"), 512)
@@ -76,7 +76,7 @@ def main() -> int:
                         num_logits=len(ids))
         logits = out[0, -7:].float()  # (7, V): the model's logits at the last 7 positions
         source = "SmolLM2-135M-Instruct's logits at the last 7 of 512 tokens of pg1342"
-    from triforce import sampling
+    from triforce.speculation import sampling
 
     kernel_rows = sampling._kernel_rows
 

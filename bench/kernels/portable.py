@@ -48,7 +48,8 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from triforce import blockcodes, kernels
+    from triforce.kernels import blockcodes
+    from triforce.kernels import cpu as kernels
 
     native = (kernels._linear, blockcodes._blockcodes, kernels._attention)  # this CPU's builds, loaded
     for lib in native:

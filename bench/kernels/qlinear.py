@@ -52,7 +52,7 @@ def main() -> int:
                    help="which build of csrc/qlinear.c to time (native: this CPU's best, what the product runs)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from triforce import kernels
+    from triforce.kernels import cpu as kernels
 
     if args.build != "native":
         kernels._linear = kernels.linear_build(args.build)

@@ -42,11 +42,11 @@ def main() -> int:
         p.error(f"--tokens must be >= 1 and fit in the budget beside a chunk, got {args.tokens}")
     torch.set_num_threads(args.threads)
 
-    from triforce.caches import FullKVCache
+    from triforce.formats.loading import load_model
+    from triforce.kv.caches import FullKVCache
+    from triforce.kv.retrieval import RetrievalCache
     from triforce.lab.synthetic import fill_random_kv, random_query
-    from triforce.loading import load_model
-    from triforce.quant import lower_precision_copy
-    from triforce.retrieval import RetrievalCache
+    from triforce.model.quant import lower_precision_copy
 
     model = load_model(None).model
     codes = lower_precision_copy(model, "codes")

@@ -39,10 +39,11 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from triforce import exact, kernels
-    from triforce.caches import FullKVCache
+    from triforce.formats.loading import load_model
+    from triforce.kernels import cpu as kernels
+    from triforce.kernels import rows as exact
+    from triforce.kv.caches import FullKVCache
     from triforce.lab.synthetic import fill_random_kv
-    from triforce.loading import load_model
 
     plain = load_model(None).model
     packed = load_model(None).model

@@ -1,7 +1,7 @@
 """The one-call decode step (``csrc/decode_step.c``) of this tree against a build of an earlier source, in the
 forwards ``auto`` runs at a long context.
 
-    git show HEAD~1:src/triforce/csrc/decode_step.c > /tmp/decode_step_before.c
+    git show HEAD~1:src/triforce/kernels/csrc/decode_step.c > /tmp/decode_step_before.c
     python bench/kernels/step_source.py --baseline-source /tmp/decode_step_before.c --context 8000 --reps 21 \
         --out bench/results/step_source.json
 
@@ -41,8 +41,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
 from common import add_run_options, emit_json, random_kv_steps  # noqa: E402
-from triforce.auto import retrieval_budget  # noqa: E402
 from triforce.defaults import DEFAULTS  # noqa: E402
+from triforce.speculation.auto import retrieval_budget  # noqa: E402
 
 CHUNK = DEFAULTS["chunk_size"]  # the retrieval cache's chunk, as auto builds it
 
@@ -62,7 +62,7 @@ def main() -> int:
     for name in ("context", "tokens", "calls"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    from triforce.decode_step import MAX_BLOCK
+    from triforce.kernels.decode_step import MAX_BLOCK
     if args.tokens > MAX_BLOCK:
         p.error(f"--tokens must be at most {MAX_BLOCK} (one call's block), got {args.tokens}")
     if args.budget is None:
@@ -72,8 +72,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     # the baseline built and its function found before the model loads
-    from triforce import decode_step, kernels
-    from triforce.download import cache_dir
+    from triforce.formats.download import cache_dir
+    from triforce.kernels import cpu as kernels
+    from triforce.kernels import decode_step
 
     try:
         lib = ctypes.CDLL(str(kernels._build(cache_dir() / "kernels", args.baseline_source.resolve(),

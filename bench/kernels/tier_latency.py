@@ -41,9 +41,9 @@ def main() -> int:
     add_run_options(p, None, reps=5, sampling=False, out_help="append the JSON lines to this file too")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    from triforce.formats.loading import load_model
     from triforce.lab.costmodel import measure_tier_latencies
-    from triforce.loading import load_model
-    from triforce.quant import lower_precision_copy
+    from triforce.model.quant import lower_precision_copy
 
     model = load_model(None).model
     model.pack_weights()

@@ -55,13 +55,13 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from triforce.blockcodes import blockcode_linear, dense_weight_t
-    from triforce.download import download_default_model
     from triforce.engine import Engine
-    from triforce.kernels import f32_linear
+    from triforce.formats.download import download_default_model
+    from triforce.kernels.blockcodes import blockcode_linear, dense_weight_t
+    from triforce.kernels.cpu import f32_linear
     from triforce.lab.books import BOOKS_DIR
-    from triforce.prompts import strip_gutenberg
-    from triforce.sampling import SamplingParams
+    from triforce.speculation.sampling import SamplingParams
+    from triforce.text.prompts import strip_gutenberg
 
     src = Path(args.model).expanduser() if args.model else Path(download_default_model())
     dst = Path(args.bf16_folder).expanduser()
@@ -86,7 +86,7 @@ def main() -> int:
     # the loader's model before: every weight widened to an fp32 copy
     from safetensors.torch import load_file
 
-    from triforce.model import Transformer
+    from triforce.model.transformer import Transformer
 
     state = {}
     for f in sorted(dst.glob("*.safetensors")):

@@ -1,4 +1,4 @@
-"""A GGUF file read as stored (src/triforce/ggufcodes.py): load, parity with transformers, one-row products, prefill
+"""A GGUF file read as stored (formats/ggufcodes.py): load, parity with transformers, one-row products, prefill
 GEMM.
 
     python bench/loading/gguf_stored.py --model ~/.cache/triforce/qwen2.5-coder/qwen-coder-1.5b.gguf --threads 2 \
@@ -53,8 +53,8 @@ def main() -> int:
         p.error(f"--model must be a .gguf file, got {args.model!r}")
     torch.set_num_threads(args.threads)
 
-    from triforce.blockcodes import blockcode_linear
-    from triforce.caches import FullKVCache
+    from triforce.kernels.blockcodes import blockcode_linear
+    from triforce.kv.caches import FullKVCache
 
     lm, load = timed_load(path)
     model = lm.model

@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-FILES = ("src/triforce/blockcodes.py", "src/triforce/ggufcodes.py", "src/triforce/csrc/blockcodes.c")
+FILES = ("src/triforce/kernels/blockcodes.py", "src/triforce/formats/ggufcodes.py",
+         "src/triforce/kernels/csrc/blockcodes.c")
 
 
 def child(model: str, threads: int, prompt_tokens: int, new_tokens: int) -> None:
@@ -41,7 +42,7 @@ def child(model: str, threads: int, prompt_tokens: int, new_tokens: int) -> None
 
     import triforce
     from triforce import SamplingParams, SpeculationConfig, TriForce
-    from triforce.model import Linear
+    from triforce.model.transformer import Linear
 
     t0 = time.perf_counter()
     tf = TriForce.load(model, threads=threads)
@@ -75,8 +76,8 @@ def product_sweeps(model: str, threads: int, reps: int) -> dict:
     import torch
 
     from triforce import TriForce
-    from triforce.blockcodes import blockcode_linear
-    from triforce.model import Linear
+    from triforce.kernels.blockcodes import blockcode_linear
+    from triforce.model.transformer import Linear
 
     torch.set_num_threads(threads)
     tf = TriForce.load(model, threads=threads)

@@ -1,4 +1,4 @@
-"""Peak memory and time of loading one model, as ``triforce.loading.load_model`` does it for every entry point.
+"""Peak memory and time of loading one model, as ``triforce.formats.loading.load_model`` does it for every entry point.
 
     python bench/loading/load_memory.py ~/.cache/triforce/qwen2.5-coder/qwen-coder-1.5b.gguf \
         --out bench/results/load_memory_qwen1.5b.json
@@ -35,7 +35,7 @@ def main() -> int:
     p.add_argument("--out", default=None, help="write the JSON there")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from triforce.loading import load_model
+    from triforce.formats.loading import load_model
 
     t0 = time.perf_counter()
     loaded = load_model(args.model, dtype=args.dtype)

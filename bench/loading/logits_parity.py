@@ -3,9 +3,10 @@
     python bench/loading/logits_parity.py ~/.cache/triforce/qwen2.5-coder/qwen-coder-0.5b.gguf [--tokens 200]
 
 Reads the first ``--tokens`` tokens of a book (from character 5,000 of pg1342 by default), runs our model
-(``triforce.loading.load_model``, fp32, one prefill over a full KV cache) and transformers' (``from_pretrained`` with
-``gguf_file=``, fp32), and prints one JSON line: the largest absolute difference of the logits and the share of
-positions whose argmax agrees. Used in docs/history.md to rule out a loading error behind a low acceptance.
+(``triforce.formats.loading.load_model``, fp32, one prefill over a full KV cache) and transformers'
+(``from_pretrained`` with ``gguf_file=``, fp32), and prints one JSON line: the largest absolute difference of the logits
+and the share of positions whose argmax agrees. Used in docs/history.md to rule out a loading error behind a low
+acceptance.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    from triforce.caches import FullKVCache
-    from triforce.loading import load_model
+    from triforce.formats.loading import load_model
+    from triforce.kv.caches import FullKVCache
 
     lm = load_model(args.gguf)
     text = Path(args.book).read_text(encoding="utf-8", errors="replace")[5000:5000 + 40 * args.tokens]

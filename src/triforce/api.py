@@ -18,17 +18,17 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Generator, Sequence
 
-from .caches import KV_DTYPES
-from .config import check_rope_scaling
 from .defaults import DEFAULTS
-from .detok import IncrementalDetokenizer
 from .engine import Engine, GenerationStats, SpeculationConfig
-from .grammar import constraint_for
-from .loading import LoadedModel, ModelLoadError, load_model
-from .logprobs import TokenLogprob, check_top_logprobs, prompt_logprobs
+from .formats.loading import LoadedModel, ModelLoadError, load_model
+from .kv.caches import KV_DTYPES
+from .model.config import check_rope_scaling
 from .plan import cache_capacity
-from .prompts import encode_prompt_cut
-from .sampling import SamplingParams
+from .speculation.grammar import constraint_for
+from .speculation.logprobs import TokenLogprob, check_top_logprobs, prompt_logprobs
+from .speculation.sampling import SamplingParams
+from .text.detok import IncrementalDetokenizer
+from .text.prompts import encode_prompt_cut
 
 
 class TokenizerMismatchError(ValueError):
@@ -50,12 +50,11 @@ class GenerationResult:
     """The outcome of :meth:`TriForce.generate`.
 
     Attributes:
-        text: generated text (cut before a stop string).
-        token_ids: generated token ids (through the token that completed a stop string or the EOS).
-        finish_reason: ``eos``, ``stop``, ``length`` or ``interrupted`` (Ctrl-C).
-        stats: :class:`~triforce.engine.GenerationStats`.
-        logprobs: with ``SamplingParams(logprobs=...)``, one :class:`~triforce.logprobs.TokenLogprob` per token of
-            ``token_ids``; else None.
+        text: generated text (cut before a stop string). token_ids: generated token ids (through the token that
+        completed a stop string or the EOS). finish_reason: ``eos``, ``stop``, ``length`` or ``interrupted`` (Ctrl-C).
+        stats: :class:`~triforce.engine.GenerationStats`. logprobs: with ``SamplingParams(logprobs=...)``, one
+        :class:`~triforce.speculation.logprobs.TokenLogprob` per
+            token of ``token_ids``; else None.
     """
 
     text: str
@@ -90,7 +89,7 @@ class TriForce:
         draft: an optional loaded draft model sharing the target's tokenizer, ``"ngram"`` for the model-free
             n-gram drafter, or ``"self"`` for the target drafting for itself with int4 weights (no second model).
         offload_kv, on_chip_layers, kv_dtype: KV-cache offloading and dtype (see :class:`~triforce.engine.Engine`).
-        prompt_cache: a directory of prompt caches (``promptcache.py``): each request first loads the longest prefix
+        prompt_cache: a directory of prompt caches (``kv/promptcache.py``): each request first loads the longest prefix
             of its prompt that a file there holds, and a request that computed at least ``prompt_cache_min_tokens``
             new tokens writes its full KV cache there; ``prompt_cache_max_bytes`` caps the directory (least recently
             used first; None: no cap). None: no files.
@@ -118,7 +117,7 @@ class TriForce:
                              offload_kv=offload_kv, on_chip_layers=on_chip_layers, kv_dtype=kv_dtype)
         self.prompt_cache = None
         if prompt_cache is not None:
-            from .promptcache import PromptCache, model_key
+            from .kv.promptcache import PromptCache, model_key
 
             key = model_key(target.source, target.model.cfg, target.model.dtype, self.engine.kv_dtype)
             self.prompt_cache = PromptCache(prompt_cache, key, prompt_cache_max_bytes, prompt_cache_min_tokens)
@@ -135,21 +134,21 @@ class TriForce:
              rope_factor: float | None = DEFAULTS["rope_factor"]) -> "TriForce":
         """Load the target (default: the embedded SmolLM2-135M-Instruct) and an optional draft (a model source,
         ``"ngram"`` for the model-free drafter or ``"self"`` for the target's own int4 copy); see :func:`load_model`.
-        With ``tp`` (a :class:`~triforce.parallel.TensorParallel`) the target is this rank's shard and the draft is
-        replicated; ``offload_kv`` / ``on_chip_layers`` / ``kv_dtype``: see :class:`~triforce.engine.Engine` (``dtype``
-        and ``kv_dtype`` take the command line's names, :data:`~triforce.caches.KV_DTYPES`: ``"bf16"`` too);
-        ``quantize="int8"`` runs the target itself with weight-only int8 (``quant.py``; it changes the output
-        distribution); ``packed_weights`` adds oneDNN-prepacked weights for multi-token passes on the CPU
-        (:meth:`~triforce.model.Transformer.pack_weights`; one more copy of the weights); None (auto): on a CPU in fp32
-        where our fp32 kernel for a few rows cannot run and that copy takes at most a quarter of the free memory
-        (:meth:`~triforce.model.Transformer.packing_pays`). ``threads``: CPU threads for torch, for the whole process
-        (``torch.set_num_threads``): an integer, ``"auto"`` (the command line's default: one per
-        physical core that other programs leave idle while the model loads, :mod:`triforce.threads`), or None to
-        leave torch's current setting. ``prompt_cache``, ``prompt_cache_max_bytes``,
-        ``prompt_cache_min_tokens``: see :class:`TriForce` (checked, and the directory created, before any model loads).
-        ``rope_scaling``, ``rope_factor``: the target's RoPE scaling override, e.g. ``"yarn", 4.0`` (see
-        :func:`load_model`; it changes the model); the draft keeps its own RoPE, since a StreamingLLM cache shows it
-        distances of at most ``draft_sink + draft_window - 1`` whatever the position (``self`` is the target's copy).
+        With ``tp`` (a :class:`~triforce.model.parallel.TensorParallel`) the target is this rank's shard and the draft
+        is replicated; ``offload_kv`` / ``on_chip_layers`` / ``kv_dtype``: see :class:`~triforce.engine.Engine`
+        (``dtype`` and ``kv_dtype`` take the command line's names, :data:`~triforce.kv.caches.KV_DTYPES`: ``"bf16"``
+        too); ``quantize="int8"`` runs the target itself with weight-only int8 (``model/quant.py``; it changes the
+        output distribution); ``packed_weights`` adds oneDNN-prepacked weights for multi-token passes on the CPU
+        (:meth:`~triforce.model.transformer.Transformer.pack_weights`; one more copy of the weights); None (auto): on a
+        CPU in fp32 where our fp32 kernel for a few rows cannot run and that copy takes at most a quarter of the free
+        memory (:meth:`~triforce.model.transformer.Transformer.packing_pays`). ``threads``: CPU threads for torch, for
+        the whole process (``torch.set_num_threads``): an integer, ``"auto"`` (the command line's default: one per
+        physical core that other programs leave idle while the model loads, :mod:`triforce.kernels.threads`), or None to
+        leave torch's current setting. ``prompt_cache``, ``prompt_cache_max_bytes``, ``prompt_cache_min_tokens``: see
+        :class:`TriForce` (checked, and the directory created, before any model loads). ``rope_scaling``,
+        ``rope_factor``: the target's RoPE scaling override, e.g. ``"yarn", 4.0`` (see :func:`load_model`; it changes
+        the model); the draft keeps its own RoPE, since a StreamingLLM cache shows it distances of at most ``draft_sink
+        + draft_window - 1`` whatever the position (``self`` is the target's copy).
 
         Raises:
             ValueError: an unknown ``quantize`` or ``kv_dtype``, or ``threads`` not ``"auto"``, None or an integer in
@@ -158,12 +157,12 @@ class TriForce:
             raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:  # the command line's --kv-dtype names, aliases too
             raise ValueError(f"kv_dtype must be None or one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-        from .threads import IdleCPUProbe, check_threads, default_threads, set_threads
+        from .kernels.threads import IdleCPUProbe, check_threads, default_threads, set_threads
 
         check_threads(threads)
         check_rope_scaling(rope_scaling, rope_factor)
         if prompt_cache is not None:
-            from .promptcache import check_options
+            from .kv.promptcache import check_options
 
             check_options(prompt_cache, prompt_cache_max_bytes, prompt_cache_min_tokens)
         probe = IdleCPUProbe() if threads == "auto" else None  # measured over the loading below
@@ -171,7 +170,7 @@ class TriForce:
             set_threads(threads)
         target = load_model(model, dtype, device, tp=tp, rope_scaling=rope_scaling, rope_factor=rope_factor)
         if quantize:
-            from .quant import lower_precision_copy
+            from .model.quant import lower_precision_copy
 
             target.model = lower_precision_copy(target.model, quantize)
         if tp is not None:
@@ -180,7 +179,7 @@ class TriForce:
         if draft in ("ngram", "self"):
             draft_model = draft
         elif draft is not None:
-            from .parallel import agree_on_fit
+            from .model.parallel import agree_on_fit
 
             try:  # the draft is replicated: its weights must fit on every rank
                 draft_model = agree_on_fit(tp, lambda: load_model(draft, dtype, device))
@@ -200,14 +199,14 @@ class TriForce:
 
     def compile(self, mode: str = "default") -> None:
         """``torch.compile`` the target's (and the draft's) fixed-shape block code; see
-        :meth:`~triforce.model.Transformer.compile_blocks` (ValueError for an unknown mode)."""
+        :meth:`~triforce.model.transformer.Transformer.compile_blocks` (ValueError for an unknown mode)."""
         self.target.model.compile_blocks(mode)
         if self.draft is not None:
             self.draft.model.compile_blocks(mode)
 
     def set_cuda_graphs(self, on: bool) -> None:
         """Replay the target's (and the draft's) fixed-shape forwards on a GPU as CUDA graphs (True) or run every
-        forward eagerly (False, ``DEFAULTS["cuda_graphs"]``); see ``cudagraph.py``. Nothing changes on a CPU."""
+        forward eagerly (False, ``DEFAULTS["cuda_graphs"]``); see ``model/cudagraph.py``. Nothing changes on a CPU."""
         self.target.model.cuda_graphs = bool(on)
         if self.draft is not None:
             self.draft.model.cuda_graphs = bool(on)
@@ -215,7 +214,7 @@ class TriForce:
     @property
     def default_mode(self) -> str:
         """``DEFAULTS["mode"]``, ``auto``: the hierarchy chosen per request and bypassed while it does not pay
-        (``auto.py``)."""
+        (``speculation/auto.py``)."""
         return DEFAULTS["mode"]
 
     def encode(self, prompt: str, chat: bool = False, system: str | None = None,
@@ -225,15 +224,15 @@ class TriForce:
 
     def encode_cut(self, prompt: str, chat: bool = False, system: str | None = None,
                    max_prompt_tokens: int | None = None, document: str | None = None):
-        """Prompt text -> ``(token ids, cut)``, ``cut`` a :class:`~triforce.prompts.PromptCut` saying what
-        ``max_prompt_tokens`` dropped, or None (see :func:`~triforce.prompts.encode_prompt_cut`).
+        """Prompt text -> ``(token ids, cut)``, ``cut`` a :class:`~triforce.text.prompts.PromptCut` saying what
+        ``max_prompt_tokens`` dropped, or None (see :func:`~triforce.text.prompts.encode_prompt_cut`).
 
         With ``document``, ``prompt`` is a question about it: the prompt is the document, a blank line and the
         question (one user message with ``chat``), the document first so that a follow-up question about the same
         document reuses its KV cache; ``max_prompt_tokens`` then cuts the document, never the question.
 
         Raises:
-            ValueError: ``prompt`` or ``document`` is not a string, or see :func:`~triforce.prompts.encode_prompt`.
+            ValueError: ``prompt`` or ``document`` is not a string, or see :func:`~triforce.text.prompts.encode_prompt`.
         """
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
@@ -260,10 +259,10 @@ class TriForce:
             response_format: structured output, OpenAI's ``{"type": "json_object"}`` or ``{"type": "json_schema",
                 "json_schema": {"schema": {...}}}`` (or ``regex`` / ``lark``): every tier samples from its
                 distribution masked to what the grammar allows, so the output is exactly the constrained target
-                distribution (``grammar.py``; needs llguidance, the ``grammar`` extra). None: unconstrained.
+                distribution (``speculation/grammar.py``; needs llguidance, the ``grammar`` extra). None: unconstrained.
 
-        Text is detokenized incrementally (:class:`~triforce.detok.IncrementalDetokenizer`: work linear in the output);
-        a character split over several tokens comes out whole with the token that completes it.
+        Text is detokenized incrementally (:class:`~triforce.text.detok.IncrementalDetokenizer`: work linear in the
+        output); a character split over several tokens comes out whole with the token that completes it.
 
         Raises:
             ValueError: bad arguments (named), before any model work.
@@ -304,7 +303,7 @@ class TriForce:
             for tok in gen:
                 out.append(tok)
                 lp = None
-                if log is not None:  # the verifier logged one entry per token it emitted (logprobs.py)
+                if log is not None:  # the verifier logged one entry per token it emitted (speculation/logprobs.py)
                     lp = self.engine.logprob_log[len(out) - 1]
                     log.append(lp)
                 delta = detok.add(tok)
@@ -350,8 +349,8 @@ class TriForce:
                         progress: Callable[[int], None] | None = None) -> list[TokenLogprob | None]:
         """Log-probability of each prompt token given those before it under the target model (the first token has
         none: None), with ``top_logprobs`` alternatives each: one pass of the target over the prompt
-        (:func:`~triforce.logprobs.prompt_logprobs`; what ``echo`` reports on ``/v1/completions``); ``progress``:
-        called with each chunk's tokens (it may raise to stop).
+        (:func:`~triforce.speculation.logprobs.prompt_logprobs`; what ``echo`` reports on ``/v1/completions``);
+        ``progress``: called with each chunk's tokens (it may raise to stop).
 
         Raises:
             ValueError, InsufficientMemoryError: before any model work (:meth:`check_prompt_logprobs`).
@@ -395,7 +394,7 @@ class TriForce:
         Args:
             prompt: one prompt (text or token ids), as :meth:`stream` takes it.
             prompts: several prompts instead: they run together, up to ``max_batch`` at a time, with their model
-                forwards batched (continuous batching, ``scheduling.py``); each has its own caches and random
+                forwards batched (continuous batching, ``model/batching.py``); each has its own caches and random
                 generator, so its result is the one it gets alone (token for token under greedy decoding, in
                 distribution under sampling). ``max_new_tokens``, ``sampling``, ``seed`` and ``spec`` may each be one
                 value for every prompt or a list with one per prompt.
@@ -439,8 +438,8 @@ class TriForce:
     PER_PROMPT = ("max_new_tokens", "sampling", "seed", "spec")  # generate(prompts=...) arguments given per prompt
 
     def _generate_batch(self, prompts, max_batch: int, kwargs: dict) -> list[GenerationResult]:
-        from .memory import check_fits
-        from .scheduling import BatchScheduler, Cancelled
+        from .kv.memory import check_fits
+        from .model.batching import BatchScheduler, Cancelled
 
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of prompts (texts or token-id lists), "

@@ -1,10 +1,10 @@
 """Every default of triforce's options, in one place (torch-free).
 
-The library (:class:`~triforce.hierarchy.SpeculationConfig`, :class:`~triforce.sampling.SamplingParams` through
-its callers, :class:`~triforce.serve.schema.ServerDefaults`, :func:`~triforce.auto.plan_hierarchy`), the command
-line (``triforce.cli.options`` builds every shared option from these tables), the research tools
-(``triforce.lab``) and README's options table read their defaults here; ``tests/test_layout.py`` checks README's
-table against the parser.
+The library (:class:`~triforce.speculation.hierarchy.SpeculationConfig`,
+:class:`~triforce.speculation.sampling.SamplingParams` through its callers,
+:class:`~triforce.serve.schema.ServerDefaults`, :func:`~triforce.speculation.auto.plan_hierarchy`), the command line
+(``triforce.cli.options`` builds every shared option from these tables), the research tools (``triforce.lab``) and
+README's options table read their defaults here; ``tests/test_layout.py`` checks README's table against the parser.
 
 Keys are the options' ``dest`` names (``--chunk-size`` -> ``chunk_size``). None means "off" or "chosen at run
 time" (the option's help says how).
@@ -12,15 +12,20 @@ time" (the option's help says how).
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import platformdirs
+
 #: dtypes of weights and KV caches, by name
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-#: weights of the ``self`` tier (the target's own weights, quantized; ``quant.py``)
+#: weights of the ``self`` tier (the target's own weights, quantized; ``model/quant.py``)
 SELF_WEIGHTS = ("int4", "int8", "bfloat16")
 #: weights of the tiers below the verifier (``--lower-weights``; ``quant.lower_precision_copy``)
 LOWER_WEIGHTS = ("int8", "int4", "bfloat16", "codes")
 #: every name a dtype option takes, on the command line and in the Python API alike (``--dtype``, ``--kv-dtype``,
 #: ``--lower-kv-dtype``; ``dtype``, ``kv_dtype``, ``lower_kv_dtype``) -> its name in :data:`DTYPE_NAMES`; the torch
-#: dtypes: ``triforce.caches.KV_DTYPES``. A lower tier's cache may be float32 under a bf16/fp16 verifier
+#: dtypes: ``triforce.kv.caches.KV_DTYPES``. A lower tier's cache may be float32 under a bf16/fp16 verifier
 DTYPE_ALIASES = {**{name: name for name in DTYPE_NAMES}, "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: ``--packed-weights`` values
 PACKED_WEIGHTS = ("auto", "on", "off")
@@ -34,20 +39,21 @@ ROPE_SCALINGS = ("yarn", "linear", "dynamic")
 #: options shared by ``generate``, ``serve``, ``bench``, ``analyze`` and the Python API
 DEFAULTS: dict[str, object] = {
     # model
-    "model": None,  # the embedded SmolLM2-135M-Instruct (download.py)
-    "draft": None,  # --mode auto picks the bottom tier (auto.py)
+    "model": None,  # the embedded SmolLM2-135M-Instruct (formats/download.py)
+    "draft": None,  # --mode auto picks the bottom tier (speculation/auto.py)
     "dtype": "float32",
     "device": "cpu",
-    "threads": None,  # one thread per physical core other programs leave idle (threads.py)
+    "threads": None,  # one thread per physical core other programs leave idle (kernels/threads.py)
     "kv_dtype": None,  # as --dtype
     "quantize": None,
     "packed_weights": "auto",
     "compile": None,
-    # the retrieval tier's forwards on a GPU (cudagraph.py): off until bench/gpu/gpu_check.py has run them on a GPU
+    # the retrieval tier's forwards on a GPU (model/cudagraph.py): off until bench/gpu/gpu_check.py has run them on a
+    # GPU
     "cuda_graphs": "off",
     "offload_kv": False,
     "on_chip_layers": None,  # chosen by the memory planner
-    "prompt_cache": None,  # no prompt cache files (promptcache.py)
+    "prompt_cache": None,  # no prompt cache files (kv/promptcache.py)
     "prompt_cache_max_bytes": None,  # no cap on the directory
     "prompt_cache_min_tokens": 64,  # a request writes its KV when it computed at least this many new tokens
     "rope_scaling": None,  # the checkpoint's RoPE (config.with_rope_scaling: yarn, linear, dynamic)
@@ -78,7 +84,7 @@ DEFAULTS: dict[str, object] = {
     "lower_weights": None,
     "lower_kv_dtype": None,
     "tiers": None,
-    # batching (continuous batching of concurrent generations, scheduling.py)
+    # batching (continuous batching of concurrent generations, model/batching.py)
     "max_batch": 8,
 }
 
@@ -135,3 +141,9 @@ def default(name: str, command: str | None = None) -> object:
     if name in DEFAULTS:
         return DEFAULTS[name]
     raise KeyError(f"no default for option {name!r}" + (f" of {command}" if command else ""))
+
+
+def cache_dir() -> Path:
+    """Folder where triforce keeps the default model, built kernels and derived files: ``$TRIFORCE_CACHE``, else the
+    user cache folder (``platformdirs.user_cache_dir("triforce")``). Not created here."""
+    return Path(os.environ.get("TRIFORCE_CACHE") or platformdirs.user_cache_dir("triforce"))

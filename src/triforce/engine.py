@@ -1,18 +1,18 @@
 """The engine: builds the tier hierarchy of a request's plan, prefills, runs the decode loop, measures.
 
-A request is checked, sized and placed once (:meth:`Engine.plan`, a :class:`~triforce.plan.RequestPlan`); the
-hierarchy (:class:`~triforce.hierarchy.SpeculationConfig`) and the plan are all :meth:`Engine.build_hierarchy`
-needs. Tools reach the engine through public hooks only (:attr:`Engine.full_cache`, :attr:`Engine.prefix_tokens`,
+A request is checked, sized and placed once (:meth:`Engine.plan`, a :class:`~triforce.plan.RequestPlan`); the hierarchy
+(:class:`~triforce.speculation.hierarchy.SpeculationConfig`) and the plan are all :meth:`Engine.build_hierarchy` needs.
+Tools reach the engine through public hooks only (:attr:`Engine.full_cache`, :attr:`Engine.prefix_tokens`,
 :meth:`Engine.adopt_prefix`, :meth:`Engine.forget_prefix`, :meth:`Engine.lower_model`).
 
-Modes (all lossless; see ``tiers.py`` for the tiers):
+Modes (all lossless; see ``speculation/tiers.py`` for the tiers):
 
 ================  =====================================================================
 ``autoregressive`` target + full cache, one token per forward
 ``retrieval``      target + retrieval cache drafts gamma2 tokens for target + full cache
 ``draft``          draft model + StreamingLLM cache drafts gamma2 tokens for target + full
 ``triforce``       draft drafts gamma1 for target + retrieval, which drafts gamma2 for target + full
-``auto``           one of the above, chosen per request, bypassed while it does not pay (``auto.py``)
+``auto``           one of the above, chosen per request, bypassed while it does not pay (``speculation/auto.py``)
 ================  =====================================================================
 
 The bottom drafter of ``draft`` and ``triforce`` is a draft model, the model-free n-gram drafter (``ngram``), or
@@ -34,26 +34,33 @@ from typing import Callable, Generator
 
 import torch
 
-from .auto import SpeedGovernor, bf16_cache_reads_fast, plan_hierarchy
-from .caches import KV_DTYPES, FullKVCache, kv_bytes  # noqa: F401  (KV_DTYPES re-exported)
-from .cudagraph import model_graphs_apply
 from .defaults import DEFAULTS, SELF_WEIGHTS  # noqa: F401  (SELF_WEIGHTS re-exported)
 from .errors import ParameterError
-from .hierarchy import DRAFTER_KINDS, MAX_SEED, MODES, TIER_KINDS, SpeculationConfig, _positive_int  # noqa: F401
-from .memory import KVPlacement, available_bytes, peak_memory_bytes
-from .model import Transformer
-from .ngram import NGramDrafter
-from .parallel import agree_on_fit
+from .kv.caches import KV_DTYPES, FullKVCache, kv_bytes  # noqa: F401  (KV_DTYPES re-exported)
+from .kv.memory import KVPlacement, available_bytes, peak_memory_bytes
+from .kv.retrieval import RetrievalCache
+from .kv.streaming import StreamingCache
+from .model.batching import others_running
+from .model.cudagraph import model_graphs_apply
+from .model.parallel import agree_on_fit
+from .model.quant import int8_copy_bytes, lower_precision_copy
+from .model.transformer import Transformer
 from .plan import DRAFT_PREFILL_CHUNK, RequestPlan, check_plan_fits, draft_kv_dtype, plan_request, size_request
-from .quant import int8_copy_bytes, lower_precision_copy
-from .retrieval import RetrievalCache
-from .sampling import SamplingParams
-from .scheduling import others_running
-from .speculative import rejection_sample
-from .steptimes import StepTimes, measure_step_times
-from .streaming import StreamingCache
-from .tiers import ModelTier, RetrievalTier, StreamingTier, VerifyFn
-from .tierstats import GenerationStats  # noqa: F401  (re-exported)
+from .speculation.auto import SpeedGovernor, bf16_cache_reads_fast, plan_hierarchy
+from .speculation.hierarchy import (  # noqa: F401
+    DRAFTER_KINDS,
+    MAX_SEED,
+    MODES,
+    TIER_KINDS,
+    SpeculationConfig,
+    _positive_int,
+)
+from .speculation.ngram import NGramDrafter
+from .speculation.rule import rejection_sample
+from .speculation.sampling import SamplingParams
+from .speculation.stats import GenerationStats  # noqa: F401  (re-exported)
+from .speculation.steptimes import StepTimes, measure_step_times
+from .speculation.tiers import ModelTier, RetrievalTier, StreamingTier, VerifyFn
 
 
 class Engine:
@@ -66,15 +73,15 @@ class Engine:
         reuse_prefix: keep the full KV cache between requests and prefill only what follows the longest common
             prefix of the new prompt with the previous request's tokens (multi-turn chat over a long document).
         offload_kv: keep the verifier's full KV cache in host memory, streamed to the device layer by layer with
-            one layer of prefetch (:class:`~triforce.caches.FullKVCache`); the other caches stay on the device.
+            one layer of prefetch (:class:`~triforce.kv.caches.FullKVCache`); the other caches stay on the device.
         on_chip_layers: with ``offload_kv``, leading layers kept on the device (None: the memory planner chooses
-            from free device memory, :func:`~triforce.memory.plan_kv_placement`).
-        kv_dtype: dtype of every KV cache (a name of :data:`~triforce.caches.KV_DTYPES`; None: the target's dtype).
+            from free device memory, :func:`~triforce.kv.memory.plan_kv_placement`).
+        kv_dtype: dtype of every KV cache (a name of :data:`~triforce.kv.caches.KV_DTYPES`; None: the target's dtype).
             The full cache's dtype is the verifier's, so it changes the output distribution like ``--dtype`` does;
             ``SpeculationConfig.lower_kv_dtype`` changes only the lower tiers' caches, at no loss.
 
     ``tier_verify`` maps a tier name to a replacement verification rule; ``governor_factory(top)`` makes the
-    :class:`~triforce.auto.SpeedGovernor` of an ``auto`` request (tests inject broken or scripted ones).
+    :class:`~triforce.speculation.auto.SpeedGovernor` of an ``auto`` request (tests inject broken or scripted ones).
     """
 
     def __init__(self, target: Transformer, draft: Transformer | None = None, eos_ids: tuple[int, ...] = (),
@@ -96,7 +103,7 @@ class Engine:
         self.offload_kv, self.on_chip_layers = offload_kv, on_chip_layers
         self.placement: KVPlacement | None = None  # the offloading plan of the request running (or the last one)
         self.eos_ids, self.last_stats = tuple(eos_ids), None  # last_stats: the last request's GenerationStats
-        self.logprob_log: list = []  # the running (or last) request's log-probabilities, one per token (logprobs.py)
+        self.logprob_log: list = []  # the running (or last) request's log-probabilities, one per token
         # prefix reuse: the verifier's full cache and the tokens it holds, kept from the previous request
         self._full: FullKVCache | None = None
         self._full_tokens: list[int] = []
@@ -145,8 +152,8 @@ class Engine:
 
     def lower_model(self, model: Transformer, weights: str | None) -> Transformer:
         """``model`` itself (``weights`` None), or its lower-precision copy for the tiers below the verifier
-        (``int8``, ``int4``, ``bfloat16``; ``quant.py``), made once and kept; its RoPE and its CUDA-graph setting
-        (``cudagraph.py``) follow ``model``'s."""
+        (``int8``, ``int4``, ``bfloat16``; ``model/quant.py``), made once and kept; its RoPE and its CUDA-graph setting
+        (``model/cudagraph.py``) follow ``model``'s."""
         if weights is None:
             return model
         key = (id(model), weights)
@@ -175,7 +182,7 @@ class Engine:
 
     def step_times(self, context: int, budget: int, gamma: int, lower_weights: str, lower_kv: torch.dtype,
                    chunk_size: int = DEFAULTS["chunk_size"]) -> StepTimes | None:
-        """A retrieval tier's :class:`~triforce.steptimes.StepTimes` at ``context`` tokens, for ``auto``'s plan:
+        """A retrieval tier's :class:`~.speculation.steptimes.StepTimes` at ``context`` tokens, for ``auto``'s plan:
         measured once per shape (contexts within 25% share one), kept in :attr:`measured_steps` (forks share it);
         None where its caches would take over half the free memory, or while other generations of a batch run
         (measuring would stall them: ``auto`` then plans on bytes and a later request measures)."""
@@ -193,7 +200,7 @@ class Engine:
         return self.measured_steps[key]
 
     def plan_auto(self, prompt_tokens: int, sampling: SamplingParams, spec: SpeculationConfig):
-        """The hierarchy ``mode='auto'`` runs for a prompt of ``prompt_tokens`` (:func:`~triforce.auto.plan_hierarchy`),
+        """The hierarchy ``mode='auto'`` runs for a prompt of ``prompt_tokens`` (``auto.plan_hierarchy``),
         a retrieval tier weighed on measured step times (:meth:`step_times`) unless :attr:`measured_steps` is None,
         under tensor parallelism (ranks must agree) or with an offloaded cache."""
         bottom = DRAFTER_KINDS[spec.drafter] if spec.drafter != "model" or self.draft is not None else None
@@ -224,7 +231,7 @@ class Engine:
             ValueError: empty prompt, max_new_tokens < 1, a token id outside the vocabulary, a draft mode without a
                 draft model, a request longer than a sliding window or the model's context.
             InsufficientMemoryError: the caches do not fit in free memory (under tensor parallelism: on any rank,
-                agreed by every rank, see :func:`~triforce.parallel.agree_on_fit`).
+                agreed by every rank, see :func:`~triforce.model.parallel.agree_on_fit`).
         """
         if not prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
@@ -256,7 +263,7 @@ class Engine:
         return agree_on_fit(self.target.tp, fit)
 
     def validate(self, prompt_ids: list[int], max_new_tokens: int, spec: SpeculationConfig) -> KVPlacement | None:
-        """:meth:`plan`'s checks; returns only the offloading plan (:class:`~triforce.memory.KVPlacement`, None
+        """:meth:`plan`'s checks; returns only the offloading plan (:class:`~triforce.kv.memory.KVPlacement`, None
         without offloading). Side-effect free.
 
         Raises:
@@ -349,8 +356,9 @@ class Engine:
 
         Returns:
             ``(spec, auto, plan)``: the hierarchy it will run (``auto`` resolved, every gamma capped at
-            ``max_new_tokens - 1``: :meth:`~triforce.hierarchy.SpeculationConfig.for_request`), the
-            :class:`~triforce.auto.AutoPlan` (None unless ``mode='auto'``), the :class:`~triforce.plan.RequestPlan`.
+            ``max_new_tokens - 1``: :meth:`~triforce.speculation.hierarchy.SpeculationConfig.for_request`), the
+            :class:`~triforce.speculation.auto.AutoPlan` (None unless ``mode='auto'``), the
+            :class:`~triforce.plan.RequestPlan`.
 
         Raises:
             ValueError, InsufficientMemoryError: arguments of the wrong type or range (named), and :meth:`plan`'s.
@@ -372,7 +380,7 @@ class Engine:
         return spec, auto, self.plan(list(prompt_ids), max_new_tokens, spec)  # sized and placed once
 
     def fork(self) -> "Engine":
-        """An engine for one more concurrent sequence (continuous batching, ``scheduling.py``).
+        """An engine for one more concurrent sequence (continuous batching, ``model/batching.py``).
 
         It shares the models, their lower-precision copies (made once, for every fork), the settings and the test
         hooks, and has its own full KV cache, prefix tokens, placement and stats. Refused where sequences cannot
@@ -401,14 +409,12 @@ class Engine:
         """Generate, yielding each token id as the verifier accepts it; returns the stats.
 
         Args:
-            prompt_ids: the prompt, token ids.
-            max_new_tokens: at most this many tokens are generated (>= 1).
-            sampling: temperature / top-k / top-p (identical in every tier).
-            spec: the speculation mode and its parameters.
-            seed: seeds the generator that drives every random draw (None: a random seed, reported in the stats).
-            prefill_progress: called with the number of prompt tokens each prefill chunk processed.
-            constraint: a :class:`~triforce.grammar.TokenConstraint` every tier masks its logits with (structured
-                output, ``grammar.py``), fresh for this generation; None: unconstrained.
+            prompt_ids: the prompt, token ids. max_new_tokens: at most this many tokens are generated (>= 1). sampling:
+            temperature / top-k / top-p (identical in every tier). spec: the speculation mode and its parameters. seed:
+            seeds the generator that drives every random draw (None: a random seed, reported in the stats).
+            prefill_progress: called with the number of prompt tokens each prefill chunk processed. constraint: a
+            :class:`~triforce.speculation.grammar.TokenConstraint` every tier masks its logits with
+                (structured output, ``speculation/grammar.py``), fresh for this generation; None: unconstrained.
 
         Returns (as the generator's return value, also in ``self.last_stats``): :class:`GenerationStats`.
         Closing the generator early (stop string, Ctrl-C) still records the stats, with ``finish_reason``

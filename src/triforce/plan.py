@@ -3,7 +3,7 @@
 :func:`plan_request` computes, from the models, the hierarchy and the request's lengths, what the engine then
 allocates: the full KV cache's capacity (prompt + new tokens + the largest block the verifier checks + 1), how far
 any tier may run ahead, the StreamingLLM caches' capacity, the bytes of every cache and weight copy it will make,
-and, with KV offloading, where the full cache's layers live (:func:`~triforce.memory.plan_kv_placement`).
+and, with KV offloading, where the full cache's layers live (:func:`~triforce.kv.memory.plan_kv_placement`).
 :func:`check_plan_fits` refuses a plan that does not fit in free memory. The engine validates a request with these
 (:meth:`~triforce.engine.Engine.plan`, side-effect free) and builds its caches from the same
 :class:`RequestPlan` (:meth:`~triforce.engine.Engine.build_hierarchy`), so nothing is recomputed in between.
@@ -16,10 +16,10 @@ from typing import Collection, Mapping
 
 import torch
 
-from .caches import KV_DTYPES, kv_bytes
-from .hierarchy import SpeculationConfig, gamma_cap
-from .memory import KVPlacement, check_fits, plan_kv_placement
-from .model import Transformer
+from .kv.caches import KV_DTYPES, kv_bytes
+from .kv.memory import KVPlacement, check_fits, plan_kv_placement
+from .model.transformer import Transformer
+from .speculation.hierarchy import SpeculationConfig, gamma_cap
 
 #: tokens per prefill forward of a StreamingLLM tier (its cache holds one such chunk beyond sink + window)
 DRAFT_PREFILL_CHUNK = 256
@@ -67,8 +67,8 @@ def size_request(prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfi
     """``(full_capacity, lookahead, draft_capacity)`` of a request (see :class:`RequestPlan`), in positions.
 
     Each tier's gamma counts at most ``max_new_tokens - 1`` (at least 1): no verification asks for more proposals
-    than the request has tokens left (:meth:`~triforce.hierarchy.SpeculationConfig.for_request`), so a huge gamma
-    does not size the caches."""
+    than the request has tokens left (:meth:`~triforce.speculation.hierarchy.SpeculationConfig.for_request`), so a huge
+    gamma does not size the caches."""
     cap = gamma_cap(max_new_tokens)
     chain = [(kind, min(g, cap)) for kind, g in spec.max_chain]
     block = chain[-1][1] if chain else 0  # the largest block the verifier checks at once
@@ -103,7 +103,7 @@ def plan_request(target: Transformer, draft: Transformer | None, spec: Speculati
         :class:`RequestPlan`.
 
     Raises:
-        ValueError, InsufficientMemoryError: from :func:`~triforce.memory.plan_kv_placement` (offloading only).
+        ValueError, InsufficientMemoryError: from :func:`~triforce.kv.memory.plan_kv_placement` (offloading only).
     """
     full_capacity, lookahead, draft_capacity = size_request(prompt_tokens, max_new_tokens, spec)
     lower = KV_DTYPES.get(spec.lower_kv_dtype)

@@ -5,7 +5,8 @@ arguments are checked.
 
 ==============  ===================================================================================================
 ``options``     the options shared by the subcommands, generated from one table (defaults: ``triforce.defaults``);
-                parsed speculation options -> :class:`~triforce.hierarchy.SpeculationConfig`, unused ones refused
+                parsed speculation options -> :class:`~triforce.speculation.hierarchy.SpeculationConfig`, unused ones
+                refused
 ``common``      :class:`CLIError`, the one-line-error parser, ``--threads`` / ``--seed`` checks
 ``generate``    ``triforce generate`` and ``triforce download``
 ``serve``       ``triforce serve``: options and start-up (the server is :mod:`triforce.serve`)
@@ -64,10 +65,10 @@ def _format_warning(message, category, filename, lineno, line=None) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``triforce`` console script; returns the exit status."""
     warnings.formatwarning = _format_warning
-    from ..caches import CacheError
-    from ..download import DownloadError
-    from ..loading import ModelLoadError
-    from ..memory import InsufficientMemoryError
+    from ..formats.download import DownloadError
+    from ..formats.loading import ModelLoadError
+    from ..kv.caches import CacheError
+    from ..kv.memory import InsufficientMemoryError
     from .analyze import cmd_analyze
     from .bench import cmd_bench
     from .serve import cmd_serve

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from ..errors import spelled
-from ..hierarchy import MAX_SEED
+from ..speculation.hierarchy import MAX_SEED
 
 
 class CLIError(Exception):
@@ -59,7 +59,7 @@ def check_threads(threads: int | None) -> None:
     Raises:
         CLIError: outside that range (the limit is in the message).
     """
-    from ..threads import max_threads
+    from ..kernels.threads import max_threads
 
     if threads is not None and not 1 <= threads <= max_threads():
         raise CLIError(f"--threads must be between 1 and {max_threads()} (4x this machine's {os.cpu_count()} CPUs), "
@@ -68,7 +68,7 @@ def check_threads(threads: int | None) -> None:
 
 def check_seed(seed: int | None) -> None:
     """``--seed`` of ``generate`` and ``serve``: None (random) or an integer in
-    [0, :data:`~triforce.hierarchy.MAX_SEED`].
+    [0, :data:`~triforce.speculation.hierarchy.MAX_SEED`].
 
     Raises:
         CLIError: outside that range.

@@ -10,7 +10,7 @@ import os
 import sys
 
 from ..defaults import DEFAULTS
-from ..sampling import SamplingParams
+from ..speculation.sampling import SamplingParams
 from .common import CLIError, check_seed, check_threads, option_error
 from .options import add_generation_args, spec_from_args
 from .progress import prefill_progress, stdout_to_stderr
@@ -56,7 +56,7 @@ def add_download_parser(sub) -> argparse.ArgumentParser:
 
 
 def add_prompt_cache_args(group) -> None:
-    """``--prompt-cache`` and ``--prompt-cache-max-gib`` (``generate`` and ``serve``; ``promptcache.py``)."""
+    """``--prompt-cache`` and ``--prompt-cache-max-gib`` (``generate`` and ``serve``; ``kv/promptcache.py``)."""
     group.add_argument("--prompt-cache", metavar="DIR", help="keep prompts' KV caches in files in DIR: a later run "
                                                               "whose prompt starts with a kept prompt (the same "
                                                               "document, a new question) loads it instead of "
@@ -72,7 +72,7 @@ def check_prompt_cache(args: argparse.Namespace) -> None:
     Raises:
         CLIError: naming the option.
     """
-    from ..promptcache import check_options
+    from ..kv.promptcache import check_options
 
     gib = args.prompt_cache_max_gib
     if gib is not None and args.prompt_cache is None:
@@ -100,12 +100,12 @@ def check_offload(args: argparse.Namespace) -> None:
 
 def check_rope_args(args: argparse.Namespace) -> None:
     """``--rope-scaling`` and ``--rope-factor`` of ``generate`` and ``serve``: both or neither, a factor > 1
-    (:func:`~triforce.config.check_rope_scaling`), before the model loads.
+    (:func:`~triforce.model.config.check_rope_scaling`), before the model loads.
 
     Raises:
         CLIError: naming the options.
     """
-    from ..config import check_rope_scaling
+    from ..model.config import check_rope_scaling
 
     try:
         check_rope_scaling(args.rope_scaling, args.rope_factor)
@@ -115,7 +115,7 @@ def check_rope_args(args: argparse.Namespace) -> None:
 
 def load_from_args(args: argparse.Namespace, tp=None):
     """The :class:`~triforce.api.TriForce` that the model options of ``generate`` or ``serve`` describe (compiled
-    with ``--compile``); ``tp``: this rank's :class:`~triforce.parallel.TensorParallel` or None.
+    with ``--compile``); ``tp``: this rank's :class:`~triforce.model.parallel.TensorParallel` or None.
 
     Raises:
         ValueError, ModelLoadError, InsufficientMemoryError: from :meth:`~triforce.api.TriForce.load`.
@@ -155,7 +155,7 @@ def _text_of(raw: bytes, name: str) -> str:
 def _read_prompt(args: argparse.Namespace) -> tuple[str, str | None]:
     """``(text, document)``: the prompt, or with both ``--prompt`` and ``--prompt-file`` the question and the
     document (Gutenberg header and footer stripped, line endings ``\n``)."""
-    from ..prompts import normalize_newlines, strip_gutenberg
+    from ..text.prompts import normalize_newlines, strip_gutenberg
 
     if args.prompt is None and args.prompt_file is None:
         raise CLIError("give --prompt TEXT, --prompt-file PATH ('-' reads stdin), or both (a question about a "
@@ -215,10 +215,10 @@ def _fit_new_tokens(args: argparse.Namespace, prompt_tokens: int, cfg) -> None:
 
 def _generate(args: argparse.Namespace, out) -> int:
     """:func:`cmd_generate` writing text or the JSON object to ``out``."""
-    from ..memory import fmt_bytes
+    from ..kv.memory import fmt_bytes
 
     check_threads(args.threads)
-    from ..loading import parse_device
+    from ..formats.loading import parse_device
 
     check_seed(args.seed)
     check_rope_args(args)
@@ -248,7 +248,7 @@ def _generate(args: argparse.Namespace, out) -> int:
         raise option_error(e) from e
     response_format = _response_format(args)
     text, document = _read_prompt(args)
-    from ..parallel import init_tensor_parallel
+    from ..model.parallel import init_tensor_parallel
 
     try:
         tp = init_tensor_parallel(args.tp, args.device)
@@ -305,10 +305,10 @@ def _generate(args: argparse.Namespace, out) -> int:
             bar.close()
     import torch
 
-    from ..blockcodes import blockcodes_status
-    from ..kernels import linear_status, norm_rope_status
-    from ..kernels import status as kernel_status
-    from ..sampling import sampling_status
+    from ..kernels.blockcodes import blockcodes_status
+    from ..kernels.cpu import linear_status, norm_rope_status
+    from ..kernels.cpu import status as kernel_status
+    from ..speculation.sampling import sampling_status
 
     threads = torch.get_num_threads()
     if args.json:
@@ -337,7 +337,8 @@ def _generate(args: argparse.Namespace, out) -> int:
 
 
 def _response_format(args: argparse.Namespace) -> dict | None:
-    """``--json-schema`` / ``--regex`` as a ``response_format`` (``grammar.py``), checked before the model loads.
+    """``--json-schema`` / ``--regex`` as a ``response_format`` (``speculation/grammar.py``),
+    checked before the model loads.
 
     Raises:
         CLIError: both given, an unreadable or non-JSON schema file, a malformed format, llguidance missing.
@@ -362,7 +363,7 @@ def _response_format(args: argparse.Namespace) -> dict | None:
         fmt, flag = {"type": "regex", "regex": args.regex}, "--regex"
     else:
         return None
-    from ..grammar import grammar_from_response_format
+    from ..speculation.grammar import grammar_from_response_format
 
     try:
         grammar_from_response_format(fmt, flag)
@@ -375,7 +376,7 @@ def _response_format(args: argparse.Namespace) -> dict | None:
 
 def cmd_download(args: argparse.Namespace) -> int:
     """``triforce download``: fetch and convert the default model; prints its folder."""
-    from ..download import download_default_model
+    from ..formats.download import download_default_model
 
     path = download_default_model(force=args.force)
     print(path)

@@ -1,11 +1,11 @@
 """The command line's shared options, generated from one table, and their translation into a hierarchy.
 
-:data:`OPTIONS` describes every option that more than one subcommand (``generate``, ``serve``, ``bench``,
-``analyze``) takes: flags, type, allowed values and help; its default is never written here but read from
-:mod:`triforce.defaults` (the help shows it through ``{default}``). :func:`add_options` adds a list of them to an
-argparse group, with a subcommand's own default (``bench`` seeds from 0) and help where it differs.
-:func:`spec_from_args` turns the parsed speculation options into a
-:class:`~triforce.hierarchy.SpeculationConfig` and refuses, with the reason, options the hierarchy cannot use.
+:data:`OPTIONS` describes every option that more than one subcommand (``generate``, ``serve``, ``bench``, ``analyze``)
+takes: flags, type, allowed values and help; its default is never written here but read from :mod:`triforce.defaults`
+(the help shows it through ``{default}``). :func:`add_options` adds a list of them to an argparse group, with a
+subcommand's own default (``bench`` seeds from 0) and help where it differs. :func:`spec_from_args` turns the parsed
+speculation options into a :class:`~triforce.speculation.hierarchy.SpeculationConfig` and refuses, with the reason,
+options the hierarchy cannot use.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from ..defaults import (
     SELF_WEIGHTS,
     default,
 )
-from ..hierarchy import MODES, SpeculationConfig
-from ..retrieval import CHUNK_SCORES
+from ..kv.retrieval import CHUNK_SCORES
+from ..speculation.hierarchy import MODES, SpeculationConfig
 from .common import CLIError
 
 
@@ -183,13 +183,13 @@ def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpeculationConf
 
     Refuses, with the reason, a hierarchy that lacks what an option names: ``--draft`` without a tier that uses it,
     and any speculation option given a non-default value that the hierarchy cannot use
-    (:meth:`~triforce.hierarchy.SpeculationConfig.unused_options`). With ``--mode auto`` (no ``--tiers``) every
-    option is kept for the hierarchy chosen per request.
+    (:meth:`~triforce.speculation.hierarchy.SpeculationConfig.unused_options`). With ``--mode auto`` (no ``--tiers``)
+    every option is kept for the hierarchy chosen per request.
 
     Raises:
-        CLIError: naming the option(s) and the reason.
-        ValueError: a value outside its range (from :class:`~triforce.hierarchy.SpeculationConfig`, naming the
-            parameter; :func:`~triforce.cli.common.option_error` turns it into the option's name).
+        CLIError: naming the option(s) and the reason. ValueError: a value outside its range (from
+        :class:`~triforce.speculation.hierarchy.SpeculationConfig`, naming
+            the parameter; :func:`~triforce.cli.common.option_error` turns it into the option's name).
     """
     mode = args.mode or DEFAULTS["mode"]
     if mode in ("draft", "triforce") and not has_draft and not args.tiers:

@@ -61,7 +61,7 @@ def defaults_from_args(args: argparse.Namespace) -> ServerDefaults:
     Raises:
         CLIError: a bad option, named.
     """
-    from ..sampling import SamplingParams
+    from ..speculation.sampling import SamplingParams
 
     check_threads(args.threads)
     if args.tp != 1:
@@ -153,8 +153,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def main_for_tests(argv: list[str] | None = None) -> int:
     """``python -m triforce.serve [serve options]``: the ``serve`` subcommand without the main CLI; returns the
     exit status (2 and one line on stderr for bad input)."""
-    from ..loading import ModelLoadError
-    from ..memory import InsufficientMemoryError
+    from ..formats.loading import ModelLoadError
+    from ..kv.memory import InsufficientMemoryError
 
     parser = Parser(prog="python -m triforce.serve")
     sub = parser.add_subparsers(dest="command")

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..prompts import strip_gutenberg
+from ..text.prompts import strip_gutenberg
 
 #: the books folder: ``$TRIFORCE_BOOKS``, else ``../shared/data/books`` next to the repository root
 BOOKS_DIR = Path(os.environ.get("TRIFORCE_BOOKS") or Path(__file__).resolve().parents[3] / ".." / "shared" / "data"

@@ -22,15 +22,15 @@ from typing import Callable
 
 import torch
 
-from ..caches import FullKVCache, kv_bytes
 from ..defaults import DEFAULTS
-from ..model import Transformer
-from ..ngram import NGramDrafter
-from ..retrieval import RetrievalCache
-from ..sampling import SamplingParams, logits_to_probs
-from ..speculative import rejection_sample
-from ..steptimes import expected_tokens, time_interleaved
-from ..streaming import StreamingCache
+from ..kv.caches import FullKVCache, kv_bytes
+from ..kv.retrieval import RetrievalCache
+from ..kv.streaming import StreamingCache
+from ..model.transformer import Transformer
+from ..speculation.ngram import NGramDrafter
+from ..speculation.rule import rejection_sample
+from ..speculation.sampling import SamplingParams, logits_to_probs
+from ..speculation.steptimes import expected_tokens, time_interleaved
 from .synthetic import fill_random_kv
 
 #: what :func:`measure_tier_latencies` times, in seconds (medians); see its docstring.
@@ -64,22 +64,22 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
     ``lower``, is timed in the same loop, not in a second call: a machine runs in slow and fast phases;
     docs/performance.md). Medians over ``reps``.
 
-    With ``sampling``, each timed call is a step as ``tiers.py`` runs it: the forward, then the token selection on
-    its logits (:func:`~triforce.sampling.logits_to_probs` over every row and
-    :func:`~triforce.speculative.rejection_sample` of the ``t - 1`` drafts a ``t``-token pass verifies; a 1-token
+    With ``sampling``, each timed call is a step as ``speculation/tiers.py`` runs it: the forward, then the token
+    selection on its logits (:func:`~triforce.speculation.sampling.logits_to_probs` over every row and
+    :func:`~triforce.speculation.rule.rejection_sample` of the ``t - 1`` drafts a ``t``-token pass verifies; a 1-token
     step draws its token the same way with no drafts): work over the whole vocabulary (49,152 tokens for SmolLM2)
     that the forward alone leaves out. Its cost depends on the distributions: random tokens over random KV give
     flat ones, whose nucleus is not among the 128 most likely tokens, so top-p sorts the whole vocabulary (the slow
     path ``bench/kernels/nucleus.py`` times); real text's nuclei are small. ``selection_logits``
     (:func:`text_logits` of the prompt) gives real ones.
 
-    What is timed (seconds per call; the block sizes are the ones ``tiers.py`` feeds in steady state):
+    What is timed (seconds per call; the block sizes are the ones ``speculation/tiers.py`` feeds in steady state):
 
     * ``full_decode``: target over the full KV cache, 1 token (autoregressive decoding; a top tier without drafter).
     * ``full_pass``: target over the full KV cache, ``gamma2 + 1`` tokens: the pending token plus the ``gamma2``
       proposals the target verifies (``ModelTier.step`` feeds ``seq[len(cached):] + drafts``; the recovered/bonus
       token of the previous step is not cached yet, hence +1), logits for every position.
-    * ``retrieval_decode``: target over a ``budget``-slot :class:`~triforce.retrieval.RetrievalCache` built from the
+    * ``retrieval_decode``: target over a ``budget``-slot :class:`~triforce.kv.retrieval.RetrievalCache` built from the
       full cache (random query), 1 token: a retrieval tier without drafter (``retrieval`` mode) or the last step of
       a proposal.
     * ``retrieval_pass``: the same cache, ``gamma1 + 1`` tokens: the pending token plus the ``gamma1`` draft tokens
@@ -93,8 +93,9 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
       without a draft model.
     * ``draft_pass``: the draft model over ``gamma1 + 1`` tokens, its cost as a verifier (``--tiers ngram:G,draft:...``
       feeds ``G + 1`` tokens; measured at ``gamma1 + 1``). None without a draft model.
-    * ``ngram_propose``: one :class:`~triforce.ngram.NGramDrafter` proposal of ``gamma2`` tokens (a dict lookup and
-      a one-hot tensor; microseconds, i.e. ~0 next to any model forward), over an index of ``min(n, 8192)`` tokens.
+    * ``ngram_propose``: one :class:`~triforce.speculation.ngram.NGramDrafter` proposal of ``gamma2`` tokens (a dict
+      lookup and a one-hot tensor; microseconds, i.e. ~0 next to any model forward), over an index of ``min(n, 8192)``
+      tokens.
 
     Args:
         target: the target model (tiers 1 and 2).
@@ -127,7 +128,7 @@ def measure_tier_latencies(target: Transformer, draft: Transformer | None, conte
         ValueError: a parameter out of range (named in the message), raised before any allocation.
 
     Memory is not checked here (a context whose caches do not fit fails in the allocator);
-    ``bench/analysis/cost_model.py`` checks the largest context with :func:`triforce.memory.check_fits` first.
+    ``bench/analysis/cost_model.py`` checks the largest context with :func:`triforce.kv.memory.check_fits` first.
     """
     if not isinstance(target, Transformer):
         raise ValueError(f"target must be a triforce Transformer, got {type(target).__name__}")
@@ -336,11 +337,11 @@ def predict(chain: list[tuple[str, int]], latencies: dict, acceptance: dict[str,
     depth 1 with ``V_m = D`` this is Leviathan et al.'s improvement factor (Sec. 3.4, Theorem 3.8)
     ``E / (g c + 1)`` with ``c = P_0(g) / (g D)``; TriForce (Sec. 4.3, Appendix) applies it at two levels.
 
-    The ``engine_*`` figures follow the schedule of ``tiers.py`` exactly, under the same independent-acceptance
-    assumption: a tier asked for n tokens runs steps until it has them, each step verifying
-    ``k = min(g, n_left - 1)`` drafts (k = 0: a 1-token decode, ``draft_step`` / ``retrieval_decode``) and
-    emitting j + 1 tokens with ``P(j) = a^j (1 - a)`` for j < k, ``a^k`` for j = k. With ``Q_i(n)`` the expected
-    cost of tier i proposing n tokens (``Q_0 = P_0``)::
+    The ``engine_*`` figures follow the schedule of ``speculation/tiers.py`` exactly, under the same
+    independent-acceptance assumption: a tier asked for n tokens runs steps until it has them, each step verifying ``k =
+    min(g, n_left - 1)`` drafts (k = 0: a 1-token decode, ``draft_step`` / ``retrieval_decode``) and emitting j + 1
+    tokens with ``P(j) = a^j (1 - a)`` for j < k, ``a^k`` for j = k. With ``Q_i(n)`` the expected cost of tier i
+    proposing n tokens (``Q_0 = P_0``)::
 
         Q_i(n) = sum_j P(j) [Q_{i-1}(k) + V_i(k + 1) + Q_i(n - j - 1)],  Q_i(0) = 0
 
@@ -443,7 +444,7 @@ def predict(chain: list[tuple[str, int]], latencies: dict, acceptance: dict[str,
 
 def _engine_q(name: str, g: int, dist: list[float], below: Callable[[int], float],
               pass_cost: Callable[[str, int], float], decode: float) -> Callable[[int], float]:
-    """Q(n): expected cost of tier ``name`` proposing n tokens through ``tiers.py``'s step loop (:func:`predict`)."""
+    """Q(n): expected cost of tier ``name`` proposing n tokens through the tiers' step loop (:func:`predict`)."""
     memo: dict[int, float] = {0: 0.0}
 
     def q(n: int) -> float:

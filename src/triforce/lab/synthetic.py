@@ -32,12 +32,12 @@ from types import SimpleNamespace
 
 import torch
 
-from ..caches import FullKVCache
-from ..config import ModelConfig
-from ..model import Transformer
-from ..retrieval import RetrievalCache
-from ..rope import RotaryEmbedding
-from ..streaming import StreamingCache
+from ..kv.caches import FullKVCache
+from ..kv.retrieval import RetrievalCache
+from ..kv.streaming import StreamingCache
+from ..model.config import ModelConfig
+from ..model.rope import RotaryEmbedding
+from ..model.transformer import Transformer
 
 SYNTHETIC_SHAPES: dict[str, dict] = {
     "llama2-7b": {
@@ -94,7 +94,7 @@ SYNTHETIC_SHAPES: dict[str, dict] = {
 
 
 def synthetic_config(name: str, layers: int | None = None, *, vocab_size: int | None = None) -> ModelConfig:
-    """The :class:`~triforce.config.ModelConfig` of a paper shape, optionally with fewer decoder blocks.
+    """The :class:`~triforce.model.config.ModelConfig` of a paper shape, optionally with fewer decoder blocks.
 
     Args:
         name: a key of :data:`SYNTHETIC_SHAPES` (``llama2-7b``, ``llama3.1-8b``, ``llama-68m``).
@@ -144,7 +144,7 @@ def shape_name(cfg: ModelConfig) -> str | None:
 @torch.no_grad()
 def random_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  seed: int = 0, *, std: float = 0.02, name: str | None = None) -> Transformer:
-    """A :class:`~triforce.model.Transformer` with random weights, for timing (its tokens mean nothing).
+    """A :class:`~triforce.model.transformer.Transformer` with random weights, for timing (its tokens mean nothing).
 
     Every linear weight and the embedding are drawn from N(0, std^2) (std 0.02: the ``initializer_range`` of the
     Llama configs), biases are 0, RMSNorm weights 1. The weights are drawn in place on ``device`` with a generator
@@ -222,10 +222,10 @@ def fill_random_kv(cache, length: int, seed: int = 0) -> None:
 
     Per cache type:
 
-    * :class:`~triforce.caches.FullKVCache`: slots [0, length) of every layer are filled.
-    * :class:`~triforce.streaming.StreamingCache`: the sink slots and the recent window (positions
+    * :class:`~triforce.kv.caches.FullKVCache`: slots [0, length) of every layer are filled.
+    * :class:`~triforce.kv.streaming.StreamingCache`: the sink slots and the recent window (positions
       ``[max(sink, length - window), length)``) are filled, as the StreamingLLM policy would keep them.
-    * :class:`~triforce.retrieval.RetrievalCache`: built (chunk selection, TriForce Sec. 4.1) from its full cache,
+    * :class:`~triforce.kv.retrieval.RetrievalCache`: built (chunk selection, TriForce Sec. 4.1) from its full cache,
       which must already hold ``length`` positions, with :func:`random_query` (seed ``seed``).
 
     Args:

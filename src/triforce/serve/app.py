@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from ..hierarchy import MAX_SEED
+from ..speculation.hierarchy import MAX_SEED
 from .logprob_fields import chat_logprobs, completion_logprobs
 from .metrics import ServerMetrics
 from .schema import GenerationRequest, parse_json_body, parse_request
@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from fastapi import FastAPI
 
     from ..api import TriForce
-    from ..hierarchy import SpeculationConfig
+    from ..speculation.hierarchy import SpeculationConfig
 
 
 def _sse(obj: Any) -> bytes:
@@ -425,7 +425,7 @@ def create_app(tf: "TriForce", defaults: ServerDefaults | None = None) -> "FastA
         defaults = ServerDefaults(model_id=model_id_for(source), model_aliases=(str(source),) if source else ())
     spec = defaults.spec
     if spec is None:
-        from ..hierarchy import SpeculationConfig
+        from ..speculation.hierarchy import SpeculationConfig
 
         spec = SpeculationConfig(mode=tf.default_mode, drafter=tf.drafter)
     metrics = ServerMetrics()

@@ -1,4 +1,4 @@
-"""``triforce serve``: log-probabilities in OpenAI's response formats (values from ``logprobs.py``).
+"""``triforce serve``: log-probabilities in OpenAI's response formats (values from ``speculation/logprobs.py``).
 
 Two formats (OpenAI API reference, and what llama-server and vLLM return):
 
@@ -12,7 +12,7 @@ A token's string is the tokenizer's decoding of that token alone (a token holdin
 to U+FFFD, as llama-server's and vLLM's token strings do); ``bytes`` are the token's own bytes where the tokenizer
 says them (byte-level BPE: GPT-2's byte-to-character table, as Llama 3, Qwen2 and SmolLM2 use; SentencePiece's
 ``<0xNN>`` byte tokens), else the string's UTF-8 bytes. ``text_offset`` counts characters of the returned text
-before each token, from decoding the tokens one by one (``detok.py``: a token that completes no character yet adds
+before each token, from decoding the tokens one by one (``text/detok.py``: a token that completes no character yet adds
 none; the echoed prompt keeps its special tokens, the completion skips them as its text does). Tokens past a stop
 string keep counting beyond the text, which is cut before it.
 """
@@ -24,7 +24,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..logprobs import TokenLogprob
+    from ..speculation.logprobs import TokenLogprob
 
 
 @lru_cache(maxsize=1)

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..hierarchy import MAX_SEED
+from ..speculation.hierarchy import MAX_SEED
 from .settings import MAX_BODY_BYTES, MAX_CHOICES, MAX_STOP_SEQUENCES, APIError, ServerDefaults, _invalid
 from .tools import CLOSE, OPEN, ToolSpec, assistant_tool_calls, parse_tools
 
@@ -31,12 +31,12 @@ class GenerationRequest:
         include_usage: (streaming) send a final chunk with ``usage``.
         model: the model id echoed in the response.
         logprobs: None, or report each token's log-probability with this many alternatives (chat: ``logprobs`` true
-            and ``top_logprobs``; completions: ``logprobs`` N); ``logprobs.py``.
+            and ``top_logprobs``; completions: ``logprobs`` N); ``speculation/logprobs.py``.
         echo: (completions) the prompt comes back before the completion, with its tokens' log-probabilities when
             ``logprobs`` is given; ``max_tokens`` 0 is then allowed (score a text, generate nothing).
         prompt_text: the prompt as the client sent it (a string), or None (token ids): what ``echo`` returns.
         response_format: OpenAI's ``response_format`` (``json_object``, ``json_schema``; ``regex`` and ``lark`` as
-            extensions), validated and compiled once here; None for text (``grammar.py``).
+            extensions), validated and compiled once here; None for text (``speculation/grammar.py``).
         n: choices to generate (1 to :data:`~triforce.serve.settings.MAX_CHOICES`): samples of the same prompt, which
             share its prefill and decode as a batch (``worker.py``).
         tools: (chat) the tools offered to the model, whose ``<tool_call>`` blocks the answer returns as
@@ -338,7 +338,7 @@ def parse_request(body: dict, kind: str, tf: "TriForce", defaults: ServerDefault
             raise _invalid("this model's tokenizer has no chat template; use /v1/completions", param="messages")
         tools = parse_tools(body, template if isinstance(template, str) else json.dumps(template))
         if tools is not None and tools.choice != "auto":  # forced calls: a grammar (tools.py)
-            from ..grammar import reads_as_special
+            from ..speculation.grammar import reads_as_special
 
             tags = all(reads_as_special(tf.tokenizer, t, cfg.vocab_size, tf.engine.eos_ids) for t in (OPEN, CLOSE))
             response_format = _response_format(tools.response_format(tags))
@@ -389,7 +389,7 @@ def _logprobs_options(body: dict, kind: str) -> tuple[int | None, bool]:
     Raises:
         APIError: 400 naming the field.
     """
-    from ..logprobs import MAX_TOP_LOGPROBS
+    from ..speculation.logprobs import MAX_TOP_LOGPROBS
 
     v = body.get("logprobs")
     if kind == "chat":
@@ -414,13 +414,13 @@ def _logprobs_options(body: dict, kind: str) -> tuple[int | None, bool]:
 
 def _response_format(value: Any) -> dict | None:
     """``response_format`` checked and its grammar compiled once
-    (:func:`~triforce.grammar.grammar_from_response_format`, no tokenizer needed); the worker builds each choice's
-    matcher from it. None for text.
+    (:func:`~triforce.speculation.grammar.grammar_from_response_format`, no tokenizer needed); the worker builds each
+    choice's matcher from it. None for text.
 
     Raises:
         APIError: 400 naming ``response_format``: malformed, a grammar that does not compile, or llguidance missing.
     """
-    from ..grammar import grammar_from_response_format
+    from ..speculation.grammar import grammar_from_response_format
 
     try:
         grammar = grammar_from_response_format(value)

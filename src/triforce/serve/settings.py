@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from ..defaults import DEFAULTS, SERVE_DEFAULTS
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..hierarchy import SpeculationConfig
+    from ..speculation.hierarchy import SpeculationConfig
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 MAX_BODY_BYTES = 16 * 1024 * 1024

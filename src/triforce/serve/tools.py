@@ -3,11 +3,11 @@ them in the Hermes format (Qwen2.5, Qwen3, Hermes 2/3): the tools go into the pr
 model's ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks come back as ``tool_calls``.
 
 ``tool_choice`` ``auto`` leaves the choice to the model and parses what it writes; ``required`` and a named function
-constrain the output to tool calls with a grammar (``grammar.py``: every tier's distribution is masked, so the output
-is exactly the model's distribution restricted to well-formed calls whose arguments match the tool's JSON schema);
-``none`` leaves the tools out of the prompt. Sources: OpenAI's chat completions API (``tools``, ``tool_choice``,
-``tool_calls``, the streamed ``delta.tool_calls``); the Hermes format as vLLM's ``hermes`` tool parser and
-llama.cpp's server read it.
+constrain the output to tool calls with a grammar (``speculation/grammar.py``: every tier's distribution is masked, so
+the output is exactly the model's distribution restricted to well-formed calls whose arguments match the tool's JSON
+schema); ``none`` leaves the tools out of the prompt. Sources: OpenAI's chat completions API (``tools``,
+``tool_choice``, ``tool_calls``, the streamed ``delta.tool_calls``); the Hermes format as vLLM's ``hermes`` tool parser
+and llama.cpp's server read it.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class ToolSpec:
         ``<tool_call>\\n{"name": F, "arguments": A}\\n</tool_call>`` with A matching F's ``parameters`` schema; None for
         ``auto`` (the model may answer in text). Where the tags are tokens of their own (Qwen2.5's added tokens, which
         llguidance reads as special), the grammar names those tokens, as the model writes them (``tags_are_tokens``:
-        :func:`~triforce.grammar.reads_as_special` of both tags)."""
+        :func:`~triforce.speculation.grammar.reads_as_special` of both tags)."""
         if self.choice == "auto":
             return None
         bodies = []

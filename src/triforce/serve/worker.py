@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..detok import IncrementalDetokenizer
+from ..text.detok import IncrementalDetokenizer
 from .logprob_fields import describe
 from .metrics import ServerMetrics
 from .schema import GenerationRequest
@@ -18,7 +18,7 @@ from .settings import APIError, _invalid
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..api import TriForce
-    from ..hierarchy import SpeculationConfig
+    from ..speculation.hierarchy import SpeculationConfig
 
 
 # ---------------------------------------------------------------------------------------------------- worker
@@ -58,7 +58,7 @@ MAX_KEPT_ENGINES = 64
 class GenerationWorker:
     """Runs queued generations on a single thread, up to ``max_batch`` at once with their forwards batched.
 
-    Concurrent requests decode together (continuous batching, :class:`~triforce.scheduling.BatchScheduler`): a
+    Concurrent requests decode together (continuous batching, :class:`~triforce.model.batching.BatchScheduler`): a
     request joins the running batch between forwards, a long prompt's prefill runs chunk by chunk between the
     running requests' decode steps, and a finished or disconnected request leaves at once. Each running request
     has its own engine state (:meth:`~triforce.api.TriForce.fork`); the idle ones keep their last request's KV
@@ -150,7 +150,7 @@ class GenerationWorker:
         self._jobs.put(None)
 
     def _run(self) -> None:
-        from ..scheduling import BatchScheduler
+        from ..model.batching import BatchScheduler
 
         scheduler = self._scheduler = BatchScheduler(self.max_batch)
         stopping = False
@@ -240,10 +240,10 @@ class GenerationWorker:
         self.metrics.prefix_cache_bytes.set(0)
         import gc
 
-        from ..memory import release_free_memory
+        from ..kv.memory import release_free_memory
 
         gc.collect()
-        release_free_memory()  # give the freed caches' pages back (memory.py)
+        release_free_memory()  # give the freed caches' pages back (kv/memory.py)
 
     def _check_fits(self, tf: "TriForce", req: GenerationRequest) -> None:
         """:func:`check_with_engine` when a job starts; short of memory, the kept caches are dropped and it checks
@@ -290,9 +290,9 @@ class GenerationWorker:
             self.metrics.running.set(len(self._active))
             if view is not None:
                 self._keep(view)
-            from ..memory import release_free_memory
+            from ..kv.memory import release_free_memory
 
-            release_free_memory()  # the request's caches were freed: give their pages back (memory.py)
+            release_free_memory()  # the request's caches were freed: give their pages back (kv/memory.py)
             self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.monotonic() - t0)
 
     def _release_followers(self, job: _Job, tf: "TriForce | None") -> None:
@@ -304,7 +304,7 @@ class GenerationWorker:
         shared, prompt = None, job.request.prompt_ids
         full = tf.engine.full_cache if tf is not None else None
         if full is not None and self._can_fork and not full.offload and full.length >= len(prompt):
-            from ..caches import FullKVCache
+            from ..kv.caches import FullKVCache
 
             copy = FullKVCache(tf.engine.target.cfg, len(prompt), full.k.dtype, full.k.device)
             copy.copy_prefix_from(full, len(prompt))  # positions before the prompt's end hold only the prompt's KV
@@ -314,9 +314,9 @@ class GenerationWorker:
             self._scheduler.submit(lambda f=follower: self._run_job(f))
 
     def _serve(self, job: _Job, tf: "TriForce") -> None:
-        from ..grammar import GrammarError
-        from ..memory import InsufficientMemoryError
-        from ..sampling import SamplingParams
+        from ..kv.memory import InsufficientMemoryError
+        from ..speculation.grammar import GrammarError
+        from ..speculation.sampling import SamplingParams
 
         req, spec = job.request, self.spec
         if job.cancel.is_set():
@@ -343,7 +343,7 @@ class GenerationWorker:
             if time.monotonic() > job.deadline:
                 raise _Abort("timeout")
 
-        if req.echo and req.logprobs is not None:  # one pass of the target over the prompt (logprobs.py)
+        if req.echo and req.logprobs is not None:  # one pass of the target over the prompt (speculation/logprobs.py)
             try:
                 entries = tf.prompt_logprobs(req.prompt_ids, req.logprobs, progress=check)
             except _Abort as a:
@@ -433,7 +433,7 @@ def check_with_engine(tf: "TriForce", req: GenerationRequest, spec: "Speculation
     Raises:
         APIError: 400, with the engine's message (``code`` ``insufficient_memory`` when the caches do not fit).
     """
-    from ..memory import InsufficientMemoryError
+    from ..kv.memory import InsufficientMemoryError
 
     try:
         if req.echo and req.logprobs is not None:  # the prompt's own pass (its KV cache, the model's context)
@@ -449,7 +449,7 @@ def check_with_engine(tf: "TriForce", req: GenerationRequest, spec: "Speculation
 
 def _empty_stats(tf: "TriForce", req: GenerationRequest, spec: "SpeculationConfig", seconds: float):
     from ..engine import GenerationStats
-    from ..memory import peak_memory_bytes
+    from ..kv.memory import peak_memory_bytes
 
     return GenerationStats(mode=spec.name, prompt_tokens=len(req.prompt_ids), generated_tokens=0,
                            finish_reason="length", prefill_seconds=round(seconds, 6), decode_seconds=0.0,

@@ -63,7 +63,7 @@ def run_acceptance(engine: Any, prompt_ids: Sequence[int], points: Sequence[dict
         ValueError: a point's configuration is invalid (e.g. budget < chunk_size + gamma2 + 2).
     """
     from ...engine import SpeculationConfig
-    from ...sampling import SamplingParams
+    from ...speculation.sampling import SamplingParams
 
     out = []
     for p in points:

@@ -7,9 +7,9 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from ...caches import FullKVCache
-from ...model import Transformer
-from ...retrieval import CHUNK_SCORES, RetrievalCache
+from ...kv.caches import FullKVCache
+from ...kv.retrieval import CHUNK_SCORES, RetrievalCache
+from ...model.transformer import Transformer
 
 ANALYSES = ("recovery", "locality", "acceptance")
 ORACLE = "oracle"
@@ -29,7 +29,7 @@ def prefill_recorded(model: Transformer, ids: Sequence[int], extra_capacity: int
         extra_capacity: positions to leave free after the prompt (tokens generated later into the same cache).
         progress: called with the number of tokens of each prefill chunk (512).
         cache: a full KV cache of at least ``P + extra_capacity`` positions already holding the KV of
-            ``ids[:cache.length]`` (a :class:`~triforce.promptcache.PromptCache` hit), ``cache.length < P``: only
+            ``ids[:cache.length]`` (a :class:`~triforce.kv.promptcache.PromptCache` hit), ``cache.length < P``: only
             the rest is prefilled into it (the last token at least, whose query is recorded). None: a fresh cache.
 
     Raises:

@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from ...model import Transformer
-from ...retrieval import CHUNK_SCORES
+from ...kv.retrieval import CHUNK_SCORES
+from ...model.transformer import Transformer
 from ..books import BOOKS_DIR, book_prompt, resolve_book
 from .acceptance import acceptance_points, run_acceptance
 from .attention import ANALYSES, ORACLE, locality_after_prompt, prefill_recorded, recovery_at_query
@@ -71,8 +71,8 @@ def check_analyze_args(args: argparse.Namespace) -> tuple[list[Path], list[dict]
         AnalyzeError: the first bad option, named, with the allowed values.
     """
     from ...engine import SpeculationConfig
-    from ...loading import parse_device
-    from ...sampling import SamplingParams
+    from ...formats.loading import parse_device
+    from ...speculation.sampling import SamplingParams
 
     if args.threads is not None:
         limit = 4 * (os.cpu_count() or 1)
@@ -139,7 +139,7 @@ def check_analyze_args(args: argparse.Namespace) -> tuple[list[Path], list[dict]
                     where = "--chunk-sizes"  # a large chunk size against the base budget
                 raise AnalyzeError(f"{where}: at budget {pt['budget']}, chunk size {pt['chunk_size']}: {e}") from e
     if args.prompt_cache is not None:
-        from ...promptcache import check_options
+        from ...kv.promptcache import check_options
 
         try:
             check_options(args.prompt_cache)
@@ -179,7 +179,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     """
     from tqdm import tqdm
 
-    from ...loading import load_model
+    from ...formats.loading import load_model
 
     books, points = check_analyze_args(args)
     if args.threads is not None:
@@ -223,7 +223,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     stored = None
     if args.prompt_cache is not None:
         from ...defaults import DEFAULTS
-        from ...promptcache import PromptCache, model_key
+        from ...kv.promptcache import PromptCache, model_key
 
         stored = PromptCache(args.prompt_cache, model_key(lm.source, cfg, model.dtype, model.dtype),
                              min_new_tokens=DEFAULTS["prompt_cache_min_tokens"])

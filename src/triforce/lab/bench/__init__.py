@@ -13,10 +13,10 @@ Every method decodes the same prompt token ids with the same model, sampling, dt
 ``draft``           ours, the draft tier (draft model + StreamingLLM cache, or the n-gram drafter) under the target
 ``retrieval``       ours, target + retrieval cache under target + full cache (TriForce Sec. 4.1)
 ``triforce``        ours, draft (or n-gram) -> retrieval -> full (TriForce Sec. 4.2)
-``retrieval-int8``  ours, ``retrieval`` with int8 weights and a bf16 cache in the retrieval tier (``quant.py``)
+``retrieval-int8``  ours, ``retrieval`` with int8 weights and a bf16 cache in the retrieval tier (``model/quant.py``)
 ``triforce-int8``   ours, ``triforce`` with int8 weights and bf16 caches in every tier below the verifier
 ``retrieval-codes`` ours, ``retrieval`` with ``--lower-weights codes``: the GGUF model's own block codes times
-                    int8 activations in the retrieval tier (``quant.py``)
+                    int8 activations in the retrieval tier (``model/quant.py``)
 ``llama.cpp``       llama-cpp-python on the model's GGUF file (its own weights, Q4_1 for the default model, and
                     f16 KV cache); only when ``llama_cpp`` is importable
 ==================  ====================================================================================
@@ -42,7 +42,7 @@ How it measures (the definitions are also written into the JSON, field ``definit
   llama.cpp keeps its KV of the prompt from its previous run. TTFT is reported separately for that reason and TBT
   never includes it.
 * ``--prompt-cache DIR``: our methods and llama.cpp load the prompt's KV from a file in DIR where one holds it and
-  write it after a run that prefilled it (ours: ``promptcache.py``'s safetensors files; llama.cpp: its own
+  write it after a run that prefilled it (ours: ``kv/promptcache.py``'s safetensors files; llama.cpp: its own
   ``llama_state_save_file``), so a long prompt is prefilled once per model across methods and runs; each run's
   ``prompt_cache`` entry in the JSON says what it loaded and wrote.
 * End-of-sequence tokens are ignored by every method, so each generates exactly ``--new-tokens`` tokens.

@@ -97,7 +97,7 @@ def validate_args(args: argparse.Namespace) -> None:
         BenchError: one line naming the option and the allowed values.
     """
     from ...engine import SpeculationConfig
-    from ...sampling import SamplingParams
+    from ...speculation.sampling import SamplingParams
 
     def positive(name: str, value, minimum: int = 1):
         if value is not None and value < minimum:
@@ -121,7 +121,7 @@ def validate_args(args: argparse.Namespace) -> None:
             raise BenchError(f"--png needs matplotlib, which cannot be imported ({e}): pip install matplotlib "
                              "(or leave out --png)") from e
     if getattr(args, "prompt_cache", None) is not None:
-        from ...promptcache import check_options
+        from ...kv.promptcache import check_options
 
         if args.synthetic:
             raise BenchError("--prompt-cache keeps a real prompt's KV: leave it out with --synthetic (its KV is "
@@ -131,8 +131,8 @@ def validate_args(args: argparse.Namespace) -> None:
         except ValueError as e:
             raise BenchError(f"--prompt-cache: {e}") from e
     if args.rope_scaling is not None or args.rope_factor is not None:
-        from ...config import check_rope_scaling
         from ...errors import spelled
+        from ...model.config import check_rope_scaling
 
         try:
             check_rope_scaling(args.rope_scaling, args.rope_factor)
@@ -217,7 +217,7 @@ def validate_args(args: argparse.Namespace) -> None:
 def _gguf_for(model: str | None) -> tuple[str | None, str | None]:
     """The GGUF file llama.cpp would run for ``--model``: ``(path, None)`` or ``(None, reason it cannot)``."""
     if model is None:
-        from ...download import default_gguf_path
+        from ...formats.download import default_gguf_path
 
         p = default_gguf_path()
         return (str(p), None) if p.is_file() else (None, f"the default model's GGUF is not in {p.parent}: run "

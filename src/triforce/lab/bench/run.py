@@ -35,7 +35,7 @@ from .worker import Worker
 # ---------------------------------------------------------------------------------------------------- the run
 def _prompt_text(args: argparse.Namespace) -> tuple[str, str]:
     """``(text, description of its source)``."""
-    from ...prompts import strip_gutenberg
+    from ...text.prompts import strip_gutenberg
 
     if args.prompt is not None:
         return args.prompt, "--prompt"
@@ -75,9 +75,9 @@ def _machine() -> dict:
     import torch
     import transformers
 
-    from ... import kernels
-    from ...blockcodes import blockcodes_status
-    from ...sampling import sampling_status
+    from ...kernels import cpu as kernels
+    from ...kernels.blockcodes import blockcodes_status
+    from ...speculation.sampling import sampling_status
     from ..provenance import git_commit
 
     info = {**kernels.cpu(), "attention_kernel": kernels.status(), "linear_kernels": kernels.linear_status(),

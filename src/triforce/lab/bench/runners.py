@@ -17,7 +17,7 @@ from .stats import acceptance_inputs
 def _hf_source(model: str | None) -> tuple[str, dict]:
     """``(path or hub id, extra from_pretrained kwargs)`` for transformers from a ``--model`` value."""
     if model is None:
-        from ...download import download_default_model
+        from ...formats.download import download_default_model
 
         return str(download_default_model(quiet=True)), {}
     p = Path(model).expanduser()
@@ -62,7 +62,7 @@ class _OursRunner:
         import torch
 
         from ...engine import Engine, SpeculationConfig
-        from ...sampling import SamplingParams
+        from ...speculation.sampling import SamplingParams
 
         self.method, self.cfg = method, cfg
         self.synthetic = cfg.get("synthetic")
@@ -80,7 +80,7 @@ class _OursRunner:
                 dcfg = syn.synthetic_config(SYNTHETIC_DRAFT, vocab_size=scfg.vocab_size)
                 draft, drafter = syn.random_model(dcfg, dtype, "cpu", cfg["seed"] + 1), "model"
         else:
-            from ...loading import ModelLoadError, load_model
+            from ...formats.loading import ModelLoadError, load_model
 
             lm = load_model(cfg.get("model"), cfg["dtype"], rope_scaling=cfg.get("rope_scaling"),
                             rope_factor=cfg.get("rope_factor"))  # the draft keeps its own RoPE
@@ -106,7 +106,7 @@ class _OursRunner:
         self.engine = Engine(target, draft, eos_ids=())
         self.prompt_cache = None
         if cfg.get("prompt_cache") and not self.synthetic:
-            from ...promptcache import PromptCache, model_key
+            from ...kv.promptcache import PromptCache, model_key
 
             key = model_key(lm.source, target.cfg, target.dtype, self.engine.kv_dtype)
             self.prompt_cache = PromptCache(cfg["prompt_cache"], key,
@@ -133,7 +133,7 @@ class _OursRunner:
         """Synthetic models: make the engine's full KV cache hold random KV for ``ids[:-1]`` (no prefill), so the
         engine's prefix reuse feeds only the last prompt token (which also records the query the retrieval cache
         selects chunks with)."""
-        from ...caches import FullKVCache
+        from ...kv.caches import FullKVCache
         from ...plan import size_request
 
         n = len(ids) - 1

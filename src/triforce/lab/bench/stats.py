@@ -136,8 +136,8 @@ def with_empty_proposals(lengths: dict[str, list[int]], acceptance: dict[str, di
     step times.
 
     An n-gram drafter without a match proposes no token; its tier then runs a one-token forward that emits one
-    token, which its stats count in ``forward_passes`` but not in ``verifications`` (``tiers.py``). The cost model
-    takes the drafter to propose gamma tokens at every step, so it left those forwards out and over-predicted
+    token, which its stats count in ``forward_passes`` but not in ``verifications`` (``speculation/tiers.py``). The
+    cost model takes the drafter to propose gamma tokens at every step, so it left those forwards out and over-predicted
     ``ngram:4,retrieval:6`` (docs/performance.md, "Figures behind the code's constants"). Counted as a proposal
     rejected at its first token (one forward, one token emitted), they cost exactly what they cost where the tier's
     decode and pass latency are the same per-forward average, as ``predicted_from_run`` takes them

@@ -122,7 +122,7 @@ def worker_main(method: str, config: str) -> int:
                 send({"peak_memory_bytes": int(peak if sys.platform == "darwin" else peak * 1024)})
                 return 0
             if msg["cmd"] == "encode":
-                from ...prompts import encode_prompt
+                from ...text.prompts import encode_prompt
 
                 if runner.tokenizer is None:
                     raise ValueError("this worker has no tokenizer")

@@ -1,0 +1,3 @@
+"""Text in and out: prompts to token ids (documents, questions, chat templates) and token ids back to text,
+incrementally.
+"""
