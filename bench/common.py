@@ -23,6 +23,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def add_prompt_options(p: argparse.ArgumentParser, prompt_tokens: int, new_tokens: int, book: str = "pg1342") -> None:
+    """Add ``--book`` (a name in the books folder or a path), ``--prompt-tokens`` and ``--new-tokens`` (tokens)."""
+    p.add_argument("--book", default=book)
+    p.add_argument("--prompt-tokens", type=int, default=prompt_tokens)
+    p.add_argument("--new-tokens", type=int, default=new_tokens)
+
+
 def add_run_options(p: argparse.ArgumentParser, out: str | None, reps: int = 1, threads: int | None = 2,
                     sampling: bool = True, out_help: str = "also write the JSON here") -> None:
     """Add ``--temperature`` / ``--top-p`` (with ``sampling``; defaults: ``triforce.defaults``), ``--reps``,

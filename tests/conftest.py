@@ -72,6 +72,24 @@ def tiny_draft_folder(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def distribution_models():
+    """``(target_hf, target, draft, prompt)`` of the exact-distribution tests (``distribution.py``)."""
+    from distribution import distribution_models
+
+    return distribution_models()
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    """An Engine over ``tiny.pair(seed=0)``: a 3-layer target and a 1-layer draft on a 96-token vocabulary."""
+    from tiny import pair
+    from triforce.engine import Engine
+
+    target, draft = pair(seed=0)
+    return Engine(target, draft)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """Folder of the embedded default model; skips (with the reason) when it has not been downloaded."""

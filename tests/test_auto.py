@@ -8,14 +8,7 @@ equals autoregressive decoding token for token, and sampled sequences follow the
 import pytest
 import torch
 
-from test_distribution import (
-    N_FEATURE,
-    SETTINGS,
-    chi2_pvalue,
-    empirical,
-    exact_distribution,
-    models,  # noqa: F401  (fixture)
-)
+from distribution import N_FEATURE, SETTINGS, chi2_pvalue, empirical, exact_distribution
 from tiny import hf_model, ours, pair
 from triforce.engine import Engine, SpeculationConfig
 from triforce.formats.loading import load_model  # noqa: F401  (import check: no cycle through auto)
@@ -27,7 +20,7 @@ from triforce.speculation.auto import (
     RETRIEVAL_MIN_KV_SHARE_SAMPLING,
     WEIGHT_BOUND_LAYER_BYTES,
     SpeedGovernor,
-    plan_hierarchy,
+    choose_hierarchy,
 )
 from triforce.speculation.sampling import SamplingParams
 
@@ -59,35 +52,35 @@ def test_plan_adds_retrieval_only_when_the_kv_cache_outweighs_a_share_of_the_wei
     per_token = kv_bytes(cfg, 1, torch.float32)
     long_p = int(RETRIEVAL_MIN_KV_SHARE * w / per_token) + 600
     short_p = int(0.5 * RETRIEVAL_MIN_KV_SHARE * w / per_token)
-    short = plan_hierarchy(cfg, w, torch.float32, short_p, None, GREEDY)
+    short = choose_hierarchy(cfg, w, torch.float32, short_p, None, GREEDY)
     assert short.tiers == "ngram:6" and "no retrieval tier" in short.reason
-    assert plan_hierarchy(cfg, w, torch.float32, long_p, None, GREEDY).tiers == "ngram:4,retrieval:6"
+    assert choose_hierarchy(cfg, w, torch.float32, long_p, None, GREEDY).tiers == "ngram:4,retrieval:6"
     # under sampling without a named drafter: plain decoding when short, the retrieval tier alone when the KV cache
     # reaches the (higher) sampling threshold
-    assert plan_hierarchy(cfg, w, torch.float32, short_p, None, SamplingParams(0.6)).tiers == ""
+    assert choose_hierarchy(cfg, w, torch.float32, short_p, None, SamplingParams(0.6)).tiers == ""
     kv_long = kv_bytes(cfg, long_p, torch.float32)
     w_between = int(kv_long / (0.5 * (RETRIEVAL_MIN_KV_SHARE + RETRIEVAL_MIN_KV_SHARE_SAMPLING)))
-    between = plan_hierarchy(cfg, w_between, torch.float32, long_p, None, SamplingParams(0.6))
+    between = choose_hierarchy(cfg, w_between, torch.float32, long_p, None, SamplingParams(0.6))
     assert between.tiers == "" and "under sampling" in between.reason
-    assert plan_hierarchy(cfg, w_between, torch.float32, long_p, None, GREEDY).tiers == "ngram:4,retrieval:6"
+    assert choose_hierarchy(cfg, w_between, torch.float32, long_p, None, GREEDY).tiers == "ngram:4,retrieval:6"
     w_small = int(kv_long / (1.5 * RETRIEVAL_MIN_KV_SHARE_SAMPLING))
     # sampled, the tier alone verifies at most RETRIEVAL_GAMMA2_SAMPLING proposals on a CPU (a smaller gamma2 stays;
     # greedy, on another device, or under a named drafter, gamma2 as asked)
-    sampled = plan_hierarchy(cfg, w_small, torch.float32, long_p, None, SamplingParams(0.6))
+    sampled = choose_hierarchy(cfg, w_small, torch.float32, long_p, None, SamplingParams(0.6))
     assert sampled.tiers == f"retrieval:{RETRIEVAL_GAMMA2_SAMPLING}" == "retrieval:3" and "gamma2 3" in sampled.reason
-    assert plan_hierarchy(cfg, w_small, torch.float32, long_p, None, SamplingParams(0.6), gamma2=2).tiers == \
+    assert choose_hierarchy(cfg, w_small, torch.float32, long_p, None, SamplingParams(0.6), gamma2=2).tiers == \
         "retrieval:2"
-    assert plan_hierarchy(cfg, w_small, torch.float32, long_p, None, SamplingParams(0.6),
-                          device_type="cuda").tiers == "retrieval:6"
-    assert plan_hierarchy(cfg, w_small, torch.float32, long_p, "draft", SamplingParams(0.6)).tiers == \
+    assert choose_hierarchy(cfg, w_small, torch.float32, long_p, None, SamplingParams(0.6),
+                            device_type="cuda").tiers == "retrieval:6"
+    assert choose_hierarchy(cfg, w_small, torch.float32, long_p, "draft", SamplingParams(0.6)).tiers == \
         "draft:4,retrieval:6"
-    assert plan_hierarchy(cfg, w_small, torch.float32, long_p, None, GREEDY).tiers == "ngram:4,retrieval:6"
+    assert choose_hierarchy(cfg, w_small, torch.float32, long_p, None, GREEDY).tiers == "ngram:4,retrieval:6"
     for p in (short_p, long_p):  # a named self tier drafts directly for the target
-        assert plan_hierarchy(cfg, w, torch.float32, p, "self", SamplingParams(0.6)).tiers == "self:4"
-    long = plan_hierarchy(cfg, w, torch.float32, long_p, "draft", GREEDY, gamma1=3, gamma2=5)
+        assert choose_hierarchy(cfg, w, torch.float32, p, "self", SamplingParams(0.6)).tiers == "self:4"
+    long = choose_hierarchy(cfg, w, torch.float32, long_p, "draft", GREEDY, gamma1=3, gamma2=5)
     assert long.tiers == "draft:3,retrieval:5"
     assert long.budget == max(256, long_p // 4) and long.lower_weights == "int8"
-    assert plan_hierarchy(cfg, w, torch.float32, long_p, "self", GREEDY, max_budget=100).budget is None  # no tier
+    assert choose_hierarchy(cfg, w, torch.float32, long_p, "self", GREEDY, max_budget=100).budget is None  # no tier
 
 
 def test_plan_adds_the_int8_tier_under_a_weight_bound_target_on_a_cpu():
@@ -97,25 +90,25 @@ def test_plan_adds_the_int8_tier_under_a_weight_bound_target_on_a_cpu():
     cfg = model.cfg
     big = WEIGHT_BOUND_LAYER_BYTES * cfg.num_hidden_layers  # exactly at the threshold
     t06 = SamplingParams(0.6)
-    plan = plan_hierarchy(cfg, big, torch.float32, 100, None, t06)
+    plan = choose_hierarchy(cfg, big, torch.float32, 100, None, t06)
     assert plan.tiers == "retrieval:6" and plan.lower_weights == "int8" and plan.budget == RETRIEVAL_BUDGET_BOUNDS[1]
     assert "per layer" in plan.reason
-    assert plan_hierarchy(cfg, big, torch.float32, 100, None, GREEDY).tiers == "ngram:4,retrieval:6"
-    assert plan_hierarchy(cfg, big, torch.float32, 100, None, t06, max_budget=512).budget == 512
-    assert plan_hierarchy(cfg, big - cfg.num_hidden_layers, torch.float32, 100, None, t06).tiers == ""  # just below
-    assert plan_hierarchy(cfg, big, torch.float32, 100, None, t06, device_type="cuda").tiers == ""
-    assert plan_hierarchy(cfg, big, torch.float32, 100, "self", t06).tiers == "self:4"  # named: drafts for the target
-    heavy = plan_hierarchy(cfg, big, torch.float32, 100, "draft", t06, draft_weight_bytes=big // 4)
+    assert choose_hierarchy(cfg, big, torch.float32, 100, None, GREEDY).tiers == "ngram:4,retrieval:6"
+    assert choose_hierarchy(cfg, big, torch.float32, 100, None, t06, max_budget=512).budget == 512
+    assert choose_hierarchy(cfg, big - cfg.num_hidden_layers, torch.float32, 100, None, t06).tiers == ""  # just below
+    assert choose_hierarchy(cfg, big, torch.float32, 100, None, t06, device_type="cuda").tiers == ""
+    assert choose_hierarchy(cfg, big, torch.float32, 100, "self", t06).tiers == "self:4"  # named: drafts for the target
+    heavy = choose_hierarchy(cfg, big, torch.float32, 100, "draft", t06, draft_weight_bytes=big // 4)
     assert heavy.tiers == "retrieval:6" and "left out" in heavy.reason
-    light = plan_hierarchy(cfg, big, torch.float32, 100, "draft", t06, draft_weight_bytes=big // 4 - 1)
+    light = choose_hierarchy(cfg, big, torch.float32, 100, "draft", t06, draft_weight_bytes=big // 4 - 1)
     assert light.tiers == "draft:4,retrieval:6"
-    assert plan_hierarchy(cfg, big, torch.bfloat16, 100, "draft", t06, draft_weight_bytes=big // 4).tiers == \
+    assert choose_hierarchy(cfg, big, torch.bfloat16, 100, "draft", t06, draft_weight_bytes=big // 4).tiers == \
         "draft:4,retrieval:6"  # bf16 weights: the int8 copy is half of them
     # where the attention kernel reads bf16 caches, the tier's cache is bf16 unless a draft model stays below it
     for bottom, draft_bytes, kv in ((None, None, "bfloat16"), ("draft", big // 4, "bfloat16"),
                                     ("draft", big // 4 - 1, None)):
-        plan = plan_hierarchy(cfg, big, torch.float32, 100, bottom, t06, draft_weight_bytes=draft_bytes,
-                              lower_kv_bf16=True)
+        plan = choose_hierarchy(cfg, big, torch.float32, 100, bottom, t06, draft_weight_bytes=draft_bytes,
+                                lower_kv_bf16=True)
         assert plan.lower_kv_dtype == kv and ("4096-slot bf16" in plan.reason) == (kv is not None), bottom
 
 
@@ -357,8 +350,8 @@ def test_retrieval_tier_catches_up_after_a_short_bypass_and_reselects_after_a_lo
     target, _ = pair(seed=7, max_pos=1024)
     engine = Engine(target)
     engine.governor_factory = lambda top: ScriptedGovernor(top, on=2, off=off)
-    engine.plan_auto = lambda n, s, sp: plan_hierarchy(target.cfg, 1, torch.float32, n, None, s, gamma1=2, gamma2=4,
-                                                       chunk_size=4, max_budget=64)
+    engine.choose_auto = lambda n, s, sp: choose_hierarchy(target.cfg, 1, torch.float32, n, None, s, gamma1=2,
+                                                           gamma2=4, chunk_size=4, max_budget=64)
     prompt = torch.randint(3, 40, (300,), generator=torch.Generator().manual_seed(8)).tolist()
     ref, _ = engine.generate(prompt, max_new_tokens=60, sampling=GREEDY, spec=SpeculationConfig())
     out, stats = engine.generate(prompt, max_new_tokens=60, sampling=GREEDY, spec=SpeculationConfig(mode="auto"))
@@ -370,17 +363,17 @@ def test_retrieval_tier_catches_up_after_a_short_bypass_and_reselects_after_a_lo
         assert calls["builds"] == 0
 
 
-def test_auto_matches_exact_distribution_through_bypasses(models):  # noqa: F811
+def test_auto_matches_exact_distribution_through_bypasses(distribution_models):
     """Drafting resumed and bypassed every few steps, at T=0.6 / top-p 0.9 / top-k 5: still the exact distribution."""
-    hf, target, draft, prompt = models
+    hf, target, draft, prompt = distribution_models
     params = SETTINGS["T0.6-p0.9-k5"]
     engine = Engine(target, draft)
     engine.governor_factory = lambda top: ScriptedGovernor(top, on=1, off=1)
     spec = SpeculationConfig(mode="auto", tiers=None, gamma1=2, gamma2=2, budget=8, chunk_size=2, draft_sink=2,
                              draft_window=4)
     # a 20-token prompt is below the retrieval threshold: force the three-tier plan to exercise the retrieval resync
-    engine.plan_auto = lambda n, s, sp: plan_hierarchy(target.cfg, 1, torch.float32, n, "draft", s, gamma1=2,
-                                                       gamma2=2, chunk_size=2, max_budget=8)
+    engine.choose_auto = lambda n, s, sp: choose_hierarchy(target.cfg, 1, torch.float32, n, "draft", s, gamma1=2,
+                                                           gamma2=2, chunk_size=2, max_budget=8)
     counts = empirical(engine, prompt, params, spec, N_FEATURE, seed=95)
     assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
 
@@ -399,15 +392,15 @@ def test_plan_leaves_out_a_retrieval_tier_that_reads_too_much_next_to_a_verifier
     w, codes = 538_090_000, 111_600_000  # fp32 bytes; Q4_1 codes of the layers and the Q8_0 LM head
     t06 = SamplingParams(0.6, 0.9)
     for n in (4000, 8000):
-        fp32 = plan_hierarchy(cfg, w, torch.float32, n, None, t06)
+        fp32 = choose_hierarchy(cfg, w, torch.float32, n, None, t06)
         assert fp32.tiers == "retrieval:3" and fp32.lower_weights == "int8"
-    plain = plan_hierarchy(cfg, w, torch.float32, 4000, None, t06, step_weight_bytes=codes)
+    plain = choose_hierarchy(cfg, w, torch.float32, 4000, None, t06, step_weight_bytes=codes)
     assert plain.tiers == "" and f"> {RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING}" in plain.reason
-    sampled = plan_hierarchy(cfg, w, torch.float32, 8000, None, t06, step_weight_bytes=codes)
+    sampled = choose_hierarchy(cfg, w, torch.float32, 8000, None, t06, step_weight_bytes=codes)
     assert sampled.tiers == "retrieval:3" and sampled.lower_weights == "codes" and sampled.budget == 1000
-    short = plan_hierarchy(cfg, w, torch.float32, 4000, None, GREEDY, step_weight_bytes=codes)
+    short = choose_hierarchy(cfg, w, torch.float32, 4000, None, GREEDY, step_weight_bytes=codes)
     assert short.tiers == "ngram:6" and f"> {RETRIEVAL_MAX_STEP_BYTES_SHARE}" in short.reason
-    coded = plan_hierarchy(cfg, w, torch.float32, 8000, None, GREEDY, step_weight_bytes=codes)
+    coded = choose_hierarchy(cfg, w, torch.float32, 8000, None, GREEDY, step_weight_bytes=codes)
     # the tier reads the verifier's own codes (fewer bytes than an int8 copy) with int8 activations
     assert coded.tiers == "ngram:4,retrieval:6" and coded.lower_weights == "codes" and "block codes" in coded.reason
 
@@ -427,26 +420,26 @@ def test_plan_gives_the_retrieval_tier_a_bf16_cache_where_the_kernel_reads_it():
                       rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True)
     w, codes = 538_090_000, 111_600_000
     t06 = SamplingParams(0.6, 0.9)
-    half = plan_hierarchy(cfg, w, torch.float32, 8000, None, t06, step_weight_bytes=codes, lower_kv_bf16=True)
+    half = choose_hierarchy(cfg, w, torch.float32, 8000, None, t06, step_weight_bytes=codes, lower_kv_bf16=True)
     assert half.tiers == "retrieval:3" and half.lower_kv_dtype == "bfloat16" and "1000-slot bf16" in half.reason
     assert "0.28 x its bytes" in half.reason
-    assert plan_hierarchy(cfg, w, torch.float32, 8000, None, t06, step_weight_bytes=codes).lower_kv_dtype is None
-    greedy = plan_hierarchy(cfg, w, torch.float32, 8000, None, GREEDY, step_weight_bytes=codes, lower_kv_bf16=True)
+    assert choose_hierarchy(cfg, w, torch.float32, 8000, None, t06, step_weight_bytes=codes).lower_kv_dtype is None
+    greedy = choose_hierarchy(cfg, w, torch.float32, 8000, None, GREEDY, step_weight_bytes=codes, lower_kv_bf16=True)
     assert greedy.tiers == "ngram:4,retrieval:6" and greedy.lower_kv_dtype == "bfloat16"
     for n, bottom, kv in ((4000, None, torch.float32), (8000, "draft", torch.float32), (8000, None, torch.bfloat16)):
-        plan = plan_hierarchy(cfg, w, kv, n, bottom, t06, step_weight_bytes=codes, lower_kv_bf16=True)
+        plan = choose_hierarchy(cfg, w, kv, n, bottom, t06, step_weight_bytes=codes, lower_kv_bf16=True)
         assert plan.lower_kv_dtype is None and "-slot bf16" not in plan.reason, (n, bottom, kv)
         # the bytes it was weighed on are said: at 4K the tier would read 0.42 x the verifier's, a bf16 cache included;
         # under a bf16 full cache the tier's is bf16 too
         assert ("(bf16 cache) > 0.35" in plan.reason) == (n == 4000 or kv == torch.bfloat16), plan.reason
-    assert plan_hierarchy(cfg, w, torch.float32, 4000, None, t06, step_weight_bytes=codes,
-                          lower_kv_bf16=True).tiers == ""
+    assert choose_hierarchy(cfg, w, torch.float32, 4000, None, t06, step_weight_bytes=codes,
+                            lower_kv_bf16=True).tiers == ""
     # a dtype the user named: the step is weighed on it, and the plan names none (the user's stands)
-    fp32 = plan_hierarchy(cfg, w, torch.float32, 8000, None, t06, step_weight_bytes=codes, lower_kv_bf16=True,
-                          lower_kv_dtype=torch.float32)
+    fp32 = choose_hierarchy(cfg, w, torch.float32, 8000, None, t06, step_weight_bytes=codes, lower_kv_bf16=True,
+                            lower_kv_dtype=torch.float32)
     assert fp32.lower_kv_dtype is None and "bf16" not in fp32.reason and "0.33 x its bytes" in fp32.reason
-    named = plan_hierarchy(cfg, w, torch.float32, 8000, None, t06, step_weight_bytes=codes,
-                           lower_kv_dtype=torch.bfloat16)
+    named = choose_hierarchy(cfg, w, torch.float32, 8000, None, t06, step_weight_bytes=codes,
+                             lower_kv_dtype=torch.bfloat16)
     assert named.lower_kv_dtype is None and "0.28 x its bytes (bf16 cache)" in named.reason
     assert SpeculationConfig(mode="auto").resolve_auto(half).lower_kv_dtype == "bfloat16"
     assert SpeculationConfig(mode="auto", lower_kv_dtype="float32").resolve_auto(half).lower_kv_dtype == "float32"
@@ -458,8 +451,8 @@ def test_auto_with_a_bf16_retrieval_cache_equals_autoregressive_greedy():
     tier): the same tokens as plain decoding."""
     target, draft = pair(seed=11)
     engine = Engine(target)
-    engine.plan_auto = lambda n, s, sp: plan_hierarchy(target.cfg, 1, torch.float32, n, None, s, gamma1=3, gamma2=4,
-                                                       chunk_size=4, max_budget=24, lower_kv_bf16=True)
+    engine.choose_auto = lambda n, s, sp: choose_hierarchy(target.cfg, 1, torch.float32, n, None, s, gamma1=3,
+                                                           gamma2=4, chunk_size=4, max_budget=24, lower_kv_bf16=True)
     g = torch.Generator().manual_seed(12)
     for _ in range(3):
         prompt = torch.randint(3, 96, (int(torch.randint(40, 70, (1,), generator=g)),), generator=g).tolist()
@@ -478,9 +471,9 @@ def test_auto_plans_with_the_tier_cache_dtype_the_user_pinned():
     engine = Engine(target)
     engine.measured_steps = None  # the bytes rule (a tiny model's measured times would decide otherwise)
     t06 = SamplingParams(0.6, 0.9)
-    pinned = engine.plan_auto(2000, t06, SpeculationConfig(mode="auto", lower_kv_dtype="float32"))
+    pinned = engine.choose_auto(2000, t06, SpeculationConfig(mode="auto", lower_kv_dtype="float32"))
     assert "retrieval" in pinned.tiers and pinned.lower_kv_dtype is None and "bf16" not in pinned.reason
-    free = engine.plan_auto(2000, t06, SpeculationConfig(mode="auto"))
+    free = engine.choose_auto(2000, t06, SpeculationConfig(mode="auto"))
     assert free.tiers == pinned.tiers
     assert (free.lower_kv_dtype == "bfloat16") == bf16_cache_reads_fast("cpu") == ("bf16 cache" in free.reason)
 
@@ -489,7 +482,7 @@ def test_auto_honours_a_pinned_budget_or_refuses_it_naming_the_smallest():
     """``--budget 5 --adaptive-gamma`` under ``auto`` used to be raised silently to chunk + 2 gamma2 + 3. A budget is
     honoured: one below chunk + gamma2 + 2 (twice gamma2 with adaptive gamma) is refused on construction, naming
     ``budget`` and that smallest value; the smallest is taken as it is (the plan's tier takes no more), and greedy
-    output is plain decoding's. ``plan_hierarchy`` given a budget with no room for a block chooses no retrieval
+    output is plain decoding's. ``choose_hierarchy`` given a budget with no room for a block chooses no retrieval
     tier (the reason says so) rather than exceed it."""
     for kw, smallest in ((dict(adaptive_gamma=True), 8 + 2 * 6 + 2), ({}, 8 + 6 + 2)):
         with pytest.raises(ValueError, match=rf"^budget must be >= chunk_size \+ gamma \+ 2 = {smallest} .*got 5"):
@@ -499,12 +492,12 @@ def test_auto_honours_a_pinned_budget_or_refuses_it_naming_the_smallest():
     engine.measured_steps = None  # the bytes rule (a tiny model's measured times would decide otherwise)
     prompt = torch.randint(3, 96, (300,), generator=torch.Generator().manual_seed(15)).tolist()
     spec = SpeculationConfig(mode="auto", budget=22, adaptive_gamma=True)
-    plan = engine.plan_auto(len(prompt), GREEDY, spec)
+    plan = engine.choose_auto(len(prompt), GREEDY, spec)
     assert "retrieval" in plan.tiers and plan.budget == 22
     ref, _ = engine.generate(prompt, max_new_tokens=12, sampling=GREEDY)
     out, stats = engine.generate(prompt, max_new_tokens=12, sampling=GREEDY, spec=spec)
     assert out == ref and stats.auto["budget"] == 22
-    small = plan_hierarchy(target.cfg, 1, torch.float32, 300, None, GREEDY, max_budget=15)
+    small = choose_hierarchy(target.cfg, 1, torch.float32, 300, None, GREEDY, max_budget=15)
     assert "retrieval" not in small.tiers and small.budget is None and "budget 15 < " in small.reason
 
 
@@ -517,7 +510,7 @@ def test_auto_reports_no_budget_without_a_retrieval_tier():
     for sampling in (GREEDY, SamplingParams(0.6)):
         stats = engine.generate(short, max_new_tokens=4, sampling=sampling, spec=SpeculationConfig(mode="auto"))[1]
         assert "retrieval" not in stats.auto["hierarchy"] and stats.auto["budget"] is None
-        assert engine.plan_auto(len(short), sampling, SpeculationConfig(mode="auto")).budget is None
+        assert engine.choose_auto(len(short), sampling, SpeculationConfig(mode="auto")).budget is None
 
 
 def test_plan_weighs_a_retrieval_tier_on_measured_step_times_instead_of_bytes():
@@ -544,29 +537,29 @@ def test_plan_weighs_a_retrieval_tier_on_measured_step_times_instead_of_bytes():
             return StepTimes(16000, budget, gamma + 1, ((decode, verify, lower),))
         return measure
 
-    bytes_only = plan_hierarchy(cfg, w, torch.float32, 16000, None, t06, step_weight_bytes=codes, lower_kv_bf16=True,
-                                int8_weight_bytes=1_560_000_000)
+    bytes_only = choose_hierarchy(cfg, w, torch.float32, 16000, None, t06, step_weight_bytes=codes, lower_kv_bf16=True,
+                                  int8_weight_bytes=1_560_000_000)
     assert bytes_only.tiers == "" and "0.65 x its bytes" in bytes_only.reason
     for n, (decode, verify, lower) in ((16000, (0.149, 0.200, 0.084)), (32000, (0.188, 0.249, 0.084))):
-        plan = plan_hierarchy(cfg, w, torch.float32, n, None, t06, step_weight_bytes=codes, lower_kv_bf16=True,
-                              int8_weight_bytes=1_560_000_000, measure=measured(decode, verify, lower))
+        plan = choose_hierarchy(cfg, w, torch.float32, n, None, t06, step_weight_bytes=codes, lower_kv_bf16=True,
+                                int8_weight_bytes=1_560_000_000, measure=measured(decode, verify, lower))
         predicted = expected_tokens(ACCEPTANCE_PRIOR_SAMPLING, 3) * decode / (3 * lower + verify)
         assert predicted >= RETRIEVAL_MIN_PREDICTED_SPEEDUP
         assert plan.tiers == "retrieval:3" and plan.lower_weights == "codes" and plan.lower_kv_dtype == "bfloat16"
         assert f"{predicted:.2f}x plain decoding predicted" in plan.reason
         assert f"decode step {1000 * decode:.1f} ms" in plan.reason
         assert asked[-1] == (plan.budget, 3, "codes", torch.bfloat16) and plan.budget == n // 8
-    slow = plan_hierarchy(cfg, w, torch.float32, 16000, None, t06, step_weight_bytes=codes,
-                          int8_weight_bytes=1_560_000_000, measure=measured(0.100, 0.130, 0.065))
+    slow = choose_hierarchy(cfg, w, torch.float32, 16000, None, t06, step_weight_bytes=codes,
+                            int8_weight_bytes=1_560_000_000, measure=measured(0.100, 0.130, 0.065))
     assert slow.tiers == "" and slow.budget is None and f"< {RETRIEVAL_MIN_PREDICTED_SPEEDUP}" in slow.reason
     asked.clear()
     for n, bottom in ((300, None), (16000, "self")):  # below the KV share; a named self tier: nothing to time
-        plan_hierarchy(cfg, w, torch.float32, n, bottom, t06, step_weight_bytes=codes,
-                       int8_weight_bytes=1_560_000_000, measure=measured(1, 1, 1))
+        choose_hierarchy(cfg, w, torch.float32, n, bottom, t06, step_weight_bytes=codes,
+                         int8_weight_bytes=1_560_000_000, measure=measured(1, 1, 1))
     assert asked == []
-    unmeasured = plan_hierarchy(cfg, w, torch.float32, 16000, None, t06, step_weight_bytes=codes,
-                                int8_weight_bytes=1_560_000_000,
-                                measure=lambda *a: None)  # no memory to measure in: the bytes rule
+    unmeasured = choose_hierarchy(cfg, w, torch.float32, 16000, None, t06, step_weight_bytes=codes,
+                                  int8_weight_bytes=1_560_000_000,
+                                  measure=lambda *a: None)  # no memory to measure in: the bytes rule
     assert unmeasured.tiers == bytes_only.tiers and "x its bytes" in unmeasured.reason
     with pytest.raises(ValueError, match="gamma must be 3"):
         StepTimes(1, 1, 4, ((1.0, 1.0, 1.0),)).predicted_speedup(0.5, 6)
@@ -596,7 +589,7 @@ def test_engine_measures_step_times_once_per_shape_and_keeps_no_copy_it_timed_fo
         engine.lower_model(target, "int8")
         return first.__class__(400, 64, 4, ((1.0, 10.0, 1.0),))
     engine.step_times = slow
-    plan = engine.plan_auto(2000, SamplingParams(0.6), SpeculationConfig(mode="auto"))
+    plan = engine.choose_auto(2000, SamplingParams(0.6), SpeculationConfig(mode="auto"))
     assert plan.tiers == "" and "predicted" in plan.reason and engine.lower_copies == []
     engine = Engine(target)
     prompt = torch.randint(3, 96, (300,), generator=torch.Generator().manual_seed(17)).tolist()
@@ -606,8 +599,8 @@ def test_engine_measures_step_times_once_per_shape_and_keeps_no_copy_it_timed_fo
 
 
 def test_a_batched_generation_does_not_stall_the_others_to_measure_step_times():
-    """Inside a batch with other generations running, ``step_times`` returns None (``auto`` plans on bytes) and keeps
-    nothing, so a later request alone measures; a generation alone in the scheduler measures."""
+    """Inside a batch with other generations running, ``Engine.step_times`` returns None (``auto`` plans on bytes)
+    and keeps nothing, so a later request alone measures; a generation alone in the scheduler measures."""
     from triforce.model.batching import BatchScheduler
 
     engine = Engine(ours(hf_model(seed=16)))

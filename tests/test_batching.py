@@ -3,7 +3,7 @@
 Greedy (fp32): token for token, for batches that mix prompt lengths, modes, gammas and budgets, with sequences
 joining as others leave (more prompts than ``max_batch``), a sequence submitted mid-run, an EOS in one sequence
 while the others continue, and a cancelled sequence. Sampling: the exact-enumeration chi-square test of
-``test_distribution.py``, with the tested sequence batched next to others of other lengths and settings.
+``distribution.py``, with the tested sequence batched next to others of other lengths and settings.
 """
 
 import gc
@@ -12,8 +12,7 @@ import weakref
 import pytest
 import torch
 
-from test_distribution import NEW, PROMPT_LEN, SETTINGS, V, chi2_pvalue, exact_distribution
-from test_distribution import models as models  # noqa: F401  (fixture)
+from distribution import NEW, PROMPT_LEN, SETTINGS, V, chi2_pvalue, exact_distribution
 from tiny import pair
 from triforce.engine import Engine, SpeculationConfig
 from triforce.kv.caches import RaggedCache
@@ -236,23 +235,34 @@ def test_failing_sequence_does_not_stop_the_batch(engine):
     assert isinstance(seqs[0].error, KeyError) and seqs[1].result == reference
 
 
-def test_batched_forward_seconds_exclude_waiting_for_others():
+def test_batched_forward_seconds_exclude_waiting_for_others(monkeypatch):
     """A tier's forward_seconds under the scheduler count the batched forwards, not the time its sequence waited
-    while another sequence's code ran: next to a sequence that sleeps 50 ms after each of its 4 forwards, a
-    generation's target tier reports less than one sleep in all (its forwards take about 1 ms each here), while
-    its wall time holds the sleeps."""
+    while another sequence's code ran. On a fake clock (``time.perf_counter``) that only a sleeper's code (50 ms after
+    each of its 4 forwards) and each batched forward (1 ms) advance, a generation batched beside the sleeper reports
+    1 ms per forward pass of its target tier, while its own span holds the sleeps."""
     import time
 
     from triforce.kv.caches import FullKVCache
     from triforce.model.batching import run_forward
 
     target, _ = pair(seed=8)
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    ragged = target.forward_ragged
+    batched = []
+
+    def forward_ragged(blocks):
+        clock[0] += 0.001
+        batched.append(len(blocks))
+        return ragged(blocks)
+
+    monkeypatch.setattr(target, "forward_ragged", forward_ragged)
 
     def sleeper():
         cache = FullKVCache(target.cfg, 64)
         for i in range(4):
             run_forward(target, torch.tensor([[5 + i]]), torch.tensor([i]), cache)
-            time.sleep(0.05)
+            clock[0] += 0.05
 
     prompt = _prompt(12, 40)
     out = {}
@@ -260,24 +270,24 @@ def test_batched_forward_seconds_exclude_waiting_for_others():
     def generation():
         t0 = time.perf_counter()
         res = engine_alone.generate(prompt, max_new_tokens=4, spec=_spec("autoregressive"), sampling=GREEDY)
-        out["wall"] = time.perf_counter() - t0
+        out["span"] = time.perf_counter() - t0
         return res
 
     engine_alone = Engine(target).fork()
     seqs = BatchScheduler(2).run([sleeper, generation])
     assert all(s.error is None for s in seqs), [s.error for s in seqs]
     stats = seqs[1].result[1].tiers["target"]
-    assert stats["forward_passes"] >= 4
-    assert out["wall"] > 0.15  # it did wait for the sleeper's code
-    assert stats["forward_seconds"] < 0.05, stats
+    assert stats["forward_passes"] >= 4 and 2 in batched  # the two sequences shared forwards
+    assert out["span"] > 0.15  # it did wait for the sleeper's code
+    assert stats["forward_seconds"] == pytest.approx(0.001 * stats["forward_passes"]), stats
 
 
 @pytest.mark.parametrize("mode", ["triforce", pytest.param("retrieval", marks=pytest.mark.slow)])
-def test_batched_sequence_matches_exact_distribution(models, mode):  # noqa: F811
+def test_batched_sequence_matches_exact_distribution(distribution_models, mode):
     """The tested sequence (20-token prompt, T = 1) runs batched with a longer greedy autoregressive sequence and a
     shorter T = 0.6 retrieval sequence; its 3-token outputs pass the chi-square test against the exact distribution
     (p > 1e-3, 1,200 samples)."""
-    hf, target, draft, prompt = models
+    hf, target, draft, prompt = distribution_models
     params = SETTINGS["T1"]
     engine = Engine(target, draft)
     spec = SpeculationConfig(mode=mode, budget=8, chunk_size=2, gamma1=2, gamma2=2, draft_sink=2, draft_window=4)
@@ -312,7 +322,7 @@ def test_ragged_forward_of_a_coded_model_runs_in_one_call_bitwise_as_each_block_
     what the one-call forward of that block alone gives (row-invariant products; each sequence's attention its own
     call). Past 64 rows, in calls of whole blocks of at most 64 rows, each row still bitwise its block's alone
     (issue 47: batch invariance)."""
-    from test_blockcodes import gguf_like
+    from references import gguf_like
     from tiny import hf_model, ours
     from triforce.kernels import decode_step
     from triforce.kv.caches import FullKVCache

@@ -74,13 +74,13 @@ def test_json_records_the_cpu_and_the_kernels_that_ran(bench_result):
     them (figures differ between an AVX-512 and an AVX2 machine)."""
     from triforce.kernels import cpu as kernels
     from triforce.kernels.blockcodes import blockcodes_status
-    from triforce.speculation.sampling import sampling_status
+    from triforce.kernels.sampling import sampling_status
 
     machine = bench_result[0]["machine"]
     assert {k: machine[k] for k in ("cpu", "cores", "isa")} == kernels.cpu()
     assert machine["isa"] in ("AVX-512", "AVX2", "portable")
     assert machine["attention_kernel"] == kernels.status()
-    assert machine["linear_kernels"] == kernels.linear_status()
+    assert machine["linear_kernel"] == kernels.linear_status()
     assert machine["block_code_kernel"] == blockcodes_status()
     assert machine["sampling_kernel"] == sampling_status()
     # the code behind the figures: this checkout's commit (tests run from a git checkout, CI's clean clone included)

@@ -8,11 +8,13 @@ whose verifier reads the codes must keep greedy equality with autoregressive dec
 import pytest
 import torch
 
-from test_distribution import NEW, SETTINGS, V, chi2_pvalue, empirical, exact_distribution
+from distribution import NEW, SETTINGS, V, chi2_pvalue, empirical, exact_distribution
+from references import gguf_like, q4_1, q8_0, q8_dot_reference
 from tiny import hf_model, ours, pair
 from triforce.engine import Engine, SpeculationConfig
 from triforce.kernels import blockcodes
-from triforce.kernels.blockcodes import blockcode_linear, blockcode_linear_q8, find_block_codes
+from triforce.kernels.blockcodes import blockcode_linear, blockcode_linear_q8
+from triforce.kernels.codes import find_block_codes
 from triforce.kernels.cpu import LINEAR_MAX_ROWS, f32_linear
 from triforce.kv.caches import FullKVCache
 from triforce.model.transformer import Linear
@@ -20,33 +22,6 @@ from triforce.speculation.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not blockcodes.blockcodes_status().startswith("on"),
                                 reason=f"block-code kernel: {blockcodes.blockcodes_status()}")
-
-
-def q4_1(w: torch.Tensor) -> torch.Tensor:
-    """ggml's Q4_1 round trip of an (out, in) matrix along in (llama.cpp quantize_row_q4_1_ref, gguf-py dequantize):
-    fp16 scale (max - min) / 15 and fp16 minimum per block of 32; returns the dequantized fp32 weights."""
-    b = w.float().reshape(w.shape[0], -1, 32)
-    lo, hi = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
-    d = (hi - lo) / 15
-    q = torch.where(d > 0, ((b - lo) / torch.where(d > 0, d, 1) + 0.5).floor(), 0).clamp(0, 15)
-    return (d.half().float() * q + lo.half().float()).reshape(w.shape)
-
-
-def q8_0(w: torch.Tensor) -> torch.Tensor:
-    """ggml's Q8_0 round trip (quantize_row_q8_0_ref): fp16 scale max |w| / 127 per block of 32."""
-    b = w.float().reshape(w.shape[0], -1, 32)
-    d = b.abs().amax(-1, keepdim=True) / 127
-    q = torch.round(b / torch.where(d > 0, d, 1)).clamp(-127, 127)
-    return (d.half().float() * q).reshape(w.shape)
-
-
-def gguf_like(hf, embed=q8_0, proj=q4_1):
-    """Replace a transformers model's matrices by their GGUF round trips, as a Q4_1 file with a Q8_0 embedding."""
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if p.dim() == 2 and p.shape[1] % 32 == 0:
-                p.copy_(embed(p) if "embed" in name else proj(p))
-    return hf
 
 
 @pytest.mark.parametrize("fmt,bits", [(q4_1, 4), (q8_0, 8)])
@@ -75,30 +50,6 @@ def test_codes_reproduce_every_weight_and_the_fp32_product_bitwise(fmt, bits, n_
             assert torch.equal(blockcode_linear(x, codes), y) and torch.equal(blockcode_linear(x[:1], codes), y[:1])
     finally:
         torch.set_num_threads(threads)
-
-
-def q8_dot_reference(x: torch.Tensor, codes) -> torch.Tensor:
-    """The integer dot products' definition (blockcodes.blockcode_linear_q8, llama.cpp's Q8 activations) in float64:
-    per block g of 32 inputs, dx = max |x| / 127 (fp32), xq = round(x * (127 / max |x|)) (fp32, half to even), and
-    y_o = sum_g d_go dx_g sum_i q_io xq_i + m_go sum_i x_i (the inputs' fp32 sum)."""
-    m, n_in = x.shape
-    xg = x.reshape(m, n_in // 32, 32)
-    amax = xg.abs().amax(-1, keepdim=True)
-    inv = torch.full_like(amax, 127.0) / amax  # a true division (torch's 127 / t multiplies by t's reciprocal)
-    xq = torch.round(xg * torch.where(amax > 0, inv, torch.zeros_like(amax))).double()
-    dx = (amax / 127).double()
-    w = codes.dequantize().double()  # (in, out) = d q + m
-    deq_m = codes.m.double().permute(1, 0, 2).reshape(n_in // 32, -1) if codes.m is not None else None
-    d = codes.d.double().permute(1, 0, 2).reshape(n_in // 32, -1)  # (groups, out)
-    q = w.reshape(n_in // 32, 32, -1)
-    if deq_m is not None:
-        q = q - deq_m[:, None]
-    dg = d[:, None]  # the codes back from d q (exact: d q was exact in fp32); a zero scale's codes count for nothing
-    q = torch.where(dg != 0, torch.round(q / torch.where(dg != 0, dg, torch.ones_like(dg))), torch.zeros_like(q))
-    y = torch.einsum("mgi,gio->mgo", xq, q).mul(dx).mul(d[None]).sum(1)
-    if deq_m is not None:
-        y = y + (xg.sum(-1, keepdim=True).double() * deq_m[None]).sum(1)
-    return y
 
 
 @pytest.mark.parametrize("fmt,bits", [(q4_1, 4), (q8_0, 8)])
@@ -288,7 +239,7 @@ def test_codes_keep_every_mode_equal_to_autoregressive_greedy(monkeypatch):
 def test_verifier_on_codes_matches_exact_distribution(lower):
     """TriForce with the verifier on block codes (V = 5: the LM head stays fp32, every layer reads codes), the
     retrieval tier on the same codes exactly or with int8 activations, at T = 0.6 / top-p 0.9 / top-k 5: the
-    chi-square bound of test_distribution.py (p > 1e-3)."""
+    chi-square bound of ``distribution.py`` (p > 1e-3)."""
     target_hf = gguf_like(hf_model(seed=21, vocab=V, layers=2, hidden=32, init=0.15))
     draft = ours(hf_model(seed=22, vocab=V, layers=1, hidden=16, heads=2, kv_heads=1, init=0.5))
     target = ours(target_hf)

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from references import reference_selection
 from triforce.kernels.cpu import apply_rope
 from triforce.kv.caches import FullKVCache
 from triforce.kv.retrieval import RetrievalCache
@@ -57,22 +58,6 @@ def test_full_cache_holds_exactly_the_accepted_prefix(ops):
 
 
 # --------------------------------------------------------------------------- retrieval cache
-def _reference_selection(keys, query, length, budget, chunk):
-    """Brute force: per layer and KV head, rank chunks by sum over the group's query heads of q . mean(K_chunk)."""
-    sel = torch.full((L, NKV, budget), -1, dtype=torch.long)
-    for layer in range(L):
-        for h in range(NKV):
-            scores = []
-            for c in range(math.ceil(length / chunk)):
-                mean = keys[layer, 0, h, c * chunk:min(length, (c + 1) * chunk)].mean(0)
-                s = sum(float(query[layer, 0, h * (NH // NKV) + j] @ mean) for j in range(NH // NKV))
-                scores.append(math.inf if c == 0 else s)
-            order = sorted(range(len(scores)), key=lambda c: (-scores[c], c))
-            tokens = [p for c in order for p in range(c * chunk, min(length, (c + 1) * chunk))][:budget]
-            sel[layer, h, :len(tokens)] = torch.tensor(tokens)
-    return sel
-
-
 def _reference_scores(keys, query, length, chunk, score):
     """Brute-force chunk scores (L, nkv, n_chunks) of the three rules."""
     g = NH // NKV
@@ -130,7 +115,7 @@ def test_retrieval_selection_matches_brute_force(length, chunk, extra_chunks):
     query = torch.randn(L, 1, NH, HS, generator=torch.Generator().manual_seed(length))
     cache = RetrievalCache(CFG, full, budget, chunk)
     cache.build(length, query)
-    ref = _reference_selection(full.k, query, length, budget, chunk)
+    ref = reference_selection(full.k, query, length, budget, chunk)
     assert torch.equal(cache.selected[:, 0], ref)
     m = min(budget, length)
     for layer in range(L):
@@ -276,7 +261,9 @@ def test_release_free_memory_returns_freed_heap_pages(tmp_path):
 
     script = tmp_path / "release.py"
     script.write_text('''
-import os, torch from triforce.kv.memory import release_free_memory def rss():
+import os, torch
+from triforce.kv.memory import release_free_memory
+def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 big = torch.empty(16 << 20, dtype=torch.uint8); big.fill_(1); del big

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from support import drain
 from triforce import TriForce
 from triforce.cli import LineProgress, main
 
@@ -287,14 +288,7 @@ def test_python_api_stream_yields_tokens_then_returns_result(tiny_folder):
     from triforce import SamplingParams, TriForce
 
     tf = TriForce.load(tiny_folder)
-    gen = tf.stream("hello", max_new_tokens=6, sampling=SamplingParams(temperature=0))
-    events = []
-    while True:
-        try:
-            events.append(next(gen))
-        except StopIteration as stop:
-            result = stop.value
-            break
+    events, result = drain(tf.stream("hello", max_new_tokens=6, sampling=SamplingParams(temperature=0)))
     assert [e.token_id for e in events if e.token_id is not None] == result.token_ids
     assert "".join(e.text for e in events) == result.text
     assert result.stats.generated_tokens == len(result.token_ids)

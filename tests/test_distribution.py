@@ -8,67 +8,20 @@ the null hypothesis a given seed fails with probability 1e-3). A hierarchy whose
 own distribution instead of the residual (the TriForce reference's Middle_Spec) must fail the same test.
 """
 
-import itertools
-
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from tiny import hf_model, ours
+from distribution import (
+    N_FAST,
+    N_FEATURE,
+    N_SLOW,
+    SETTINGS,
+    chi2_pvalue,
+    empirical,
+    exact_distribution,
+    middle_tier_resamples_from_p,
+)
 from triforce.engine import Engine, SpeculationConfig
-from triforce.speculation.sampling import SamplingParams, logits_to_probs, sample
-
-V, NEW, PROMPT_LEN = 5, 3, 20
-N_FAST, N_SLOW = 3000, 20000
-# CI time: a feature on top of a mode (depth 4, adaptive gamma, int8 / bf16 lower tiers, and in other files the self
-# tier, the attn chunk score, auto's bypasses) is sampled fewer times than the modes and the broken middle tier (whose
-# failure at N_FAST shows the test's power)
-N_FEATURE = 2500
-SETTINGS = {"T1": SamplingParams(1.0, 1.0, 0), "T0.6-p0.9-k5": SamplingParams(0.6, 0.9, 5)}
-
-
-@pytest.fixture(scope="module")
-def models():
-    target_hf = hf_model(seed=21, vocab=V, layers=2, hidden=32, init=0.15)
-    # sharp: frequent tier-1 rejections
-    draft_hf = hf_model(seed=22, vocab=V, layers=1, hidden=16, heads=2, kv_heads=1, init=0.5)
-    prompt = torch.randint(0, V, (PROMPT_LEN,), generator=torch.Generator().manual_seed(5)).tolist()
-    return target_hf, ours(target_hf), ours(draft_hf), prompt
-
-
-def exact_distribution(hf, prompt, params):
-    """P(x1, x2, x3 | prompt) for all V^3 sequences, by enumeration with transformers' forward."""
-    conts = torch.tensor(list(itertools.product(range(V), repeat=NEW - 1)))  # (V^2, 2)
-    ids = torch.cat([torch.tensor(prompt).expand(len(conts), -1), conts], 1)
-    with torch.no_grad():
-        logits = hf(ids).logits[:, PROMPT_LEN - 1:]  # (V^2, 3, V): next-token logits at the 3 positions
-    probs = logits_to_probs(logits, params)
-    table = torch.zeros((V,) * NEW, dtype=torch.float64)
-    for row, (a, b) in enumerate(conts.tolist()):
-        p1, p2, p3 = probs[row, 0].double(), probs[row, 1].double(), probs[row, 2].double()
-        table[a, b] = p1[a] * p2[b] * p3
-    return table.flatten()
-
-
-def empirical(engine, prompt, params, spec, n, seed):
-    counts = torch.zeros(V**NEW, dtype=torch.float64)
-    for i in range(n):
-        out, _ = engine.generate(prompt, max_new_tokens=NEW, sampling=params, spec=spec, seed=seed * 1_000_003 + i)
-        counts[out[0] * V * V + out[1] * V + out[2]] += 1
-    return counts
-
-
-def chi2_pvalue(counts, probs):
-    n = counts.sum()
-    expected = probs / probs.sum() * n
-    assert counts[expected == 0].sum() == 0, "generated a sequence of probability 0"
-    big = expected >= 5
-    small = ~big & (expected > 0)
-    obs = torch.cat([counts[big], counts[small].sum()[None]])
-    exp = torch.cat([expected[big], expected[small].sum()[None]])
-    keep = exp > 0
-    assert keep.sum() >= 10
-    return chisquare(obs[keep].numpy(), exp[keep].numpy()).pvalue
 
 
 def _spec(mode):
@@ -87,8 +40,8 @@ _FAST_CASES = [(mode, setting) if (mode, setting) in _FAST else pytest.param(mod
 
 
 @pytest.mark.parametrize("mode,setting", _FAST_CASES)
-def test_mode_matches_exact_distribution(models, mode, setting):
-    hf, target, draft, prompt = models
+def test_mode_matches_exact_distribution(distribution_models, mode, setting):
+    hf, target, draft, prompt = distribution_models
     params = SETTINGS[setting]
     exact = exact_distribution(hf, prompt, params)
     engine = Engine(target, draft)
@@ -96,9 +49,9 @@ def test_mode_matches_exact_distribution(models, mode, setting):
     assert chi2_pvalue(counts, exact) > 1e-3
 
 
-def test_depth_4_hierarchy_matches_exact_distribution(models):
+def test_depth_4_hierarchy_matches_exact_distribution(distribution_models):
     """ngram -> draft -> retrieval -> full target, at T=1."""
-    hf, target, draft, prompt = models
+    hf, target, draft, prompt = distribution_models
     params = SETTINGS["T1"]
     spec = SpeculationConfig(tiers="ngram:2,draft:2,retrieval:2", budget=8, chunk_size=2, draft_sink=2, draft_window=4)
     engine = Engine(target, draft)
@@ -106,9 +59,9 @@ def test_depth_4_hierarchy_matches_exact_distribution(models):
     assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
 
 
-def test_adaptive_triforce_matches_exact_distribution(models):
+def test_adaptive_triforce_matches_exact_distribution(distribution_models):
     """Confidence-stopped drafts and adaptive gamma at T=0.6 / top-p 0.9 / top-k 5 stay exact."""
-    hf, target, draft, prompt = models
+    hf, target, draft, prompt = distribution_models
     params = SETTINGS["T0.6-p0.9-k5"]
     spec = SpeculationConfig(mode="triforce", budget=12, chunk_size=2, gamma1=2, gamma2=2, draft_sink=2,
                              draft_window=4, stop_below=0.6, adaptive_gamma=True)
@@ -116,19 +69,8 @@ def test_adaptive_triforce_matches_exact_distribution(models):
     assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
 
 
-def middle_tier_resamples_from_p(draft_tokens, draft_probs, target_probs, generator=None, greedy=False):
-    """The reference code's Middle_Spec bug: after a rejection, draw from p instead of norm(max(p - q, 0))."""
-    b, k = draft_tokens.shape
-    rows = torch.arange(b)
-    p_x = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
-    q_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
-    accepted = torch.rand((b, k), generator=generator) * q_x < p_x
-    n_acc = accepted.long().cumprod(-1).sum(-1)
-    return n_acc, sample(target_probs[rows, n_acc], generator)
-
-
-def test_broken_middle_tier_fails_the_same_test(models):
-    hf, target, draft, prompt = models
+def test_broken_middle_tier_fails_the_same_test(distribution_models):
+    hf, target, draft, prompt = distribution_models
     params = SETTINGS["T1"]
     engine = Engine(target, draft)
     engine.tier_verify["retrieval"] = middle_tier_resamples_from_p
@@ -139,20 +81,20 @@ def test_broken_middle_tier_fails_the_same_test(models):
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("mode", MODES)
-def test_mode_matches_exact_distribution_20k(models, mode, setting):
-    hf, target, draft, prompt = models
+def test_mode_matches_exact_distribution_20k(distribution_models, mode, setting):
+    hf, target, draft, prompt = distribution_models
     params = SETTINGS[setting]
     counts = empirical(Engine(target, draft), prompt, params, _spec(mode), N_SLOW, seed=7 + MODES.index(mode))
     assert chi2_pvalue(counts, exact_distribution(hf, prompt, params)) > 1e-3
 
 
-def test_int8_lower_tiers_with_bf16_caches_match_exact_distribution(models, monkeypatch):
+def test_int8_lower_tiers_with_bf16_caches_match_exact_distribution(distribution_models, monkeypatch):
     """Cheaper lower tiers (int8 weights, bf16 retrieval and draft caches) under the fp32 verifier stay exact; the
     retrieval tier's steps over its bf16 cache run every layer in one call (``csrc/decode_step.c`` with the
     attention kernel's bf16 path) where those kernels are on."""
     from triforce.kernels import decode_step
 
-    hf, target, draft, prompt = models
+    hf, target, draft, prompt = distribution_models
     steps = []
     real = decode_step.decode_layers
     monkeypatch.setattr("triforce.kernels.decode_step.decode_layers",
@@ -167,12 +109,12 @@ def test_int8_lower_tiers_with_bf16_caches_match_exact_distribution(models, monk
 
 
 @pytest.mark.slow  # CI time: the same driver runs the block-code verifier's test in every run (test_blockcodes.py)
-def test_int8_retrieval_tier_in_one_kernel_call_matches_exact_distribution(models, monkeypatch):
+def test_int8_retrieval_tier_in_one_kernel_call_matches_exact_distribution(distribution_models, monkeypatch):
     """The int8 retrieval tier with fp32 caches, whose decode steps run every layer in one call
     (``csrc/decode_step.c``), under the fp32 verifier: the exact distribution (same bound as above)."""
     from triforce.kernels import decode_step
 
-    hf, target, draft, prompt = models
+    hf, target, draft, prompt = distribution_models
     steps = []
     real = decode_step.decode_layers
     monkeypatch.setattr("triforce.kernels.decode_step.decode_layers",

@@ -1,7 +1,7 @@
 """Exact distribution under sampling while the retrieval tier re-selects its chunks during generation
 (``rebuild_every``, ``rebuild_below``), with each chunk score (``mean``, ``max``, ``bound``).
 
-Same setting and helpers as tests/test_distribution.py (imported): a 5-token vocabulary, a 20-token prompt, a retrieval
+Same setting as tests/test_distribution.py (distribution.py): a 5-token vocabulary, a 20-token prompt, a retrieval
 budget of 8 (tier 1 sees a different cache than the verifier), 3 generated tokens whose exact distribution (125
 sequences) is enumerated with transformers. Each test draws N sequences with fixed seeds and requires a chi-square
 goodness-of-fit p-value > 1e-3 (cells with expected count < 5 pooled): under the null hypothesis a given seed fails with
@@ -12,7 +12,7 @@ TriForce reference's biased middle tier in these rebuild settings (p = 5e-7 and 
 
 import pytest
 
-from test_distribution import SETTINGS, chi2_pvalue, empirical, exact_distribution, models  # noqa: F401
+from distribution import SETTINGS, chi2_pvalue, empirical, exact_distribution, middle_tier_resamples_from_p
 from triforce.engine import Engine, SpeculationConfig
 from triforce.speculation.tiers import RetrievalTier
 
@@ -46,9 +46,9 @@ def _counting_rebuilds(engine):
     return total
 
 
-def _check_rebuilds(models, monkeypatch, name, setting, n, seed, engine=None):  # noqa: F811
+def _check_rebuilds(distribution_models, monkeypatch, name, setting, n, seed, engine=None):
     """p-value of N sequences drawn with the rebuild setting ``name`` (and how many re-selections occurred)."""
-    hf, target, draft, prompt = models
+    hf, target, draft, prompt = distribution_models
     monkeypatch.setattr(RetrievalTier, "ACCEPTANCE_WINDOW", 1)
     params = SETTINGS[setting]
     engine = engine or Engine(target, draft)
@@ -60,23 +60,24 @@ def _check_rebuilds(models, monkeypatch, name, setting, n, seed, engine=None):  
 
 @pytest.mark.parametrize("name,setting", [("every1-max-triforce", "T0.6-p0.9-k5"),  # below-bound: the slow 20k test
                                           pytest.param("below-bound-triforce", "T1", marks=pytest.mark.slow)])
-def test_rebuilds_and_chunk_scores_keep_the_exact_distribution(models, monkeypatch, name, setting):  # noqa: F811
-    assert _check_rebuilds(models, monkeypatch, name, setting, N_FAST, seed=300 + list(REBUILDS).index(name)) > 1e-3
+def test_rebuilds_and_chunk_scores_keep_the_exact_distribution(distribution_models, monkeypatch, name, setting):
+    seed = 300 + list(REBUILDS).index(name)
+    assert _check_rebuilds(distribution_models, monkeypatch, name, setting, N_FAST, seed=seed) > 1e-3
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("name", list(REBUILDS))
-def test_rebuilds_and_chunk_scores_keep_the_exact_distribution_20k(models, monkeypatch, name, setting):  # noqa: F811
-    assert _check_rebuilds(models, monkeypatch, name, setting, N_SLOW, seed=400 + list(REBUILDS).index(name)) > 1e-3
+def test_rebuilds_and_chunk_scores_keep_the_exact_distribution_20k(distribution_models, monkeypatch, name, setting):
+    seed = 400 + list(REBUILDS).index(name)
+    assert _check_rebuilds(distribution_models, monkeypatch, name, setting, N_SLOW, seed=seed) > 1e-3
 
 
 @pytest.mark.slow
-def test_biased_middle_tier_fails_with_rebuilds(models, monkeypatch):  # noqa: F811
+def test_biased_middle_tier_fails_with_rebuilds(distribution_models, monkeypatch):
     """The power of the fast tests: the reference's Middle_Spec (resampling from p) is rejected at N = 1,500."""
-    from test_distribution import middle_tier_resamples_from_p
 
     for name in ("every1-max-triforce", "below-bound-triforce"):
-        engine = Engine(models[1], models[2])
+        engine = Engine(distribution_models[1], distribution_models[2])
         engine.tier_verify["retrieval"] = middle_tier_resamples_from_p
-        assert _check_rebuilds(models, monkeypatch, name, "T1", N_FAST, seed=9, engine=engine) < 1e-3
+        assert _check_rebuilds(distribution_models, monkeypatch, name, "T1", N_FAST, seed=9, engine=engine) < 1e-3

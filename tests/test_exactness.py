@@ -35,14 +35,14 @@ import sys
 import pytest
 import torch
 
+from near_tie import GREEDY_NEW, INTER, near_tie, near_tie_pair, random_ids
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: environment of each forced build (a build is chosen when the kernels first load: each runs in a subprocess)
 OFF = {name: "0" for name in ("TRIFORCE_ATTENTION_KERNEL", "TRIFORCE_LINEAR_KERNEL", "TRIFORCE_NORM_ROPE_KERNEL",
                               "TRIFORCE_DECODE_STEP_KERNEL", "TRIFORCE_SAMPLING_KERNEL", "TRIFORCE_BLOCK_CODES")}
 BUILDS = {"native": {}, "avx2": {"TRIFORCE_KERNEL_ISA": "AVX2"}, "portable": {"TRIFORCE_KERNEL_ISA": "portable"},
           "off": OFF}
-#: the gap between the two tokens of a pair of LM-head columns, before the final norm's scale
-GAP = 1e-6
 VOCABS = (96, 101)  # a multiple of 16 and not
 
 
@@ -52,37 +52,11 @@ def _vocabs() -> tuple[int, ...]:
     Check (a) runs every vocabulary on every build."""
     forced = os.environ.get("TRIFORCE_KERNEL_ISA") or any(os.environ.get(k) == "0" for k in OFF)
     return VOCABS[-1:] if forced else VOCABS
-#: the MLP's width: its down projection sums 512 inputs, where MKL's product of more than 64 rows blocks the sum
-#: differently from one row (up to 384 inputs it summed them in order, as our kernel does, on this project's CPU)
-INTER = 512
-GREEDY_NEW = 16
-
-
-def near_tie(model, seed: int = 0):
-    """Pair the columns of ``model``'s LM head in place, (d, V) ``weight_t``: column 2j + 1 = column 2j + GAP r_j."""
-    w = model.lm_head.weight_t.data
-    pairs = w.shape[1] // 2
-    r = torch.randn(w.shape[0], pairs, generator=torch.Generator().manual_seed(seed))
-    w[:, 1:2 * pairs:2] = w[:, 0:2 * pairs:2] + GAP * r / r.norm(dim=0, keepdim=True)
-    return model
-
-
-def _models(vocab: int, seed: int = 0):
-    from tiny import pair
-
-    target, draft = pair(seed=seed, vocab=vocab, intermediate_size=INTER)
-    return near_tie(target, seed), near_tie(draft, seed + 1)
-
-
-def _ids(n: int, vocab: int, seed: int) -> list[int]:
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def _rows_differing(model, prompt: int, t: int, seed: int) -> int:
     """Rows of a t-token block (after a prompt) whose logits differ from the same tokens' decode steps."""
     from triforce.kv.caches import FullKVCache
 
-    ids = torch.tensor([_ids(prompt + t, model.cfg.vocab_size, seed)])
+    ids = torch.tensor([random_ids(prompt + t, model.cfg.vocab_size, seed)])
     block, steps = FullKVCache(model.cfg, prompt + t + 1), FullKVCache(model.cfg, prompt + t + 1)
     for cache in (block, steps):
         model(ids[:, :prompt], torch.arange(prompt), cache)
@@ -98,7 +72,7 @@ def _verification_differing(model, prompt: int, t: int, seed: int, num_logits: i
     from triforce.kernels.rows import verify_forward
     from triforce.kv.caches import FullKVCache
 
-    ids = torch.tensor([_ids(prompt + t, model.cfg.vocab_size, seed)])
+    ids = torch.tensor([random_ids(prompt + t, model.cfg.vocab_size, seed)])
     block, steps = (FullKVCache(model.cfg, prompt + t + 1, record_queries=True) for _ in range(2))
     for cache in (block, steps):
         model(ids[:, :prompt], torch.arange(prompt), cache)
@@ -123,7 +97,7 @@ def _ragged_blocks_differing(model, seqs: int, t: int) -> int:
     blocks, alone = [], []
     for i in range(seqs):
         n = 5 + 3 * i  # other prompt lengths
-        ids = torch.tensor([_ids(n + t, model.cfg.vocab_size, 100 + i)])
+        ids = torch.tensor([random_ids(n + t, model.cfg.vocab_size, 100 + i)])
         caches = [FullKVCache(model.cfg, n + t + 1) for _ in range(2)]
         for cache in caches:
             model(ids[:, :n], torch.arange(n), cache)
@@ -135,7 +109,7 @@ def _ragged_blocks_differing(model, seqs: int, t: int) -> int:
 
 def _check_rows() -> dict:
     """(a): rows differing per (model, block length), and blocks differing in ragged forwards of 8-128 rows."""
-    from test_blockcodes import gguf_like
+    from references import gguf_like
     from tiny import hf_model, ours
 
     out = {}
@@ -168,7 +142,7 @@ def _check_modes() -> dict:
     greedy = SamplingParams(temperature=0)
     out = {}
     for vocab in _vocabs():
-        engine = Engine(*_models(vocab))
+        engine = Engine(*near_tie_pair(vocab))
         settings = [("retrieval", 4, dict(budget=16, chunk_size=4, gamma2=4)),
                     ("triforce", 4, dict(budget=24, chunk_size=4, gamma1=2, gamma2=4)),
                     ("draft", 16, dict(gamma2=16)),
@@ -176,7 +150,7 @@ def _check_modes() -> dict:
                     ("triforce", 31, dict(budget=72, chunk_size=8, gamma1=3, gamma2=31, drafter="ngram")),
                     ("draft", 16, dict(gamma2=16, drafter="self", self_weights="int8"))]
         for p, n in enumerate((6, 40)):
-            prompt = _ids(n, vocab, 10 + p)
+            prompt = random_ids(n, vocab, 10 + p)
             ref = engine.generate(prompt, max_new_tokens=GREEDY_NEW, sampling=greedy, spec=SpeculationConfig())[0]
             for mode, g2, kw in settings:
                 spec = SpeculationConfig(mode=mode, draft_sink=4, draft_window=12, **kw)
@@ -209,7 +183,7 @@ def _check_long_blocks() -> dict:
     tiers.verify_forward = recorded
     try:
         for vocab in _vocabs():
-            models = _models(vocab)
+            models = near_tie_pair(vocab)
             # every token once, then 100 of one: the n-gram drafter's match of a new token is early, its
             # proposal long (up to 99 tokens); the retrieval tier always proposes gamma2 = 99
             prompt = (torch.randperm(vocab - 3, generator=torch.Generator().manual_seed(vocab)) + 3).tolist()
@@ -238,13 +212,13 @@ def _check_batch() -> dict:
 
     out = {}
     for vocab in _vocabs():
-        target, draft = _models(vocab, seed=7)
+        target, draft = near_tie_pair(vocab, seed=7)
         tf = TriForce(LoadedModel(target, char_tokenizer(), hf_config(vocab=vocab), "near-tie target"),
                       LoadedModel(draft, char_tokenizer(), hf_config(vocab=vocab), "near-tie draft"))
         modes = [dict(mode="autoregressive"), dict(mode="retrieval", budget=24, chunk_size=4, gamma2=6),
                  dict(mode="triforce", budget=32, chunk_size=4, gamma1=2, gamma2=5), dict(mode="draft", gamma2=7)]
         lengths = (3, 62, 17, 40, 9, 33, 24, 50)
-        prompts = [_ids(n, vocab, 50 + i) for i, n in enumerate(lengths)]
+        prompts = [random_ids(n, vocab, 50 + i) for i, n in enumerate(lengths)]
         specs = [SpeculationConfig(draft_sink=4, draft_window=12, **modes[i % len(modes)]) for i in range(8)]
         kw = dict(max_new_tokens=GREEDY_NEW, sampling=SamplingParams(temperature=0))
         alone = [tf.generate(p, spec=s, **kw).token_ids for p, s in zip(prompts, specs)]
@@ -272,8 +246,8 @@ def _check_reuse() -> dict:
     from triforce.speculation.sampling import SamplingParams
 
     assert ATTN_QUERY_WINDOW <= PREFILL_EXACT_TAIL  # every mode's refeed runs on the row-invariant paths
-    models = _models(VOCABS[-1], seed=3)
-    prompt = _ids(130, VOCABS[-1], 77)
+    models = near_tie_pair(VOCABS[-1], seed=3)
+    prompt = random_ids(130, VOCABS[-1], 77)
     shared = Engine(*models)  # runs the prompt in every mode, each run reusing the last one's KV
     out, ref = {}, None
     for name, spec in (("autoregressive", SpeculationConfig()),
@@ -326,7 +300,7 @@ def _cpu_has(*flags: str) -> bool:
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
-def build(request):
+def build_results(request):
     """The results of every check on one build, computed in a subprocess; skips a build this CPU does not have."""
     name = request.param
     if name == "avx2" and not (_cpu_has("avx2", "fma") and _cpu_has("avx512f")):
@@ -348,43 +322,43 @@ def build(request):
     return name, results
 
 
-def test_a_decode_step_is_bitwise_its_row_of_a_block_and_a_block_its_rows_in_a_batch(build):
+def test_a_decode_step_is_bitwise_its_row_of_a_block_and_a_block_its_rows_in_a_batch(build_results):
     """(a): 0 rows differ, for every block length (1-32), vocabulary (96, 97, 101), the coded model, and ragged
     forwards of 8, 65 and 128 rows."""
-    name, results = build
+    name, results = build_results
     differing = {k: v for k, v in results["rows"].items() if v}
     assert not differing, f"{name} ({results['status']}): {differing}"
 
 
-def test_every_mode_equals_autoregressive_decoding_on_near_ties(build):
+def test_every_mode_equals_autoregressive_decoding_on_near_ties(build_results):
     """(b): retrieval, triforce (draft or n-gram drafter), draft (a model or the target's int8 copy), verification
     blocks of 5, 17 and 32 tokens, vocabularies 96 and 101: the autoregressive tokens, every prompt."""
-    name, results = build
+    name, results = build_results
     failed = [k for k, same in results["modes"].items() if not same]
     assert not failed, f"{name} ({results['status']}): {failed}"
 
 
-def test_verification_blocks_of_65_to_100_tokens_equal_autoregressive_decoding(build):
+def test_verification_blocks_of_65_to_100_tokens_equal_autoregressive_decoding(build_results):
     """(d): blocks past 64 tokens (``--gamma2`` 64 and up) run in pieces of at most 64 on the row-invariant paths:
     the n-gram drafter's blocks of 65-99 tokens and the retrieval tier's of 100 (its selection reads the queries of
     the block's pieces, vocabulary 101) give the autoregressive tokens, vocabularies 96 and 101."""
-    name, results = build
+    name, results = build_results
     failed = [k for k, same in results["long"].items() if not same]
     assert not failed, f"{name} ({results['status']}): {failed}"
 
 
-def test_a_request_gives_its_tokens_alone_and_beside_1_3_and_7_others(build):
+def test_a_request_gives_its_tokens_alone_and_beside_1_3_and_7_others(build_results):
     """(c): batch invariance through ``TriForce.generate(prompts=[...])``: 8 requests (prompts of 3-62 tokens, four
     modes), each alone and in batches of 2, 4 and 8, vocabularies 96 and 101: 0 differing requests."""
-    name, results = build
+    name, results = build_results
     failed = [k for k, same in results["batch"].items() if not same]
     assert not failed, f"{name} ({results['status']}): {failed}"
 
 
-def test_a_long_prompt_gives_its_tokens_again_from_its_reused_kv(build):
+def test_a_long_prompt_gives_its_tokens_again_from_its_reused_kv(build_results):
     """(e): a 130-token prompt on a fresh engine, again on an engine that ran it (autoregressive, then retrieval with
     the ``attn`` rule, which refeeds 8 tokens), adopting a copy of its KV, loading a prompt-cache file: the same
     greedy tokens, the autoregressive ones (without its last tokens prefilled apart, every reuse differs)."""
-    name, results = build
+    name, results = build_results
     failed = [k for k, same in results["reuse"].items() if not same]
     assert not failed, f"{name} ({results['status']}): {failed}"

@@ -15,7 +15,8 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from triforce.formats.ggufcodes import CODED_TYPES, GGUFRows, codes_from_gguf
 from triforce.kernels import blockcodes
-from triforce.kernels.blockcodes import blockcode_linear, concat_outputs
+from triforce.kernels.blockcodes import blockcode_linear
+from triforce.kernels.codes import concat_outputs
 from triforce.kernels.cpu import LINEAR_MAX_ROWS, f32_linear
 from triforce.model.transformer import Linear
 
@@ -72,7 +73,7 @@ def test_int8_activation_products_of_every_type_compute_their_definition(qtype, 
     """blockcode_linear_q8 (the tiers below the verifier) over a GGUF type's own codes: llama.cpp's formula computed
     in float64 to fp32 rounding, a row alone = the row in a block, within a few percent of the exact product; the
     types it cannot take (groups of 16: Q6_K) are left to the exact product (None)."""
-    from test_blockcodes import q8_dot_reference
+    from references import q8_dot_reference
     from triforce.kernels.blockcodes import blockcode_linear_q8
 
     n_out, n_in = 96, 512

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from tiny import hf_model, ours, pair
+from tiny import hf_model, ours, pair, random_prompts
 from triforce.engine import Engine, SpeculationConfig
 from triforce.speculation.sampling import SamplingParams
 
@@ -14,18 +14,6 @@ GREEDY = SamplingParams(temperature=0)
 # multiple of the chunk size, gamma 1, and a budget >= every prompt (retrieval cache = whole cache)
 SETTINGS = [(16, 4, 2, 3), (24, 8, 4, 6), (40, 5, 1, 1), (1024, 8, 3, 4)]
 MODES = ["retrieval", "draft", "triforce"]
-
-
-@pytest.fixture(scope="module")
-def engine():
-    target, draft = pair(seed=0)
-    return Engine(target, draft)
-
-
-def _prompts(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 96, (int(torch.randint(2, 90, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
 
 
 def _check_modes(engine, prompts, settings_for, new_tokens):
@@ -43,15 +31,15 @@ def _check_modes(engine, prompts, settings_for, new_tokens):
     assert accepted > 0  # speculation really happened
 
 
-def test_every_mode_equals_autoregressive_greedy(engine):
+def test_every_mode_equals_autoregressive_greedy(tiny_engine):
     """60 prompts (2-89 tokens) x 3 speculative modes; the (budget, chunk, gamma) settings cycle over the prompts."""
-    _check_modes(engine, _prompts(60), lambda i: [SETTINGS[i % len(SETTINGS)]], new_tokens=20)
+    _check_modes(tiny_engine, random_prompts(60), lambda i: [SETTINGS[i % len(SETTINGS)]], new_tokens=20)
 
 
 @pytest.mark.slow
-def test_every_mode_every_setting_equals_autoregressive_greedy(engine):
+def test_every_mode_every_setting_equals_autoregressive_greedy(tiny_engine):
     """The full product: 100 prompts x 3 modes x every setting, 32 new tokens."""
-    _check_modes(engine, _prompts(100, seed=1), lambda i: SETTINGS, new_tokens=32)
+    _check_modes(tiny_engine, random_prompts(100, seed=1), lambda i: SETTINGS, new_tokens=32)
 
 
 def test_eos_inside_a_block_ends_generation_there():
@@ -76,34 +64,34 @@ def test_eos_inside_a_block_ends_generation_there():
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 5, 7])
-def test_max_new_tokens_truncates_the_block(engine, max_new):
-    prompt = _prompts(1, seed=3)[0]
-    ref, _ = engine.generate(prompt, max_new_tokens=max_new, sampling=GREEDY, spec=SpeculationConfig())
+def test_max_new_tokens_truncates_the_block(tiny_engine, max_new):
+    prompt = random_prompts(1, seed=3)[0]
+    ref, _ = tiny_engine.generate(prompt, max_new_tokens=max_new, sampling=GREEDY, spec=SpeculationConfig())
     assert len(ref) == max_new
     for mode in MODES:
         spec = SpeculationConfig(mode=mode, budget=16, chunk_size=4, gamma1=3, gamma2=6, draft_sink=2, draft_window=6)
-        out, stats = engine.generate(prompt, max_new_tokens=max_new, sampling=GREEDY, spec=spec)
+        out, stats = tiny_engine.generate(prompt, max_new_tokens=max_new, sampling=GREEDY, spec=spec)
         assert out == ref and stats.finish_reason == "length"
 
 
-def test_rebuild_every_keeps_greedy_equality_and_counts_rebuilds(engine):
-    prompt = _prompts(1, seed=4)[0] * 2
-    ref, _ = engine.generate(prompt, max_new_tokens=40, sampling=GREEDY, spec=SpeculationConfig())
+def test_rebuild_every_keeps_greedy_equality_and_counts_rebuilds(tiny_engine):
+    prompt = random_prompts(1, seed=4)[0] * 2
+    ref, _ = tiny_engine.generate(prompt, max_new_tokens=40, sampling=GREEDY, spec=SpeculationConfig())
     spec = SpeculationConfig(mode="triforce", budget=20, chunk_size=4, gamma1=2, gamma2=3, rebuild_every=5,
                              draft_sink=2, draft_window=6)
-    out, stats = engine.generate(prompt, max_new_tokens=40, sampling=GREEDY, spec=spec)
+    out, stats = tiny_engine.generate(prompt, max_new_tokens=40, sampling=GREEDY, spec=spec)
     assert out == ref
     assert stats.tiers["retrieval"]["rebuilds"] >= 40 // 5  # one after prefill + every 5 tokens
 
 
 @pytest.mark.parametrize("score", ["max", "bound"])
-def test_chunk_scores_and_acceptance_rebuilds_keep_greedy_equality(engine, score):
+def test_chunk_scores_and_acceptance_rebuilds_keep_greedy_equality(tiny_engine, score):
     rebuilds = 0
-    for prompt in _prompts(6, seed=8):
-        ref, _ = engine.generate(prompt, max_new_tokens=30, sampling=GREEDY, spec=SpeculationConfig())
+    for prompt in random_prompts(6, seed=8):
+        ref, _ = tiny_engine.generate(prompt, max_new_tokens=30, sampling=GREEDY, spec=SpeculationConfig())
         spec = SpeculationConfig(mode="triforce", budget=16, chunk_size=4, gamma1=2, gamma2=4, chunk_score=score,
                                  rebuild_below=0.9, draft_sink=2, draft_window=6)
-        out, stats = engine.generate(prompt, max_new_tokens=30, sampling=GREEDY, spec=spec)
+        out, stats = tiny_engine.generate(prompt, max_new_tokens=30, sampling=GREEDY, spec=spec)
         assert out == ref
         rebuilds += stats.tiers["retrieval"].get("acceptance_rebuilds", 0)
     assert rebuilds > 0  # the acceptance-triggered refresh really ran
@@ -114,7 +102,7 @@ def test_autoregressive_greedy_equals_transformers_generate(family):
     hf = hf_model(seed=9, family=family, layers=2)
     model = ours(hf)
     engine = Engine(model)
-    for prompt in _prompts(4, seed=5):
+    for prompt in random_prompts(4, seed=5):
         ids = torch.tensor([prompt])
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
@@ -122,32 +110,32 @@ def test_autoregressive_greedy_equals_transformers_generate(family):
         assert out == ref
 
 
-def test_prefix_reuse_gives_the_same_tokens_as_cold(engine):
-    prompt = _prompts(1, seed=6)[0]
-    cold = Engine(engine.target, engine.draft, reuse_prefix=False)
+def test_prefix_reuse_gives_the_same_tokens_as_cold(tiny_engine):
+    prompt = random_prompts(1, seed=6)[0]
+    cold = Engine(tiny_engine.target, tiny_engine.draft, reuse_prefix=False)
     for mode in ["autoregressive"] + MODES:
         spec = SpeculationConfig(mode=mode, budget=16, chunk_size=4, gamma1=2, gamma2=3, draft_sink=2, draft_window=6)
-        first, _ = engine.generate(prompt, max_new_tokens=10, sampling=GREEDY, spec=spec)
+        first, _ = tiny_engine.generate(prompt, max_new_tokens=10, sampling=GREEDY, spec=spec)
         second_prompt = prompt + first + [5, 6, 7]  # a second turn over the same document
-        warm, stats = engine.generate(second_prompt, max_new_tokens=10, sampling=GREEDY, spec=spec)
+        warm, stats = tiny_engine.generate(second_prompt, max_new_tokens=10, sampling=GREEDY, spec=spec)
         ref, _ = cold.generate(second_prompt, max_new_tokens=10, sampling=GREEDY, spec=spec)
         assert warm == ref
         assert stats.tiers["target"]["reused_prefix_tokens"] >= len(prompt) + len(first) - 1
 
 
-def test_seeded_sampling_is_reproducible(engine):
-    prompt = _prompts(1, seed=7)[0]
+def test_seeded_sampling_is_reproducible(tiny_engine):
+    prompt = random_prompts(1, seed=7)[0]
     sampling = SamplingParams(temperature=0.8, top_p=0.9)
     for mode in ["autoregressive"] + MODES:
         spec = SpeculationConfig(mode=mode, budget=16, chunk_size=4, gamma1=2, gamma2=3, draft_sink=2, draft_window=6)
-        a, sa = engine.generate(prompt, max_new_tokens=20, sampling=sampling, spec=spec, seed=123)
-        b, _ = engine.generate(prompt, max_new_tokens=20, sampling=sampling, spec=spec, seed=123)
-        c, _ = engine.generate(prompt, max_new_tokens=20, sampling=sampling, spec=spec, seed=124)
+        a, sa = tiny_engine.generate(prompt, max_new_tokens=20, sampling=sampling, spec=spec, seed=123)
+        b, _ = tiny_engine.generate(prompt, max_new_tokens=20, sampling=sampling, spec=spec, seed=123)
+        c, _ = tiny_engine.generate(prompt, max_new_tokens=20, sampling=sampling, spec=spec, seed=124)
         assert a == b and sa.seed == 123
         assert a != c
 
 
-def test_smallest_budget_rebuilds_after_the_first_verification(engine):
+def test_smallest_budget_rebuilds_after_the_first_verification(tiny_engine):
     """At budget = chunk_size + gamma2 + 2 the cache is re-selected after every verification, the first included
     (regression: that re-selection needed the last prompt token's query, which the first verification had not
     computed; tests/test_retrieval_tier.py has the direct cases)."""
@@ -158,8 +146,8 @@ def test_smallest_budget_rebuilds_after_the_first_verification(engine):
         spec = SpeculationConfig(mode="retrieval", budget=chunk + g2 + 2, chunk_size=chunk, gamma2=g2)
         for _ in range(4):
             prompt = torch.randint(3, 96, (int(torch.randint(100, 300, (1,), generator=g)),), generator=g).tolist()
-            ref, _ = engine.generate(prompt, max_new_tokens=20, sampling=GREEDY)
-            out, stats = engine.generate(prompt, max_new_tokens=20, sampling=GREEDY, spec=spec)
+            ref, _ = tiny_engine.generate(prompt, max_new_tokens=20, sampling=GREEDY)
+            out, stats = tiny_engine.generate(prompt, max_new_tokens=20, sampling=GREEDY, spec=spec)
             assert out == ref and stats.tiers["retrieval"]["rebuilds"] > 1
 
 
@@ -168,7 +156,7 @@ def test_packed_weights_keep_every_mode_equal_to_autoregressive():
     if not (target.pack_weights() and draft.pack_weights()):
         pytest.skip("oneDNN linear kernels unavailable in this torch build")
     engine = Engine(target, draft)
-    for prompt in _prompts(6, seed=8):
+    for prompt in random_prompts(6, seed=8):
         ref, _ = engine.generate(prompt, max_new_tokens=20, sampling=GREEDY)
         for mode in MODES:
             spec = SpeculationConfig(mode=mode, budget=24, chunk_size=4, gamma1=3, gamma2=5, draft_sink=2,

@@ -7,7 +7,7 @@ import torch
 from tiny import pair
 from triforce.cli import CLIError, build_parser, spec_from_args
 from triforce.engine import Engine
-from triforce.plan import DRAFT_PREFILL_CHUNK, plan_request, size_request
+from triforce.plan import DRAFT_PREFILL_CHUNK, size_caches, size_request
 from triforce.speculation.hierarchy import KIND_OPTIONS, PRESETS, SpeculationConfig, TierSpec
 
 
@@ -51,7 +51,7 @@ def test_the_request_plan_sizes_every_cache_once():
     target, draft = pair(seed=0)
     spec = SpeculationConfig(mode="triforce", budget=32, chunk_size=4, gamma1=2, gamma2=3, draft_window=16,
                              lower_weights="int8")
-    plan = plan_request(target, draft, spec, 40, 10, torch.float32)
+    plan = size_caches(target, draft, spec, 40, 10, torch.float32)
     full, lookahead, draft_slots = size_request(40, 10, spec)
     assert (plan.full_capacity, plan.lookahead, plan.draft_capacity) == (full, lookahead, draft_slots)
     assert plan.full_capacity == 40 + 10 + 3 + 1 and plan.lookahead == 2 + 3 + 2 + 1
@@ -61,7 +61,7 @@ def test_the_request_plan_sizes_every_cache_once():
                                      "int8 copies of the lower tiers' weights"}
     assert plan.placement is None
     engine = Engine(target, draft)
-    assert engine.cache_bytes(40, 10, spec) == dict(plan.cache_bytes)
+    assert dict(engine.plan(list(range(3, 43)), 10, spec).cache_bytes) == dict(plan.cache_bytes)
     assert engine.plan(list(range(3, 43)), 10, spec) == plan  # the engine plans with the same function
 
 
@@ -71,7 +71,7 @@ def test_planning_leaves_the_engine_alone():
     spec = SpeculationConfig(mode="retrieval", budget=16, chunk_size=4, gamma2=3)
     before = dict(vars(engine))
     plan = engine.plan(list(range(3, 40)), 12, spec)
-    assert plan.placement.on_chip_layers == 1 and engine.validate(list(range(3, 40)), 12, spec) == plan.placement
+    assert plan.placement.on_chip_layers == 1 and engine.plan(list(range(3, 40)), 12, spec).placement == plan.placement
     assert {k: v for k, v in vars(engine).items()} == before and engine.full_cache is None
 
 
@@ -101,7 +101,7 @@ def test_the_plan_counts_the_draft_cache_in_the_dtype_the_engine_allocates():
     engine = Engine(target, draft, kv_dtype="float32")
     plan = engine.plan(list(range(3, 43)), 10, spec)
     assert plan.cache_bytes["draft cache"] == kv_bytes(draft.cfg, plan.draft_capacity, torch.float32)
-    top = engine.build_hierarchy(40, 10, SamplingParams(temperature=0), spec, torch.Generator(), plan)
+    top = engine.build_hierarchy(plan, SamplingParams(temperature=0), torch.Generator())
     assert top.drafter.cache.k.dtype == torch.float32
 
 
@@ -124,9 +124,10 @@ def test_a_huge_gamma_is_capped_at_what_the_request_can_use():
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
         huge.for_request(0)
     assert size_request(40, 8, huge) == size_request(40, 8, capped)
-    assert engine.cache_bytes(40, 8, huge) == engine.cache_bytes(40, 8, capped)
-    spec, _, plan = engine.prepare(prompt, 8, greedy, huge)
-    assert spec.gamma2 == 7 and plan.full_capacity == 40 + 8 + 7 + 1
+    assert size_caches(target, draft, huge, 40, 8, torch.float32).cache_bytes == \
+        size_caches(target, draft, capped, 40, 8, torch.float32).cache_bytes
+    plan = engine.plan(prompt, 8, huge, sampling=greedy)
+    assert plan.spec.gamma2 == 7 and plan.full_capacity == 40 + 8 + 7 + 1
     out, stats = engine.generate(prompt, max_new_tokens=8, sampling=greedy, spec=huge)
     assert stats.tiers["target"]["gamma"] == 7
     assert out == engine.generate(prompt, max_new_tokens=8, sampling=greedy, spec=SpeculationConfig())[0]

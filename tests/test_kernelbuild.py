@@ -110,10 +110,9 @@ def test_the_isa_variable_forces_the_portable_build_and_rejects_other_values(mon
     """TRIFORCE_KERNEL_ISA=portable hides every AVX flag, FMA and F16C, so each kernel's choice is its portable build
     (plain C, no ISA flags), as on a CPU without AVX2 or on aarch64; another value is a ValueError listing the allowed
     ones."""
-    from triforce.kernels import blockcodes
+    from triforce.kernels import blockcodes, sampling
     from triforce.kernels import cpu as kernels
     from triforce.kernels.build import ISA_ENV, _cpu_flags
-    from triforce.speculation import sampling
 
     monkeypatch.setenv(ISA_ENV, "portable")
     assert not {f for f in _cpu_flags() if f.startswith(("avx", "fma", "f16c"))}

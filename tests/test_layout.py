@@ -321,7 +321,7 @@ def test_lab_option_names_match_the_lab(command):
 def test_shared_defaults_come_from_one_table():
     from triforce.defaults import DEFAULTS, LIBRARY_MODE, SERVE_DEFAULTS
     from triforce.serve import ServerDefaults
-    from triforce.speculation.auto import plan_hierarchy
+    from triforce.speculation.auto import choose_hierarchy
     from triforce.speculation.hierarchy import SpeculationConfig
     from triforce.speculation.sampling import SamplingParams
 
@@ -335,7 +335,7 @@ def test_shared_defaults_come_from_one_table():
         flag = "--" + name.replace("_", "-")
         assert getattr(sampling, name) == getattr(server, name) == DEFAULTS[name] == options[flag].default
     assert server.max_tokens == DEFAULTS["max_new_tokens"] and server.queue_size == SERVE_DEFAULTS["queue_size"]
-    kw = inspect.signature(plan_hierarchy).parameters
+    kw = inspect.signature(choose_hierarchy).parameters
     for name, key in (("gamma1", "gamma1"), ("gamma2", "gamma2"), ("chunk_size", "chunk_size"),
                       ("max_budget", "budget")):
         assert kw[name].default == DEFAULTS[key], name

@@ -6,7 +6,7 @@ from scratch over a reference cache that attends densely, one query at a time, o
 keeps (written from the policy's definition, not from the cache's slots and masks):
 
 * retrieval tier (TriForce Sec. 4.1): a prompt position sees every earlier position (the verifier's exact KV); a block
-  position sees the chunks a brute-force selection (``test_caches._reference_selection``, from the last prompt token's
+  position sees the chunks a brute-force selection (``references.reference_selection``, from the last prompt token's
   query of a full-attention pass) keeps beside the block, and the block up to itself;
 * StreamingLLM tier (arXiv 2309.17453): position t sees the sinks and the window (t - window, t], scored with keys
   re-rotated at in-cache positions 0..n-1 and the query at n-1 (StreamingLLM's scheme), over a prompt long enough that
@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from test_caches import _reference_selection
+from references import reference_selection
 from tiny import hf_model, ours, pair
 from triforce.engine import Engine, SpeculationConfig
 from triforce.kernels.cpu import apply_rope
@@ -81,7 +81,8 @@ def _run(model, tokens, cache):
 
 def _tier_logits(engine, spec, prompt, block):
     """The logits of the tier below the verifier for prompt[-1] + block, right after the prefill."""
-    top = engine.build_hierarchy(len(prompt), 8, GREEDY, spec, torch.Generator().manual_seed(0))
+    plan = engine.plan(prompt, 8, spec, sampling=GREEDY)
+    top = engine.build_hierarchy(plan, GREEDY, torch.Generator().manual_seed(0))
     top.prefill(prompt)
     return top.drafter, top.drafter.logits_for(prompt + block, len(block) + 1)
 
@@ -102,7 +103,7 @@ def test_retrieval_tier_logits_equal_dense_attention_over_the_selected_positions
         P = prompt_len
         keys = torch.stack([full.k[layer][:, :, :P - 1] for layer in range(2)])  # (L, 1, nkv, P-1, hs)
         query = torch.stack([full.q[layer][:, :, P - 1] for layer in range(2)])  # (L, 1, nh, hs)
-        sel = _reference_selection(keys, query, P - 1, budget, chunk)  # (L, nkv, budget), -1 = empty
+        sel = reference_selection(keys, query, P - 1, budget, chunk)  # (L, nkv, budget), -1 = empty
         n_block = len(block) + 1  # positions P-1 .. P-1+len(block) take the last slots
         kept = [[[p for p in sel[layer, kv, :budget - n_block].tolist() if p >= 0] for kv in range(2)]
                 for layer in range(2)]

@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
+from support import drain
 from tiny import pair
 from triforce.engine import Engine, SpeculationConfig
-from triforce.kv.memory import InsufficientMemoryError, plan_kv_placement
+from triforce.kv.memory import InsufficientMemoryError, place_kv
 from triforce.speculation.sampling import SamplingParams
 
 SPECS = [SpeculationConfig(),
@@ -59,16 +60,16 @@ def test_planner_fills_free_memory_and_keeps_two_buffers(monkeypatch):
     import triforce.kv.memory as memory
 
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1000)
-    p = plan_kv_placement(32, 100, "cpu", headroom=0.1)  # 900 usable: 7 layers + 2 buffers
+    p = place_kv(32, 100, "cpu", headroom=0.1)  # 900 usable: 7 layers + 2 buffers
     assert (p.on_chip_layers, p.device_bytes, p.host_bytes, p.free_device_bytes) == (7, 900, 3200, 1000)
-    assert plan_kv_placement(8, 100, "cpu", headroom=0.1).on_chip_layers == 8  # all fit: no buffers
-    assert plan_kv_placement(8, 100, "cpu", headroom=0.1).device_bytes == 800
-    assert plan_kv_placement(32, 100, "cpu", reserved_bytes=500, headroom=0.1).on_chip_layers == 2
+    assert place_kv(8, 100, "cpu", headroom=0.1).on_chip_layers == 8  # all fit: no buffers
+    assert place_kv(8, 100, "cpu", headroom=0.1).device_bytes == 800
+    assert place_kv(32, 100, "cpu", reserved_bytes=500, headroom=0.1).on_chip_layers == 2
     with pytest.raises(InsufficientMemoryError, match="stream buffers"):
-        plan_kv_placement(32, 500, "cpu", headroom=0.1)
-    assert plan_kv_placement(32, 100, "cpu", on_chip_layers=5).on_chip_layers == 5  # given: not chosen
+        place_kv(32, 500, "cpu", headroom=0.1)
+    assert place_kv(32, 100, "cpu", on_chip_layers=5).on_chip_layers == 5  # given: not chosen
     with pytest.raises(ValueError, match="on_chip_layers"):
-        plan_kv_placement(32, 100, "cpu", on_chip_layers=33)
+        place_kv(32, 100, "cpu", on_chip_layers=33)
 
 
 def test_engine_rejects_bad_offload_options(models):
@@ -97,30 +98,27 @@ def test_cli_offload(tiny_folder):
     assert a["token_ids"] == b["token_ids"] and b["kv_placement"]["on_chip_layers"] == 1
 
 
-def test_validate_returns_the_plan_and_leaves_a_running_request_alone():
-    """The server validates incoming requests on its event loop while another one runs: validate must not replace
-    the running request's offloading plan (its stats used to report the newcomer's)."""
+def test_planning_returns_the_placement_and_leaves_a_running_request_alone():
+    """The server checks incoming requests (``Engine.plan``, ``choose_auto=False``) on its event loop while another
+    one runs: planning must not replace the running request's offloading plan (its stats used to report the
+    newcomer's)."""
     target, _ = pair(seed=0)
     engine = Engine(target, offload_kv=True, on_chip_layers=1)
     spec = SpeculationConfig(mode="retrieval", budget=16, chunk_size=4, gamma2=3)
     prompt_a, prompt_b = list(range(3, 40)), list(range(3, 90)) * 2
-    plan_a = engine.validate(prompt_a, 12, spec)
-    plan_b = engine.validate(prompt_b, 100, spec)
-    assert engine.placement is None  # validating stored nothing
+    plan_a = engine.plan(prompt_a, 12, spec, choose_auto=False).placement
+    plan_b = engine.plan(prompt_b, 100, spec, choose_auto=False).placement
+    assert engine.placement is None  # planning stored nothing
     assert plan_a.on_chip_layers == plan_b.on_chip_layers == 1 and plan_a.layers == 3
     assert plan_b.host_bytes > plan_a.host_bytes  # a longer request: a larger cache
-    assert engine.validate(prompt_a, 12, SpeculationConfig()) is not None
-    assert Engine(target).validate(prompt_a, 12, spec) is None  # no offloading, no plan
+    assert engine.plan(prompt_a, 12, SpeculationConfig(), choose_auto=False).placement is not None
+    assert Engine(target).plan(prompt_a, 12, spec).placement is None  # no offloading, no placement
     gen = engine.stream(prompt_a, max_new_tokens=12, sampling=SamplingParams(temperature=0), spec=spec)
     out = [next(gen), next(gen)]
     assert engine.placement == plan_a
-    assert engine.validate(prompt_b, 100, spec) == plan_b  # another request arrives meanwhile
-    while True:
-        try:
-            out.append(next(gen))
-        except StopIteration as stop:
-            stats = stop.value
-            break
+    assert engine.plan(prompt_b, 100, spec, choose_auto=False).placement == plan_b  # another request arrives meanwhile
+    rest, stats = drain(gen)
+    out += rest
     assert len(out) == 12
     placed = dict(stats.kv_placement)
     assert placed.pop("streamed_bytes") > 0

@@ -177,7 +177,7 @@ def test_a_restarted_server_loads_the_document_its_previous_run_wrote(tiny_folde
     server (a restart: nothing in memory) loads it, and both answers equal a fresh prefill's."""
     import httpx
 
-    from test_server import serve_in_thread
+    from servers import serve_in_thread
     from triforce.serve import ServerDefaults, create_app
 
     def serve_once(question: list[int]) -> str:

@@ -6,23 +6,15 @@ import math
 import pytest
 import torch
 
-from test_distribution import (
-    N_FEATURE,
-    chi2_pvalue,
-    empirical,
-    exact_distribution,
-    models,  # noqa: F401  (fixture)
-)
-from test_distribution import SETTINGS as DIST_SETTINGS
-from test_greedy_equality import (
-    GREEDY,
-    _prompts,
-    engine,  # noqa: F401  (fixture)
-)
-from tiny import pair
+from distribution import N_FEATURE, chi2_pvalue, empirical, exact_distribution
+from distribution import SETTINGS as DIST_SETTINGS
+from tiny import pair, random_prompts
 from triforce.engine import Engine, SpeculationConfig
 from triforce.kv.caches import FullKVCache
 from triforce.kv.retrieval import CHUNK_SCORES, RetrievalCache, attention_mass_scores, recent_queries
+from triforce.speculation.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
 
 
 def _filled(seed=0, n=37, L=2, nkv=2, g=3, hs=8):
@@ -127,14 +119,14 @@ def test_paper_rule_unchanged_by_the_window_machinery():
 
 
 @pytest.mark.parametrize("score", CHUNK_SCORES)
-def test_every_rule_with_refresh_keeps_greedy_equality(engine, score):  # noqa: F811
+def test_every_rule_with_refresh_keeps_greedy_equality(tiny_engine, score):
     """Each rule, with the verification-guided refresh (rebuild every 5 tokens from the verifier's queries)."""
-    for prompt in _prompts(6, seed=15):
-        ref, _ = engine.generate(prompt, max_new_tokens=30, sampling=GREEDY, spec=SpeculationConfig())
+    for prompt in random_prompts(6, seed=15):
+        ref, _ = tiny_engine.generate(prompt, max_new_tokens=30, sampling=GREEDY, spec=SpeculationConfig())
         for mode in ("retrieval", "triforce"):
             spec = SpeculationConfig(mode=mode, budget=24, chunk_size=4, gamma1=2, gamma2=4, chunk_score=score,
                                      rebuild_every=5, draft_sink=2, draft_window=6)
-            out, stats = engine.generate(prompt, max_new_tokens=30, sampling=GREEDY, spec=spec)
+            out, stats = tiny_engine.generate(prompt, max_new_tokens=30, sampling=GREEDY, spec=spec)
             assert out == ref, (score, mode, prompt)
             if len(prompt) > 24:
                 assert stats.tiers["retrieval"]["rebuilds"] >= 30 // 5
@@ -145,7 +137,7 @@ def test_attn_rule_prefix_reuse_gives_the_same_tokens_as_cold():
     target, draft = pair(seed=0)
     warm = Engine(target, draft)
     spec = SpeculationConfig(mode="retrieval", budget=24, chunk_size=4, gamma2=4, chunk_score="attn")
-    for prompt in _prompts(4, seed=3):
+    for prompt in random_prompts(4, seed=3):
         out_w, st_w = warm.generate(prompt, max_new_tokens=20, sampling=GREEDY, spec=spec)
         out_c, st_c = Engine(target, draft, reuse_prefix=False).generate(prompt, max_new_tokens=20, sampling=GREEDY,
                                                                           spec=spec)
@@ -155,9 +147,9 @@ def test_attn_rule_prefix_reuse_gives_the_same_tokens_as_cold():
 @pytest.mark.parametrize("mode,setting", [  # the full hierarchy with the warped setting in every run (CI time)
     pytest.param(mode, setting, marks=() if (mode, setting) == ("triforce", "T0.6-p0.9-k5") else pytest.mark.slow)
     for mode in ("retrieval", "triforce") for setting in DIST_SETTINGS])
-def test_attn_rule_matches_exact_distribution(models, mode, setting):  # noqa: F811
+def test_attn_rule_matches_exact_distribution(distribution_models, mode, setting):
     """Chi-square goodness of fit over the 125 sequences, p > 1e-3 (fixed seed), with refresh every 2 tokens."""
-    hf, target, draft, prompt = models
+    hf, target, draft, prompt = distribution_models
     params = DIST_SETTINGS[setting]
     spec = SpeculationConfig(mode=mode, budget=8, chunk_size=2, gamma1=2, gamma2=2, draft_sink=2, draft_window=4,
                              chunk_score="attn", rebuild_every=2)

@@ -193,7 +193,7 @@ def test_inverse_cdf_sample_draws_each_row_from_its_distribution():
 
 
 def _kernel_on():
-    from triforce.speculation.sampling import sampling_status
+    from triforce.kernels.sampling import sampling_status
 
     status = sampling_status()
     if not status.startswith("on"):

@@ -8,14 +8,7 @@ enumeration (chi-square, p > 1e-3 with a fixed seed; under the null hypothesis a
 import pytest
 import torch
 
-from test_distribution import (
-    N_FEATURE,
-    SETTINGS,
-    chi2_pvalue,
-    empirical,
-    exact_distribution,
-    models,  # noqa: F401  (fixture)
-)
+from distribution import N_FEATURE, SETTINGS, chi2_pvalue, empirical, exact_distribution
 from tiny import hf_model, ours
 from triforce.engine import Engine, SpeculationConfig
 from triforce.model.quant import INT4_GROUP, Int4Linear, lower_precision_copy
@@ -94,9 +87,9 @@ def test_self_tier_equals_autoregressive_greedy(weights):
 
 
 @pytest.mark.parametrize("setting", [pytest.param("T1", marks=pytest.mark.slow), "T0.6-p0.9-k5"])
-def test_self_hierarchy_matches_exact_distribution(models, setting):  # noqa: F811
+def test_self_hierarchy_matches_exact_distribution(distribution_models, setting):
     """self (int4) -> retrieval (int8) -> full target: the sequences follow the target's exact distribution."""
-    hf, target, _, prompt = models
+    hf, target, _, prompt = distribution_models
     params = SETTINGS[setting]
     spec = SpeculationConfig(mode="triforce", drafter="self", budget=8, chunk_size=2, gamma1=2, gamma2=2,
                              draft_sink=2, draft_window=4, lower_weights="int8")

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from test_server import stop_server
-from test_threads import clean_env
+from servers import stop_server, wait_healthy
+from support import clean_env
 
 
 def _start_server(tiny_folder, log, env_extra, *args):
@@ -39,10 +39,7 @@ def test_api_key_guards_the_server(tiny_folder, tmp_path):
     log = str(tmp_path / "server.log")
     proc, url = _start_server(tiny_folder, log, {"TRIFORCE_API_KEY": key})
     try:
-        t0 = time.monotonic()
-        while httpx.get(url + "/health", timeout=5).status_code != 200:  # open without a key
-            assert time.monotonic() - t0 < 60
-            time.sleep(0.1)
+        wait_healthy(url, proc, log)  # open without a key
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
             r = httpx.get(url + "/v1/models", headers=headers, timeout=10)
             assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"

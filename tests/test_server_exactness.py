@@ -1,7 +1,7 @@
 """Batch invariance through the server (issue 47, item 3): a request's greedy tokens do not depend on the requests
 served beside it.
 
-The near-tie models of ``test_exactness.py`` (the best two logits about 1e-6 apart at every position, so any
+The near-tie models of ``near_tie.py`` (the best two logits about 1e-6 apart at every position, so any
 difference in rounding between a request alone and in a batch flips greedy tokens) behind the server's app, with
 continuous batching up to 8 sequences. 32 completions requests (token-id prompts of 3-62 tokens) are sent one at a
 time, then in concurrent groups of 2, 4 and 8: every answer must be the answer alone, token for token (text,
@@ -20,8 +20,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from test_exactness import GREEDY_NEW, _ids, _models  # noqa: E402
-from test_server import metric, serve_in_thread  # noqa: E402
+from near_tie import GREEDY_NEW, near_tie_pair, random_ids  # noqa: E402
+from servers import metric, serve_in_thread  # noqa: E402
 from tiny import char_tokenizer, hf_config  # noqa: E402
 from triforce import SpeculationConfig, TriForce  # noqa: E402
 from triforce.formats.loading import LoadedModel  # noqa: E402
@@ -44,13 +44,13 @@ def _answer(url: str, prompt: list[int]) -> tuple:
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_32_requests_get_their_tokens_alone_and_in_batches_of_2_4_and_8(mode):
-    target, draft = _models(VOCAB, seed=11)
+    target, draft = near_tie_pair(VOCAB, seed=11)
     tf = TriForce(LoadedModel(target, char_tokenizer(), hf_config(vocab=VOCAB), "near-tie target"),
                   LoadedModel(draft, char_tokenizer(), hf_config(vocab=VOCAB), "near-tie draft"))
     spec = SpeculationConfig(draft_sink=4, draft_window=12, **MODES[mode])
     app = create_app(tf, ServerDefaults(model_id="near-tie", temperature=0, spec=spec, max_batch=8, queue_size=64,
                                         prefix_cache_gib=0))
-    prompts = [_ids(n, VOCAB, 200 + i) for i, n in enumerate(LENGTHS)]
+    prompts = [random_ids(n, VOCAB, 200 + i) for i, n in enumerate(LENGTHS)]
     with serve_in_thread(app) as url:
         alone = [_answer(url, p) for p in prompts]
         forwards, rows = metric(url, "triforce_forwards_total"), metric(url, "triforce_forward_sequences_total")

@@ -1,23 +1,13 @@
 """CPU threads: OpenMP's short spin and 2 MiB pages set by ``import triforce`` unless the user chose, and the
 load-aware default thread count (``threads.py``, ``hugepages.py``), in subprocesses with a clean environment."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 
+from support import clean_env
 from triforce import TriForce
-
-SRC = os.path.join(os.path.dirname(__file__), "..", "src")
-
-
-def clean_env(**extra):
-    """This environment without the OpenMP wait settings, plus ``extra``; the worktree's sources first."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
-    env["PYTHONPATH"] = os.path.abspath(SRC) + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
 
 
 @pytest.mark.parametrize("preset,first,expect", [

@@ -12,12 +12,13 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("llguidance")
 
-from test_server import GREEDY, serve_in_thread  # noqa: E402
-from triforce import TriForce  # noqa: E402
+from servers import serve_in_thread  # noqa: E402
+from triforce import SamplingParams, TriForce  # noqa: E402
 from triforce.serve import ServerDefaults, create_app  # noqa: E402
 from triforce.serve.settings import APIError  # noqa: E402
 from triforce.serve.tools import ToolCallParser, parse_tools  # noqa: E402
 
+GREEDY = SamplingParams(temperature=0)
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather forecast for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"},

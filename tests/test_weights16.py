@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from triforce.kernels import blockcodes
-from triforce.kernels.blockcodes import StoredRows, blockcode_linear, codes_from_16bit, concat_outputs
+from triforce.kernels.blockcodes import blockcode_linear
+from triforce.kernels.codes import codes_from_16bit, concat_outputs
 from triforce.kernels.cpu import LINEAR_MAX_ROWS, f32_linear
+from triforce.kernels.stored import Rows16
 from triforce.model.transformer import Linear
 
 pytestmark = pytest.mark.skipif(not blockcodes.blockcodes_status().startswith("on"),
@@ -72,15 +74,16 @@ def test_linear_without_fp32_weights_multiplies_many_rows_by_widened_tiles():
 def test_embedding_rows_widen_exactly_from_a_table_or_a_tied_head(dtype):
     w = random_weight(64, 96, dtype, seed=2)
     ids = torch.tensor([[5, 0], [63, 5]])
-    for rows in (StoredRows(table=w), StoredRows(codes=codes_from_16bit(w))):
+    for rows in (Rows16(table=w), Rows16(codes=codes_from_16bit(w))):
         assert torch.equal(rows(ids), w.float()[ids])
-    with pytest.raises(ValueError, match="StoredRows"):
-        StoredRows()
+    with pytest.raises(ValueError, match="Rows16"):
+        Rows16()
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
-def bf16_folder(request, tmp_path_factory):
-    """A tiny Qwen2 model saved in bf16 (biases, GQA), and transformers' model of it read in fp32."""
+def bf16_qwen2(request, tmp_path_factory):
+    """``(folder, transformers model)``: a tiny Qwen2 model saved in bf16 (biases, GQA), and transformers' model of
+    it read in fp32."""
     from transformers import AutoModelForCausalLM
 
     from tiny import char_tokenizer, hf_model
@@ -92,15 +95,15 @@ def bf16_folder(request, tmp_path_factory):
     return str(path), hf
 
 
-def test_bf16_checkpoint_is_kept_at_two_bytes_and_gives_transformers_logits(bf16_folder):
+def test_bf16_checkpoint_is_kept_at_two_bytes_and_gives_transformers_logits(bf16_qwen2):
     from triforce.formats.loading import load_model
     from triforce.kv.caches import FullKVCache
 
-    path, hf = bf16_folder
+    path, hf = bf16_qwen2
     model = load_model(path).model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert all(m.weight_t is None and m.codes.bits == 16 for m in linears)
-    assert isinstance(model.embed_tokens, StoredRows)
+    assert isinstance(model.embed_tokens, Rows16)
     fp32_bytes = sum(p.numel() for p in hf.parameters()) * 4  # transformers' tied head is one matrix
     assert model.weight_bytes() < 0.52 * fp32_bytes
     ids = torch.randint(3, 96, (1, 90), generator=torch.Generator().manual_seed(2))
@@ -113,12 +116,12 @@ def test_bf16_checkpoint_is_kept_at_two_bytes_and_gives_transformers_logits(bf16
     torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
 
 
-def test_speculative_modes_on_bf16_weights_equal_autoregressive_greedy(bf16_folder):
+def test_speculative_modes_on_bf16_weights_equal_autoregressive_greedy(bf16_qwen2):
     from triforce.engine import Engine, SpeculationConfig
     from triforce.formats.loading import load_model
     from triforce.speculation.sampling import SamplingParams
 
-    engine = Engine(load_model(bf16_folder[0]).model)
+    engine = Engine(load_model(bf16_qwen2[0]).model)
     g, greedy = torch.Generator().manual_seed(5), SamplingParams(temperature=0)
     for _ in range(3):
         prompt = torch.randint(3, 96, (int(torch.randint(8, 70, (1,), generator=g)),), generator=g).tolist()
@@ -130,13 +133,13 @@ def test_speculative_modes_on_bf16_weights_equal_autoregressive_greedy(bf16_fold
             assert out == ref, lower
 
 
-def test_auto_weighs_the_int8_tier_by_its_copys_bytes_not_the_stored_ones(bf16_folder):
+def test_auto_weighs_the_int8_tier_by_its_copys_bytes_not_the_stored_ones(bf16_qwen2):
     """The int8 tier under a 2-byte verifier reads one byte a weight (half the verifier's), not a quarter as an fp32
     verifier's bytes over 4 would say: ``int8_copy_bytes`` counts the copy ``lower_precision_copy`` makes."""
     from triforce.formats.loading import load_model
     from triforce.model.quant import int8_copy_bytes, lower_precision_copy
 
-    model = load_model(bf16_folder[0]).model
+    model = load_model(bf16_qwen2[0]).model
     copy = lower_precision_copy(model, "int8")
     made = sum(p.numel() * p.element_size() for lin in [copy.lm_head] + [
         m for b in copy.layers for m in (b.self_attn.qkv_proj, b.self_attn.o_proj, b.mlp.gate_up_proj, b.mlp.down_proj)]

@@ -46,6 +46,13 @@ def pair(seed: int = 0, vocab: int = 96, **kw):
     return target, draft
 
 
+def random_prompts(n: int, seed: int = 0, lo: int = 2, hi: int = 90) -> list[list[int]]:
+    """``n`` prompts of ids 3..95 (the 96-token vocabulary's non-special ids), each of a length drawn from [lo, hi)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
 def _char_level(chars: str, split: str, template: str):
     """A character-level fast tokenizer: ids 0-2 ``<unk>``, ``<s>``, ``</s>``, then one id per character of ``chars``
     in order; ``split`` is the pre-tokenizer's regex of one piece; ``template`` the chat template."""

@@ -24,15 +24,13 @@ import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it,
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
-from common import add_run_options, emit_json  # noqa: E402
+from common import add_prompt_options, add_run_options, emit_json  # noqa: E402
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompt-tokens", type=int, default=4000)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--new-tokens", type=int, default=48)
-    p.add_argument("--book", default="pg1342")
+    add_prompt_options(p, prompt_tokens=4000, new_tokens=48)
     add_run_options(p, None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)

@@ -8,7 +8,7 @@ where that pays), in one process, alternately:
 
 * ``autoregressive``: plain decoding of the prompt; each step's wall time (the request's decode time per token,
   what the governor should hold speculation against);
-* ``auto``: the hierarchy :func:`~triforce.speculation.auto.plan_hierarchy` chooses, its
+* ``auto``: the hierarchy :func:`~triforce.speculation.auto.choose_hierarchy` chooses, its
 :class:`~triforce.speculation.auto.SpeedGovernor`
   replaced by one that probes ``--probe`` decode steps as the governor does and then never bypasses: each
   speculative step's wall time (``step`` + ``commit``, as the engine times it) and the tokens it emitted.

@@ -31,6 +31,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from common import add_run_options, emit_json  # noqa: E402
 
 
+def _sampling_status() -> str:
+    try:
+        from triforce.kernels.sampling import sampling_status
+    except ImportError:
+        return "none (code from before csrc/sampling.c)"
+    return sampling_status()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--book", default="pg1342.txt")
@@ -114,8 +122,7 @@ def main() -> int:
                                  for t in tier_names}} for which in runs}
     emit_json({"book": args.book, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                "mode": args.mode, "temperature": args.temperature, "top_p": args.top_p, "threads": args.threads,
-               "reps": args.reps, "sampling_kernel": getattr(sampling, "sampling_status", lambda: "none (code from "
-                                                                        "before csrc/sampling.c)")(),
+               "reps": args.reps, "sampling_kernel": _sampling_status(),
                "median": summary, "runs": runs,
                "command": "python bench/analysis/step_overhead.py " + " ".join(
                    f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None)}, args.out)

@@ -27,6 +27,9 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
+from common import add_prompt_options  # noqa: E402
+
 BOOKS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "books")
 
 # name -> (verifier: dict(dtype, quantize, kv_dtype), speculation kwargs)
@@ -64,9 +67,7 @@ def print_table(results: list[dict], new_tokens: int) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--book", default="pg1342.txt")
-    p.add_argument("--prompt-tokens", type=int, default=8000)
-    p.add_argument("--new-tokens", type=int, default=64)
+    add_prompt_options(p, prompt_tokens=8000, new_tokens=64, book="pg1342.txt")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))

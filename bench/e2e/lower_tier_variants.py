@@ -33,14 +33,15 @@ import triforce  # noqa: F401  (first: sets OpenMP's spin before torch loads it,
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common.py
-from common import add_run_options, emit_json  # noqa: E402
+from common import add_prompt_options, add_run_options, emit_json  # noqa: E402
 
 VARIANTS = ("codes_q8", "codes_exact", "head_4bit")
 
 
 def _head_4bit(lin):
     """A copy of the Linear ``lin`` (block codes) whose codes are its weights requantized to Q4_1-style 4-bit blocks."""
-    from triforce.kernels.blockcodes import GROUP, find_block_codes
+    from triforce.kernels.blockcodes import GROUP
+    from triforce.kernels.codes import find_block_codes
 
     w = lin.codes.dequantize()  # (in, out)
     n_in, n_out = w.shape
@@ -59,9 +60,7 @@ def _head_4bit(lin):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--book", default="pg1342.txt")
-    p.add_argument("--prompt-tokens", type=int, default=8000)
-    p.add_argument("--new-tokens", type=int, default=128)
+    add_prompt_options(p, prompt_tokens=8000, new_tokens=128, book="pg1342.txt")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--subset-lowest", type=int, nargs="+", default=[0, 2048, 4096, 8192, 16384])

@@ -63,7 +63,7 @@ from triforce.lab.synthetic import (  # noqa: E402
     synthetic_label,
 )
 from triforce.model import cudagraph  # noqa: E402
-from triforce.speculation.auto import plan_hierarchy  # noqa: E402
+from triforce.speculation.auto import choose_hierarchy  # noqa: E402
 from triforce.speculation.sampling import SamplingParams, logits_to_probs  # noqa: E402
 
 
@@ -179,8 +179,9 @@ def greedy_equality(device: torch.device) -> dict:
     cpu_engine, dev_engine = Engine(*models["cpu"]), Engine(*models[device])
     t = models[device][0]
     # these prompts are below auto's retrieval threshold: plan the draft -> retrieval -> target hierarchy instead
-    dev_engine.plan_auto = lambda n, s, sp: plan_hierarchy(t.cfg, 1, torch.float32, n, "draft", s, gamma1=3, gamma2=5,
-                                                           chunk_size=8, max_budget=64, device_type=device.type)
+    dev_engine.choose_auto = lambda n, s, sp: choose_hierarchy(t.cfg, 1, torch.float32, n, "draft", s, gamma1=3,
+                                                               gamma2=5, chunk_size=8, max_budget=64,
+                                                               device_type=device.type)
     off_engine = Engine(*models[device], offload_kv=True, on_chip_layers=1)
     counts = cudagraph.BACKEND
     before = (getattr(counts, "captures", 0), getattr(counts, "replays", 0))

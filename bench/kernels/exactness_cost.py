@@ -51,7 +51,7 @@ def _entry(fns: dict, reps: int) -> dict:
 
 def _products(rows: int, weights: list, reps: int) -> dict:
     from triforce.kernels.cpu import F32_MAX_ROWS, f32_linear
-    from triforce.kernels.rows import _chunks
+    from triforce.kernels.linear import _chunks
 
     out = {}
     for name, ws in (("layer", weights[:4]), ("lm_head", weights[4:])):
@@ -124,7 +124,8 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from triforce.kernels import cpu as kernels
-    from triforce.kernels.rows import _rowwise, rowwise_attention
+    from triforce.kernels.linear import _rowwise
+    from triforce.kernels.rows import rowwise_attention
     from triforce.kernels.sdpa import gqa_attention
     from triforce.kv.caches import _causal_offset_mask
 

@@ -76,6 +76,7 @@ def main() -> int:
                         num_logits=len(ids))
         logits = out[0, -7:].float()  # (7, V): the model's logits at the last 7 positions
         source = "SmolLM2-135M-Instruct's logits at the last 7 of 512 tokens of pg1342"
+    from triforce.kernels.sampling import sampling_status
     from triforce.speculation import sampling
 
     kernel_rows = sampling._kernel_rows
@@ -110,7 +111,7 @@ def main() -> int:
                         "draw_speedup": round(dms["multinomial"] / dms["ours"], 2),
                         "draw_kernel_speedup": round(dms["ops"] / dms["ours"], 2)})
     emit_json({"threads": args.threads, "reps": args.reps, "temperature": params.temperature, "top_p": params.top_p,
-               "logits": source, "sampling_kernel": sampling.sampling_status(), "results": results}, args.out)
+               "logits": source, "sampling_kernel": sampling_status(), "results": results}, args.out)
     return 0
 
 

@@ -50,6 +50,7 @@ def main() -> int:
 
     from triforce.kernels import blockcodes
     from triforce.kernels import cpu as kernels
+    from triforce.kernels.codes import find_block_codes
 
     native = (kernels._linear, blockcodes._blockcodes, kernels._attention)  # this CPU's builds, loaded
     for lib in native:
@@ -61,7 +62,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n_in, n_out, generator=gen) * 0.05 for n_in, n_out in SHAPES]
     coded = [_q4_1(w) for w in weights]
-    codes = [blockcodes.find_block_codes(w) for w in coded]
+    codes = [find_block_codes(w) for w in coded]
     k = torch.randn(1, 3, args.context, 64, generator=gen)
     v = torch.randn(1, 3, args.context, 64, generator=gen)
     cases = {}

@@ -41,6 +41,7 @@ def main() -> int:
 
     from triforce.formats.loading import load_model
     from triforce.kernels import cpu as kernels
+    from triforce.kernels import linear as dispatch
     from triforce.kernels import rows as exact
     from triforce.kv.caches import FullKVCache
     from triforce.lab.synthetic import fill_random_kv
@@ -50,7 +51,7 @@ def main() -> int:
     if not packed.pack_weights():
         print("oneDNN linear kernels unavailable here: nothing to compare", file=sys.stderr)
         return 1
-    ours = exact.f32_linear
+    ours = dispatch.f32_linear
     default_one_row = kernels.f32_one_row_pays()  # the build's choice for decode steps (or $TRIFORCE_ONE_ROW_KERNEL)
     # kind -> (model, what model.Linear calls for 2..64 rows, whether one row takes it too)
     variants = {"ours": (plain, ours, default_one_row), "ours_one_row": (plain, ours, True),
@@ -62,13 +63,13 @@ def main() -> int:
 
     def forward(kind: str, ids: torch.Tensor) -> torch.Tensor:
         model, linear, one_row = variants[kind]
-        exact.f32_linear = linear  # what model.Linear calls for 2-64 rows (None: PyTorch's product)
+        dispatch.f32_linear = linear  # what model.Linear calls for 2-64 rows (None: PyTorch's product)
         exact.ROW_INVARIANT = kind == "ours"  # the others time the paths the exactness rule replaced
         kernels._linear.one_row = one_row  # what kernels.f32_one_row_pays answers
         try:
             return model(ids, torch.arange(n, n + ids.shape[1]), cache, num_logits=ids.shape[1])
         finally:
-            exact.f32_linear, exact.ROW_INVARIANT, kernels._linear.one_row = ours, True, default_one_row
+            dispatch.f32_linear, exact.ROW_INVARIANT, kernels._linear.one_row = ours, True, default_one_row
             cache.rollback(n)
 
     diffs = {}

@@ -57,8 +57,9 @@ def main() -> int:
 
     from triforce.engine import Engine
     from triforce.formats.download import download_default_model
-    from triforce.kernels.blockcodes import blockcode_linear, dense_weight_t
+    from triforce.kernels.blockcodes import blockcode_linear
     from triforce.kernels.cpu import f32_linear
+    from triforce.kernels.stored import dense_weight_t
     from triforce.lab.books import BOOKS_DIR
     from triforce.speculation.sampling import SamplingParams
     from triforce.text.prompts import strip_gutenberg

@@ -361,7 +361,7 @@ class TriForce:
     def check_prompt_logprobs(self, prompt: str | Sequence[int], top_logprobs: int = 0) -> list[int]:
         """The prompt's token ids after :meth:`prompt_logprobs`' checks: ``top_logprobs`` in [0, 20], token ids
         (integers in the vocabulary), at least one, and what a plain decoding of the prompt's positions would need
-        (the model's context or sliding window, free memory for its KV cache: :meth:`Engine.validate`).
+        (the model's context or sliding window, free memory for its KV cache: :meth:`Engine.plan`).
 
         Raises:
             ValueError: naming ``prompt`` or ``top_logprobs``; a model with dynamic NTK RoPE.
@@ -383,7 +383,7 @@ class TriForce:
         if len(ids) > cfg.max_position_embeddings:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {cfg.max_position_embeddings}")
         if len(ids) > 1:  # the prompt's positions: its first n - 1 tokens and one more, as a request would take
-            self.engine.validate(ids[:-1], 1, SpeculationConfig(mode="autoregressive"))
+            self.engine.plan(ids[:-1], 1, SpeculationConfig(mode="autoregressive"))
         return ids
 
     def generate(self, prompt: str | Sequence[int] | None = None, *,
@@ -466,8 +466,8 @@ class TriForce:
                 else:
                     raise ValueError(f"must be a string or a list of token ids, got {type(p).__name__}")
                 spec = kw.get("spec") or SpeculationConfig(mode=self.default_mode, drafter=self.drafter)
-                _, _, plan = self.engine.prepare(ids, kw.get("max_new_tokens", DEFAULTS["max_new_tokens"]),
-                                                 kw.get("sampling", SamplingParams()), spec, kw.get("seed"))
+                plan = self.engine.plan(ids, kw.get("max_new_tokens", DEFAULTS["max_new_tokens"]), spec,
+                                        sampling=kw.get("sampling", SamplingParams()), seed=kw.get("seed"))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from e
             args.append((ids, kw))

@@ -1,7 +1,7 @@
 """The engine: builds the tier hierarchy of a request's plan, prefills, runs the decode loop, measures.
 
-A request is checked, sized and placed once (:meth:`Engine.plan`, a :class:`~triforce.plan.RequestPlan`); the hierarchy
-(:class:`~triforce.speculation.hierarchy.SpeculationConfig`) and the plan are all :meth:`Engine.build_hierarchy` needs.
+Set-up is two steps: :meth:`Engine.plan` checks a request, resolves ``auto``, sizes and places its caches once
+(a :class:`~triforce.plan.RequestPlan`), and :meth:`Engine.build_hierarchy` turns that plan into tiers.
 Tools reach the engine through public hooks only (:attr:`Engine.full_cache`, :attr:`Engine.prefix_tokens`,
 :meth:`Engine.adopt_prefix`, :meth:`Engine.forget_prefix`, :meth:`Engine.lower_model`).
 
@@ -45,8 +45,8 @@ from .model.cudagraph import model_graphs_apply
 from .model.parallel import agree_on_fit
 from .model.quant import int8_copy_bytes, lower_precision_copy
 from .model.transformer import Transformer
-from .plan import DRAFT_PREFILL_CHUNK, RequestPlan, check_plan_fits, draft_kv_dtype, plan_request, size_request
-from .speculation.auto import SpeedGovernor, bf16_cache_reads_fast, plan_hierarchy
+from .plan import DRAFT_PREFILL_CHUNK, RequestPlan, check_plan_fits, draft_kv_dtype, size_caches, size_request
+from .speculation.auto import AutoPlan, SpeedGovernor, bf16_cache_reads_fast, choose_hierarchy
 from .speculation.hierarchy import (  # noqa: F401
     DRAFTER_KINDS,
     MAX_SEED,
@@ -75,13 +75,14 @@ class Engine:
         offload_kv: keep the verifier's full KV cache in host memory, streamed to the device layer by layer with
             one layer of prefetch (:class:`~triforce.kv.caches.FullKVCache`); the other caches stay on the device.
         on_chip_layers: with ``offload_kv``, leading layers kept on the device (None: the memory planner chooses
-            from free device memory, :func:`~triforce.kv.memory.plan_kv_placement`).
+            from free device memory, :func:`~triforce.kv.memory.place_kv`).
         kv_dtype: dtype of every KV cache (a name of :data:`~triforce.kv.caches.KV_DTYPES`; None: the target's dtype).
             The full cache's dtype is the verifier's, so it changes the output distribution like ``--dtype`` does;
             ``SpeculationConfig.lower_kv_dtype`` changes only the lower tiers' caches, at no loss.
 
-    ``tier_verify`` maps a tier name to a replacement verification rule; ``governor_factory(top)`` makes the
-    :class:`~triforce.speculation.auto.SpeedGovernor` of an ``auto`` request (tests inject broken or scripted ones).
+    Hooks tests and benchmarks replace: ``tier_verify`` maps a tier name to a replacement verification rule;
+    ``governor_factory(top)`` makes the :class:`~triforce.speculation.auto.SpeedGovernor` of an ``auto`` request;
+    :meth:`choose_auto` and :meth:`step_times` are the two steps of ``auto``'s choice inside :meth:`plan`.
     """
 
     def __init__(self, target: Transformer, draft: Transformer | None = None, eos_ids: tuple[int, ...] = (),
@@ -110,7 +111,7 @@ class Engine:
         self._retrieval: RetrievalCache | None = None  # the last request's (RetrievalCache.reset_or_new)
         self.tier_verify: dict[str, VerifyFn] = {}  # per-tier override of the verification rule (tests)
         self.governor_factory: Callable = SpeedGovernor  # mode auto: when to bypass the drafters (tests swap it)
-        self.measured_steps: dict | None = {}  # mode auto: StepTimes by shape (step_times); None: plan on bytes
+        self.measured_steps: dict | None = {}  # mode auto: StepTimes by shape (step_times); None: decide on bytes
 
     # ------------------------------------------------------------------ public hooks (benchmarks, tests, server)
     @property
@@ -164,75 +165,47 @@ class Engine:
         lower.cuda_graphs = model.cuda_graphs
         return lower
 
-    # ------------------------------------------------------------------ planning
-    def cache_bytes(self, prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig) -> dict[str, int]:
-        """Bytes each cache of a request would allocate, by cache (:attr:`~triforce.plan.RequestPlan.cache_bytes`)."""
-        return dict(self._plan(prompt_tokens, max_new_tokens, spec, place=False).cache_bytes)
+    # ------------------------------------------------------------------ set-up: plan, then build the tiers
+    def plan(self, prompt_ids: list[int], max_new_tokens: int, spec: SpeculationConfig, *,
+             sampling: SamplingParams = SamplingParams(), seed: int | None = None,
+             choose_auto: bool = True) -> RequestPlan:
+        """Check a request and size and place it once, before any heavy work: what :meth:`stream` does first.
 
-    def _plan(self, prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig, place: bool) -> RequestPlan:
-        """:func:`~triforce.plan.plan_request` with this engine's models and settings (``place``: with offloading,
-        place the full cache's layers, which reads free device memory)."""
-        fixed, full = self.on_chip_layers, self._full
-        if fixed is None and full is not None and full.offload \
-                and full.capacity >= size_request(prompt_tokens, max_new_tokens, spec)[0]:
-            fixed = full.on_chip_layers  # the cache kept for prefix reuse keeps its placement
-        return plan_request(self.target, self.draft, spec, prompt_tokens, max_new_tokens, self.kv_dtype,
-                            existing_copies=self._lower.keys(), offload_kv=self.offload_kv and place,
-                            on_chip_layers=fixed)
+        Caps every gamma at what the request can use (``SpeculationConfig.for_request``), resolves ``mode='auto'``
+        (:meth:`choose_auto`), sizes every cache (:func:`~triforce.plan.size_caches`), places the full cache's
+        layers with ``offload_kv`` and checks that the caches fit in free memory (``plan.check_plan_fits``).
 
-    def step_times(self, context: int, budget: int, gamma: int, lower_weights: str, lower_kv: torch.dtype,
-                   chunk_size: int = DEFAULTS["chunk_size"]) -> StepTimes | None:
-        """A retrieval tier's :class:`~.speculation.steptimes.StepTimes` at ``context`` tokens, for ``auto``'s plan:
-        measured once per shape (contexts within 25% share one), kept in :attr:`measured_steps` (forks share it);
-        None where its caches would take over half the free memory, or while other generations of a batch run
-        (measuring would stall them: ``auto`` then plans on bytes and a later request measures)."""
-        key = (round(math.log(context, 1.25)), budget, gamma, lower_weights, lower_kv)
-        if key not in self.measured_steps:
-            if others_running():
-                return None
-            cfg = self.target.cfg
-            scratch = kv_bytes(cfg, context + gamma + 1, self.kv_dtype) + kv_bytes(cfg, budget, lower_kv)
-            if 2 * scratch > available_bytes(self.target.device):
-                return None
-            lower = self.lower_model(self.target, lower_weights)
-            self.measured_steps[key] = measure_step_times(self.target, lower, context, budget, gamma, chunk_size,
-                                                          self.kv_dtype, lower_kv, reuse=self._full)
-        return self.measured_steps[key]
+        Args:
+            prompt_ids: the prompt, a list of int token ids. max_new_tokens: tokens to generate (>= 1).
+            spec, sampling, seed: as :meth:`stream` takes them.
+            choose_auto: resolve ``mode='auto'`` (which may time steps and make a weight copy, kept for later
+                requests); False: an ``auto`` request is checked as plain decoding and nothing on the engine changes
+                (a server checks one request while another runs).
 
-    def plan_auto(self, prompt_tokens: int, sampling: SamplingParams, spec: SpeculationConfig):
-        """The hierarchy ``mode='auto'`` runs for a prompt of ``prompt_tokens`` (``auto.plan_hierarchy``),
-        a retrieval tier weighed on measured step times (:meth:`step_times`) unless :attr:`measured_steps` is None,
-        under tensor parallelism (ranks must agree) or with an offloaded cache."""
-        bottom = DRAFTER_KINDS[spec.drafter] if spec.drafter != "model" or self.draft is not None else None
-        copies = set(self._lower)
-        measure = None if self.measured_steps is None or self.target.tp is not None or self.offload_kv else \
-            (lambda b, g, w, kv: self.step_times(prompt_tokens, b, g, w, kv, spec.chunk_size))
-        plan = plan_hierarchy(self.target.cfg, self.target.weight_bytes(), self.kv_dtype, prompt_tokens, bottom,
-                              sampling, gamma1=spec.gamma1, gamma2=spec.gamma2, chunk_size=spec.chunk_size,
-                              max_budget=spec.budget, device_type=self.target.device.type,
-                              draft_weight_bytes=self.draft.weight_bytes() if self.draft is not None else None,
-                              step_weight_bytes=self.target.step_weight_bytes(),
-                              int8_weight_bytes=int8_copy_bytes(self.target),
-                              lower_kv_bf16=bf16_cache_reads_fast(self.target.device.type),
-                              lower_kv_dtype=KV_DTYPES.get(spec.lower_kv_dtype), adaptive_gamma=spec.adaptive_gamma,
-                              measure=measure)
-        if plan.budget is None:  # a copy made only to time a tier the plan leaves out is not kept
-            for key in set(self._lower) - copies:
-                del self._lower[key]
-        return plan
-
-    def plan(self, prompt_ids: list[int], max_new_tokens: int, spec: SpeculationConfig) -> RequestPlan:
-        """Check a request before any heavy work and size and place it once (:class:`~triforce.plan.RequestPlan`).
-
-        Side-effect free: a server may plan one request while another runs; :meth:`stream` keeps the plan of the
-        request it runs (:attr:`placement`) only when that request starts.
+        Returns:
+            :class:`~triforce.plan.RequestPlan`: its ``spec`` is the hierarchy to run, its ``auto`` the
+            :class:`~triforce.speculation.auto.AutoPlan` (None unless ``auto`` was chosen). :meth:`stream` keeps
+            the plan's placement (:attr:`placement`) only when its request starts.
 
         Raises:
-            ValueError: empty prompt, max_new_tokens < 1, a token id outside the vocabulary, a draft mode without a
-                draft model, a request longer than a sliding window or the model's context.
+            ValueError: arguments of the wrong type or range (named), an empty prompt, a token id outside the
+                vocabulary, a draft mode without a draft model, a request longer than a sliding window or the
+                model's context.
             InsufficientMemoryError: the caches do not fit in free memory (under tensor parallelism: on any rank,
-                agreed by every rank, see :func:`~triforce.model.parallel.agree_on_fit`).
+                agreed by every rank, :func:`~triforce.model.parallel.agree_on_fit`).
         """
+        if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (list, tuple)):
+            raise ValueError(f"prompt_ids must be a list of token ids (int), got {type(prompt_ids).__name__}")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt_ids):
+            bad = next(t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int))
+            raise ValueError(f"prompt_ids must be token ids (int), got {bad!r}")
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if not isinstance(spec, SpeculationConfig):
+            raise ValueError(f"spec must be a SpeculationConfig, got {type(spec).__name__}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
+        prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
         _positive_int("max_new_tokens", max_new_tokens)
@@ -240,6 +213,10 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        spec = spec.for_request(max_new_tokens)  # no gamma above what the request can use (sized for the cap)
+        auto = self.choose_auto(len(prompt_ids), sampling, spec) if choose_auto and spec.chooses_per_request \
+            else None
+        spec = spec.resolve_auto(auto) if auto is not None else spec
         if spec.uses_draft and self.draft is None:
             raise ParameterError(f"`mode` {spec.name!r} needs a draft model (`draft`), or `drafter` ngram for the "
                                  "model-free drafter; without one use `mode` autoregressive or retrieval")
@@ -255,35 +232,70 @@ class Engine:
                              f"model's context of {context} tokens (max_position_embeddings)")
 
         def fit() -> RequestPlan:
-            plan = self._plan(len(prompt_ids), max_new_tokens, spec, place=True)
+            plan = self._size_caches(len(prompt_ids), max_new_tokens, spec)
             weights = self.target.weight_bytes() + (self.draft.weight_bytes() if self.draft else 0)
             check_plan_fits(plan, self.target.device, weights)
             return plan
 
-        return agree_on_fit(self.target.tp, fit)
+        plan = agree_on_fit(self.target.tp, fit)
+        return replace(plan, auto=auto) if auto is not None else plan
 
-    def validate(self, prompt_ids: list[int], max_new_tokens: int, spec: SpeculationConfig) -> KVPlacement | None:
-        """:meth:`plan`'s checks; returns only the offloading plan (:class:`~triforce.kv.memory.KVPlacement`, None
-        without offloading). Side-effect free.
+    def _size_caches(self, prompt_tokens: int, max_new_tokens: int, spec: SpeculationConfig) -> RequestPlan:
+        """:func:`~triforce.plan.size_caches` with this engine's models and settings (with offloading it reads free
+        device memory to place the full cache's layers)."""
+        fixed, full = self.on_chip_layers, self._full
+        if fixed is None and full is not None and full.offload \
+                and full.capacity >= size_request(prompt_tokens, max_new_tokens, spec)[0]:
+            fixed = full.on_chip_layers  # the cache kept for prefix reuse keeps its placement
+        return size_caches(self.target, self.draft, spec, prompt_tokens, max_new_tokens, self.kv_dtype,
+                           existing_copies=self._lower.keys(), offload_kv=self.offload_kv, on_chip_layers=fixed)
 
-        Raises:
-            ValueError, InsufficientMemoryError: see :meth:`plan`.
-        """
-        return self.plan(prompt_ids, max_new_tokens, spec).placement
+    def choose_auto(self, prompt_tokens: int, sampling: SamplingParams, spec: SpeculationConfig) -> AutoPlan:
+        """The hierarchy ``mode='auto'`` runs for a prompt of ``prompt_tokens`` (called by :meth:`plan`;
+        :func:`~triforce.speculation.auto.choose_hierarchy` with this engine's models). A retrieval tier is weighed
+        on measured step times (:meth:`step_times`), except where :attr:`measured_steps` is None, under tensor
+        parallelism (ranks must agree) or with an offloaded cache."""
+        bottom = DRAFTER_KINDS[spec.drafter] if spec.drafter != "model" or self.draft is not None else None
+        copies = set(self._lower)
+        measure = None if self.measured_steps is None or self.target.tp is not None or self.offload_kv else \
+            (lambda b, g, w, kv: self.step_times(prompt_tokens, b, g, w, kv, spec.chunk_size))
+        auto = choose_hierarchy(self.target.cfg, self.target.weight_bytes(), self.kv_dtype, prompt_tokens, bottom,
+                                sampling, gamma1=spec.gamma1, gamma2=spec.gamma2, chunk_size=spec.chunk_size,
+                                max_budget=spec.budget, device_type=self.target.device.type,
+                                draft_weight_bytes=self.draft.weight_bytes() if self.draft is not None else None,
+                                step_weight_bytes=self.target.step_weight_bytes(),
+                                int8_weight_bytes=int8_copy_bytes(self.target),
+                                lower_kv_bf16=bf16_cache_reads_fast(self.target.device.type),
+                                lower_kv_dtype=KV_DTYPES.get(spec.lower_kv_dtype),
+                                adaptive_gamma=spec.adaptive_gamma, measure=measure)
+        if auto.budget is None:  # a copy made only to time a tier the plan leaves out is not kept
+            for key in set(self._lower) - copies:
+                del self._lower[key]
+        return auto
 
-    # ------------------------------------------------------------------ hierarchy
-    def build_hierarchy(self, prompt_tokens: int, max_new_tokens: int, sampling: SamplingParams,
-                        spec: SpeculationConfig, generator: torch.Generator,
-                        plan: RequestPlan | None = None) -> ModelTier:
-        """Allocate the caches of ``plan`` and chain the tiers of ``spec``; returns the top (verifier) tier.
+    def step_times(self, context: int, budget: int, gamma: int, lower_weights: str, lower_kv: torch.dtype,
+                   chunk_size: int = DEFAULTS["chunk_size"]) -> StepTimes | None:
+        """A retrieval tier's :class:`~.speculation.steptimes.StepTimes` at ``context`` tokens, for
+        :meth:`choose_auto`: measured once per shape (contexts within 25% share one), kept in :attr:`measured_steps`
+        (forks share it). None where its caches would take over half the free memory, or while other generations
+        of a batch run (measuring would stall them; ``auto`` then decides on bytes)."""
+        key = (round(math.log(context, 1.25)), budget, gamma, lower_weights, lower_kv)
+        if key not in self.measured_steps:
+            if others_running():
+                return None
+            cfg = self.target.cfg
+            scratch = kv_bytes(cfg, context + gamma + 1, self.kv_dtype) + kv_bytes(cfg, budget, lower_kv)
+            if 2 * scratch > available_bytes(self.target.device):
+                return None
+            lower = self.lower_model(self.target, lower_weights)
+            self.measured_steps[key] = measure_step_times(self.target, lower, context, budget, gamma, chunk_size,
+                                                          self.kv_dtype, lower_kv, reuse=self._full)
+        return self.measured_steps[key]
 
-        Args:
-            plan: the request's :class:`~triforce.plan.RequestPlan` from :meth:`plan` (None: sized here, placed as
-                :attr:`placement`, unchecked; for tests and tools that build a hierarchy by hand).
-        """
-        if plan is None:
-            plan = replace(self._plan(prompt_tokens, max_new_tokens, spec, place=False),
-                           placement=self.placement if self.offload_kv else None)
+    def build_hierarchy(self, plan: RequestPlan, sampling: SamplingParams, generator: torch.Generator) -> ModelTier:
+        """Allocate the caches of ``plan`` (from :meth:`plan`) and chain the tiers of ``plan.spec``; returns the
+        top (verifier) tier, its prefill to come."""
+        prompt_tokens, max_new_tokens, spec = plan.prompt_tokens, plan.max_new_tokens, plan.spec
         total = plan.full_capacity
         common = dict(sampling=sampling, generator=generator, eos_ids=self.eos_ids, tp=self.target.tp)
         full, reused = self._full, list(self._full_tokens)
@@ -346,39 +358,6 @@ class Engine:
         top.refeed = refeed
         return top
 
-    def prepare(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams, spec: SpeculationConfig,
-                seed: int | None = None):
-        """Check a request's arguments and plan it, before any heavy work: what :meth:`stream` does first.
-
-        Args:
-            prompt_ids: the prompt, a list of int token ids; max_new_tokens: tokens to generate (>= 1);
-            sampling, spec, seed: as :meth:`stream` takes them.
-
-        Returns:
-            ``(spec, auto, plan)``: the hierarchy it will run (``auto`` resolved, every gamma capped at
-            ``max_new_tokens - 1``: :meth:`~triforce.speculation.hierarchy.SpeculationConfig.for_request`), the
-            :class:`~triforce.speculation.auto.AutoPlan` (None unless ``mode='auto'``), the
-            :class:`~triforce.plan.RequestPlan`.
-
-        Raises:
-            ValueError, InsufficientMemoryError: arguments of the wrong type or range (named), and :meth:`plan`'s.
-        """
-        if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (list, tuple)):
-            raise ValueError(f"prompt_ids must be a list of token ids (int), got {type(prompt_ids).__name__}")
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt_ids):
-            bad = next(t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int))
-            raise ValueError(f"prompt_ids must be token ids (int), got {bad!r}")
-        if not isinstance(sampling, SamplingParams):
-            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        if not isinstance(spec, SpeculationConfig):
-            raise ValueError(f"spec must be a SpeculationConfig, got {type(spec).__name__}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
-            raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
-        spec = spec.for_request(max_new_tokens)  # no gamma above what the request can use (sized for the cap)
-        auto = self.plan_auto(len(prompt_ids), sampling, spec) if spec.chooses_per_request else None
-        spec = spec.resolve_auto(auto) if auto is not None else spec
-        return spec, auto, self.plan(list(prompt_ids), max_new_tokens, spec)  # sized and placed once
-
     def fork(self) -> "Engine":
         """An engine for one more concurrent sequence (continuous batching, ``model/batching.py``).
 
@@ -421,12 +400,13 @@ class Engine:
         ``"stop"`` or ``"interrupted"`` set by the caller through :meth:`GenerationStats` afterwards.
 
         Raises:
-            ValueError, InsufficientMemoryError: see :meth:`validate` (raised before anything is allocated).
+            ValueError, InsufficientMemoryError: see :meth:`plan` (raised before anything is allocated).
         """
         if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
             raise ValueError(f"prompt_ids must be a list of token ids (int), got {type(prompt_ids).__name__}")
         prompt_ids = list(prompt_ids)
-        spec, auto, plan = self.prepare(prompt_ids, max_new_tokens, sampling, spec, seed)
+        plan = self.plan(prompt_ids, max_new_tokens, spec, sampling=sampling, seed=seed)
+        spec, auto = plan.spec, plan.auto
         self.last_stats = None
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")
@@ -434,7 +414,7 @@ class Engine:
                 seed = self.target.tp.broadcast_int(seed)
         generator = torch.Generator(device=self.target.device).manual_seed(seed)
         self.placement = plan.placement  # this request's placement, reported in its stats
-        top = self.build_hierarchy(len(prompt_ids), max_new_tokens, sampling, spec, generator, plan=plan)
+        top = self.build_hierarchy(plan, sampling, generator)
         if constraint is not None:
             constraint.begin(len(prompt_ids))
             top.set_constraint(constraint)

@@ -1,12 +1,10 @@
 """The request plan: every request is sized and placed once, before anything is allocated.
 
-:func:`plan_request` computes, from the models, the hierarchy and the request's lengths, what the engine then
-allocates: the full KV cache's capacity (prompt + new tokens + the largest block the verifier checks + 1), how far
-any tier may run ahead, the StreamingLLM caches' capacity, the bytes of every cache and weight copy it will make,
-and, with KV offloading, where the full cache's layers live (:func:`~triforce.kv.memory.plan_kv_placement`).
-:func:`check_plan_fits` refuses a plan that does not fit in free memory. The engine validates a request with these
-(:meth:`~triforce.engine.Engine.plan`, side-effect free) and builds its caches from the same
-:class:`RequestPlan` (:meth:`~triforce.engine.Engine.build_hierarchy`), so nothing is recomputed in between.
+:func:`size_request` gives a request's capacities in positions; :func:`size_caches` the bytes of every cache and
+weight copy the engine will make and, with KV offloading, where the full cache's layers live
+(:func:`~triforce.kv.memory.place_kv`); :func:`check_plan_fits` refuses a plan that does not fit in free memory.
+:meth:`~triforce.engine.Engine.plan` makes the :class:`RequestPlan` with these and
+:meth:`~triforce.engine.Engine.build_hierarchy` allocates from it, so nothing is recomputed in between.
 """
 
 from __future__ import annotations
@@ -17,8 +15,9 @@ from typing import Collection, Mapping
 import torch
 
 from .kv.caches import KV_DTYPES, kv_bytes
-from .kv.memory import KVPlacement, check_fits, plan_kv_placement
+from .kv.memory import KVPlacement, check_fits, place_kv
 from .model.transformer import Transformer
+from .speculation.auto import AutoPlan
 from .speculation.hierarchy import SpeculationConfig, gamma_cap
 
 #: tokens per prefill forward of a StreamingLLM tier (its cache holds one such chunk beyond sink + window)
@@ -34,6 +33,7 @@ class RequestPlan:
 
     Attributes:
         prompt_tokens, max_new_tokens: the request's lengths.
+        spec: the hierarchy the request runs (``auto`` resolved, every gamma capped at ``max_new_tokens - 1``).
         full_capacity: positions of the verifier's full KV cache: prompt + new tokens + the largest block the
             verifier checks at once (at most ``max_new_tokens - 1``) + 1.
         lookahead: most positions any tier may run ahead of the committed sequence (sum of the tiers' largest
@@ -41,15 +41,18 @@ class RequestPlan:
         draft_capacity: slots of a StreamingLLM tier's cache: sink + window + ``lookahead`` + one prefill chunk.
         cache_bytes: bytes each cache (and each lower-precision weight copy still to make) will allocate, by name.
         placement: with KV offloading, where the full cache's layers live; None otherwise.
+        auto: what ``mode='auto'`` chose for the request (None for any other mode).
     """
 
     prompt_tokens: int
     max_new_tokens: int
+    spec: SpeculationConfig
     full_capacity: int
     lookahead: int
     draft_capacity: int
     cache_bytes: Mapping[str, int] = field(default_factory=dict)
     placement: KVPlacement | None = None
+    auto: AutoPlan | None = None
 
     @property
     def streaming_extra(self) -> int:
@@ -85,9 +88,9 @@ def cache_capacity(prompt_tokens: int, max_new_tokens: int, spec: SpeculationCon
     return size_request(prompt_tokens, max_new_tokens, spec)[0] + (gamma_cap(max_new_tokens) if auto else 0)
 
 
-def plan_request(target: Transformer, draft: Transformer | None, spec: SpeculationConfig, prompt_tokens: int,
-                 max_new_tokens: int, kv_dtype: torch.dtype, *, existing_copies: Collection[tuple[int, str]] = (),
-                 offload_kv: bool = False, on_chip_layers: int | None = None) -> RequestPlan:
+def size_caches(target: Transformer, draft: Transformer | None, spec: SpeculationConfig, prompt_tokens: int,
+                max_new_tokens: int, kv_dtype: torch.dtype, *, existing_copies: Collection[tuple[int, str]] = (),
+                offload_kv: bool = False, on_chip_layers: int | None = None) -> RequestPlan:
     """Size a request's caches and, with ``offload_kv``, place the full cache's layers.
 
     Args:
@@ -100,10 +103,10 @@ def plan_request(target: Transformer, draft: Transformer | None, spec: Speculati
         on_chip_layers: with ``offload_kv``, leading layers kept on the device (None: chosen from free memory).
 
     Returns:
-        :class:`RequestPlan`.
+        :class:`RequestPlan` (its ``auto`` None).
 
     Raises:
-        ValueError, InsufficientMemoryError: from :func:`~triforce.kv.memory.plan_kv_placement` (offloading only).
+        ValueError, InsufficientMemoryError: from :func:`~triforce.kv.memory.place_kv` (offloading only).
     """
     full_capacity, lookahead, draft_capacity = size_request(prompt_tokens, max_new_tokens, spec)
     lower = KV_DTYPES.get(spec.lower_kv_dtype)
@@ -126,8 +129,8 @@ def plan_request(target: Transformer, draft: Transformer | None, spec: Speculati
     if offload_kv:
         L = target.cfg.num_hidden_layers
         others = sum(v for k, v in out.items() if k != FULL_CACHE)
-        placement = plan_kv_placement(L, out[FULL_CACHE] // L, target.device, others, on_chip_layers)
-    return RequestPlan(prompt_tokens, max_new_tokens, full_capacity, lookahead, draft_capacity, out, placement)
+        placement = place_kv(L, out[FULL_CACHE] // L, target.device, others, on_chip_layers)
+    return RequestPlan(prompt_tokens, max_new_tokens, spec, full_capacity, lookahead, draft_capacity, out, placement)
 
 
 def check_plan_fits(plan: RequestPlan, device: torch.device, weight_bytes: int) -> None:

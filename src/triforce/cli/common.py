@@ -67,8 +67,8 @@ def check_threads(threads: int | None) -> None:
 
 
 def check_seed(seed: int | None) -> None:
-    """``--seed`` of ``generate`` and ``serve``: None (random) or an integer in
-    [0, :data:`~triforce.speculation.hierarchy.MAX_SEED`].
+    """``--seed`` of ``generate`` and ``serve``: None (random) or an integer in [0,
+    :data:`~triforce.speculation.hierarchy.MAX_SEED`].
 
     Raises:
         CLIError: outside that range.

@@ -278,7 +278,8 @@ def _generate(args: argparse.Namespace, out) -> int:
         if not given_new_tokens:
             _fit_new_tokens(args, len(ids), tf.engine.target.cfg)
         if args.offload_kv:  # the memory planner's choice, reported before the prefill
-            print(tf.engine.validate(ids, args.max_new_tokens, spec).summary(), file=sys.stderr)
+            plan = tf.engine.plan(ids, args.max_new_tokens, spec, choose_auto=False)
+            print(plan.placement.summary(), file=sys.stderr)
     except ValueError as e:
         raise option_error(e) from e
     bar = prefill_progress(len(ids), disable=args.no_progress)
@@ -305,16 +306,12 @@ def _generate(args: argparse.Namespace, out) -> int:
             bar.close()
     import torch
 
-    from ..kernels.blockcodes import blockcodes_status
-    from ..kernels.cpu import linear_status, norm_rope_status
-    from ..kernels.cpu import status as kernel_status
-    from ..speculation.sampling import sampling_status
+    from ..kernels.cpu import status as attention_status
+    from ..kernels.status import kernel_status
 
     threads = torch.get_num_threads()
     if args.json:
-        kernels = dict(attention_kernel=kernel_status(), linear_kernel=linear_status(),
-                       norm_rope_kernel=norm_rope_status(), block_code_kernel=blockcodes_status(),
-                       sampling_kernel=sampling_status())
+        kernels = kernel_status()
         cut_info = None if cut is None else dict(kept_tokens=cut.kept_tokens, dropped_tokens=cut.dropped_tokens,
                                                  kept=cut.kept)
         out.write(json.dumps(dict(result.to_dict(), prompt_cut=cut_info, threads=threads, **kernels), indent=2) + "\n")
@@ -332,7 +329,7 @@ def _generate(args: argparse.Namespace, out) -> int:
             print(f"triforce: prompt cache written to {s.prompt_cache['stored']} "
                   f"({fmt_bytes(os.path.getsize(s.prompt_cache['stored']))})", file=sys.stderr)
         print(f"[{result.finish_reason}] {s.summary()}; peak memory {fmt_bytes(s.peak_memory_bytes)}; "
-              f"{threads} thread{'' if threads == 1 else 's'}; attention kernel {kernel_status()}", file=sys.stderr)
+              f"{threads} thread{'' if threads == 1 else 's'}; attention kernel {attention_status()}", file=sys.stderr)
     return 130 if result.finish_reason == "interrupted" else 0
 
 

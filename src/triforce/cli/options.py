@@ -55,51 +55,18 @@ class Option:
         return self.flag[2:].replace("-", "_")
 
 
-_ALL = [  # by the kind of value; the groups of each subcommand are the tuples below
-    # strings (paths, names, specs)
+#: the model group of ``generate`` and ``serve``, in its ``--help`` order
+_MODEL = [
     Option("--model", "target model: Hugging Face folder, .gguf file or hub id (default: the embedded "
                       "SmolLM2-135M-Instruct)"),
     Option("--draft", "draft model sharing the target's tokenizer, 'ngram' for the model-free n-gram drafter, or "
                       "'self' for the target's own weights quantized to int4 (--self-weights) over a StreamingLLM "
                       "cache (the bottom tier of the draft/triforce/auto modes)"),
-    Option("--device", "torch device (cpu, cuda, cuda:1; default {default})"),
-    Option("--tiers", "explicit hierarchy under the full-cache target, bottom first, KIND:GAMMA entries with KIND in "
-                      "ngram, self, draft, retrieval (e.g. ngram:8,draft:4,retrieval:6); overrides --mode"),
-    # numbers
-    Option("--threads", "CPU threads for torch (default: one per physical core that other programs leave idle while "
-                        "the model loads)", type=int),
-    Option("--on-chip-layers", "with --offload-kv: leading layers kept on the device (default: chosen from free "
-                               "device memory)", type=int),
-    Option("--tp", "tensor-parallel ranks (default {default}); launch with `torchrun --nproc-per-node N -m triforce "
-                   "generate ... --tp N` (gloo on CPU, NCCL on GPU)", type=int),
-    Option("--max-new-tokens", "tokens to generate (default {default})", type=int),
-    Option("--temperature", "0 = greedy (default {default})", type=float),
-    Option("--top-p", "nucleus mass in (0, 1] (default {default})", type=float),
-    Option("--top-k", "0 = disabled (default {default})", type=int),
-    Option("--seed", "seed for every random draw (default: random, reported in --json)", type=int),
-    Option("--gamma1", "draft tokens per retrieval-tier verification, --mode triforce (default {default}; capped "
-                       "like --gamma2)", type=int),
-    Option("--gamma2", "tokens proposed per target verification (default {default}); any integer >= 1, capped at "
-                       "--max-new-tokens - 1, the most a request can use (the caches are sized for the cap, and "
-                       "--json reports each verifying tier's gamma)", type=int),
-    Option("--budget", "retrieval cache slots, at least --chunk-size + gamma + 2 (default {default}; --mode auto "
-                       "honours it: its retrieval tier takes at most this many, and a budget below --chunk-size + "
-                       "--gamma2 + 2 is refused)", type=int),
-    Option("--chunk-size", "retrieval chunk size (default {default})", type=int),
-    Option("--stop-below", "model drafters end a proposal before a token whose confidence is below this (default: "
-                           "off)", type=float),
-    Option("--rebuild-below", "re-select retrieval chunks when the retrieval tier's acceptance over its last 16 "
-                              "proposed tokens falls below this fraction (default: never)", type=float),
-    Option("--rebuild-every", "re-select retrieval chunks every N tokens (default: never)", type=int),
-    Option("--draft-sink", "StreamingLLM sink tokens of the draft cache (default {default})", type=int),
-    Option("--draft-window", "StreamingLLM window of the draft cache (default {default})", type=int),
-    Option("--ngram-n", "longest suffix the n-gram drafter matches (default {default})", type=int),
-    Option("--ngram-min", "shortest suffix the n-gram drafter may match (default {default})", type=int),
-    Option("--rope-factor", "with --rope-scaling: the factor F > 1; yarn and linear raise the context to F times the "
-                            "trained one (Qwen2.5: yarn 4 for 128K)", type=float, metavar="F"),
-    # one of a few values
     Option("--dtype", "weights and KV dtype (default {default}; fp32, bf16, fp16 name the same)",
            choices=tuple(DTYPE_ALIASES)),
+    Option("--device", "torch device (cpu, cuda, cuda:1; default {default})"),
+    Option("--threads", "CPU threads for torch (default: one per physical core that other programs leave idle while "
+                        "the model loads)", type=int),
     Option("--kv-dtype", "dtype of every KV cache (default: --dtype); the full cache's dtype is the verifier's",
            choices=tuple(DTYPE_ALIASES)),
     Option("--quantize", "weight-only int8 for the target itself (changes its outputs like --dtype does; see "
@@ -113,15 +80,55 @@ _ALL = [  # by the kind of value; the groups of each subcommand are the tuples b
     Option("--cuda-graphs", "on a GPU, replay the forwards that keep their shapes (the retrieval and draft tiers' "
                             "decode steps and verification blocks) as CUDA graphs: the same kernels, one launch "
                             "(default {default}: not yet run on a GPU)", choices=CUDA_GRAPHS),
-    Option("--mode", "auto (default: the hierarchy is chosen per request and bypassed while it does not pay), "
-                     "autoregressive, retrieval, draft, triforce", choices=MODES),
+    Option("--offload-kv", "keep the full KV cache in (pinned) host memory and stream it to the device layer by "
+                           "layer with prefetch; retrieval and draft caches stay on the device", action="store_true"),
+    Option("--on-chip-layers", "with --offload-kv: leading layers kept on the device (default: chosen from free "
+                               "device memory)", type=int),
+    Option("--tp", "tensor-parallel ranks (default {default}); launch with `torchrun --nproc-per-node N -m triforce "
+                   "generate ... --tp N` (gloo on CPU, NCCL on GPU)", type=int),
     Option("--rope-scaling", "override the target's RoPE as a config.json rope_scaling would (with --rope-factor): "
                              "it changes the model, past the trained context quality is the scaling's "
                              "(docs/long_documents.md); the draft keeps its own", choices=ROPE_SCALINGS),
+    Option("--rope-factor", "with --rope-scaling: the factor F > 1; yarn and linear raise the context to F times the "
+                            "trained one (Qwen2.5: yarn 4 for 128K)", type=float, metavar="F"),
+]
+#: the sampling group of ``generate`` and ``serve``, in its ``--help`` order
+_SAMPLING = [
+    Option("--max-new-tokens", "tokens to generate (default {default})", type=int),
+    Option("--temperature", "0 = greedy (default {default})", type=float),
+    Option("--top-p", "nucleus mass in (0, 1] (default {default})", type=float),
+    Option("--top-k", "0 = disabled (default {default})", type=int),
+    Option("--seed", "seed for every random draw (default: random, reported in --json)", type=int),
+    Option("--stop", "stop string (repeatable)", action="append"),
+]
+#: the speculation group of ``generate`` and ``serve``, in its ``--help`` order
+_SPECULATION = [
+    Option("--mode", "auto (default: the hierarchy is chosen per request and bypassed while it does not pay), "
+                     "autoregressive, retrieval, draft, triforce", choices=MODES),
     Option("--self-weights", "weights of the --draft self tier (default {default})", choices=SELF_WEIGHTS),
+    Option("--gamma1", "draft tokens per retrieval-tier verification, --mode triforce (default {default}; capped "
+                       "like --gamma2)", type=int),
+    Option("--gamma2", "tokens proposed per target verification (default {default}); any integer >= 1, capped at "
+                       "--max-new-tokens - 1, the most a request can use (the caches are sized for the cap, and "
+                       "--json reports each verifying tier's gamma)", type=int),
+    Option("--budget", "retrieval cache slots, at least --chunk-size + gamma + 2 (default {default}; --mode auto "
+                       "honours it: its retrieval tier takes at most this many, and a budget below --chunk-size + "
+                       "--gamma2 + 2 is refused)", type=int),
+    Option("--chunk-size", "retrieval chunk size (default {default})", type=int),
     Option("--chunk-score", "retrieval chunk score: mean (paper: q . mean key), max (best key), bound (Quest upper "
                             "bound), attn (per-head attention mass over recent verifier queries + a recent window; "
                             "GQA models) (default {default})", choices=CHUNK_SCORES),
+    Option("--stop-below", "model drafters end a proposal before a token whose confidence is below "
+                           "this (default: off)", type=float),
+    Option("--adaptive-gamma", "adapt each verifier's gamma from its last block (up to twice the given gamma)",
+           action="store_true"),
+    Option("--rebuild-below", "re-select retrieval chunks when the retrieval tier's acceptance over its last 16 "
+                              "proposed tokens falls below this fraction (default: never)", type=float),
+    Option("--rebuild-every", "re-select retrieval chunks every N tokens (default: never)", type=int),
+    Option("--draft-sink", "StreamingLLM sink tokens of the draft cache (default {default})", type=int),
+    Option("--draft-window", "StreamingLLM window of the draft cache (default {default})", type=int),
+    Option("--ngram-n", "longest suffix the n-gram drafter matches (default {default})", type=int),
+    Option("--ngram-min", "shortest suffix the n-gram drafter may match (default {default})", type=int),
     Option("--lower-weights", "cheaper weights for the tiers below the verifier (retrieval tier, draft model): "
                               "lossless, the verifier decides every token; codes: a GGUF model's own block codes "
                               "times int8 activations, as llama.cpp (else int8) (default: as loaded; --mode auto: "
@@ -129,23 +136,15 @@ _ALL = [  # by the kind of value; the groups of each subcommand are the tuples b
     Option("--lower-kv-dtype", "dtype of the retrieval and draft caches (lossless; default: as --kv-dtype; "
                                "--mode auto: bfloat16 for its retrieval tier where our attention kernel reads it)",
            choices=tuple(DTYPE_ALIASES)),
-    # flags and lists
-    Option("--offload-kv", "keep the full KV cache in (pinned) host memory and stream it to the device layer by "
-                           "layer with prefetch; retrieval and draft caches stay on the device", action="store_true"),
-    Option("--stop", "stop string (repeatable)", action="append"),
-    Option("--adaptive-gamma", "adapt each verifier's gamma from its last block (up to twice the given gamma)",
-           action="store_true"),
+    Option("--tiers", "explicit hierarchy under the full-cache target, bottom first, KIND:GAMMA entries with KIND in "
+                      "ngram, self, draft, retrieval (e.g. ngram:8,draft:4,retrieval:6); overrides --mode"),
 ]
 #: every shared option by ``dest``
-OPTIONS: dict[str, Option] = {o.dest: o for o in _ALL}
-#: the groups of ``generate`` and ``serve``, by title
-MODEL_OPTIONS = ("model", "draft", "dtype", "device", "threads", "kv_dtype", "quantize", "packed_weights", "compile",
-                 "cuda_graphs",
-                 "offload_kv", "on_chip_layers", "tp", "rope_scaling", "rope_factor")
-SAMPLING_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
-SPECULATION_OPTIONS = ("mode", "self_weights", "gamma1", "gamma2", "budget", "chunk_size", "chunk_score", "stop_below",
-                       "adaptive_gamma", "rebuild_below", "rebuild_every", "draft_sink", "draft_window", "ngram_n",
-                       "ngram_min", "lower_weights", "lower_kv_dtype", "tiers")
+OPTIONS: dict[str, Option] = {o.dest: o for o in (*_MODEL, *_SAMPLING, *_SPECULATION)}
+#: the ``dest`` names of each group
+MODEL_OPTIONS = tuple(o.dest for o in _MODEL)
+SAMPLING_OPTIONS = tuple(o.dest for o in _SAMPLING)
+SPECULATION_OPTIONS = tuple(o.dest for o in _SPECULATION)
 
 
 def add_options(group, names, command: str | None = None, **helps: str) -> None:
@@ -187,9 +186,9 @@ def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpeculationConf
     every option is kept for the hierarchy chosen per request.
 
     Raises:
-        CLIError: naming the option(s) and the reason. ValueError: a value outside its range (from
-        :class:`~triforce.speculation.hierarchy.SpeculationConfig`, naming
-            the parameter; :func:`~triforce.cli.common.option_error` turns it into the option's name).
+        CLIError: naming the option(s) and the reason.
+        ValueError: a value outside its range (from :class:`~triforce.speculation.hierarchy.SpeculationConfig`,
+            naming the parameter; :func:`~triforce.cli.common.option_error` turns it into the option's name).
     """
     mode = args.mode or DEFAULTS["mode"]
     if mode in ("draft", "triforce") and not has_draft and not args.tiers:

@@ -4,20 +4,20 @@ ggml's block formats (llama.cpp ``ggml-quants.c``; gguf-py's ``dequantize``, whi
 define every weight as ``w = fl(d q) + m`` for a group of 32 (16 for Q6_K) inputs of one output, with ``d q`` exact in
 fp32:
 
-====== ===================================================== ======================================================
-type   per block (bytes a weight in the file)                 as :class:`~triforce.kernels.blockcodes.BlockCodes`
-(bytes) ====== =====================================================
-======================================================
+====== ===================================================== ===============================================
+type   per block (bytes a weight in the file)                 as :class:`~triforce.kernels.codes.BlockCodes`
+                                                              (bytes a weight)
+====== ===================================================== ===============================================
 Q4_0   fp16 d, 4-bit q: ``d (q - 8)`` (0.5625)                 4-bit codes, fp16 d, m = -8 d (fp16, exact) (0.625)
 Q4_1   fp16 d, m, 4-bit q: ``d q + m`` (0.625)                 4-bit codes, fp16 d, m (0.625)
 Q5_0   fp16 d, 5-bit q: ``d (q - 16)`` (0.6875)                8-bit codes, fp16 d (1.0625)
 Q8_0   fp16 d, int8 q: ``d q`` (1.0625)                        8-bit codes, fp16 d (1.0625)
 Q4_K   fp16 d, dmin per 256; 6-bit sc, mc per 32; 4-bit q:     4-bit codes; int8 sc, mc per 32; fp16 d, -dmin per 256
-       ``(d sc) q - dmin mc`` (0.5625)                         (0.578; fp32 d sc, -(dmin mc) per 32 before: 0.75)
-Q5_K   as Q4_K with 5-bit q (0.6875)                           8-bit codes, scales as Q4_K's (1.078; before: 1.25)
+       ``(d sc) q - dmin mc`` (0.5625)                         (0.578)
+Q5_K   as Q4_K with 5-bit q (0.6875)                           8-bit codes, scales as Q4_K's (1.078)
 Q6_K   fp16 d per 256, int8 sc per 16, 6-bit q:                8-bit codes; int8 sc per 16, fp16 d per 256
-       ``(d sc) (q - 32)`` (0.8203)                            (1.070; fp32 d sc per 16 before: 1.25)
-====== ===================================================== ======================================================
+       ``(d sc) (q - 32)`` (0.8203)                            (1.070)
+====== ===================================================== ===============================================
 
 A K-quant's scales are kept as the file keeps them in spirit (``BC_KS``: the 6-bit or int8 group values widened to
 int8, the fp16 super-block values as they are, -dmin for the minima), and the kernel forms ``d sc`` and
@@ -37,7 +37,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
-from ..kernels.blockcodes import SUPER, BlockCodes, empty_stored_scales
+from ..kernels.codes import SUPER, BlockCodes, empty_stored_scales
+from ..kernels.stored import StoredRows
 
 #: the GGUF types read as block codes; others (F32, F16, BF16, the rest) are dequantized to fp32 tensors
 CODED_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
@@ -123,7 +124,7 @@ def decode_blocks(raw: np.ndarray, qtype: QT) -> tuple[int, np.ndarray, object, 
 
 
 def codes_from_gguf(raw: np.ndarray, qtype: QT, n_in: int) -> BlockCodes:
-    """A GGUF matrix of ``raw.shape[0]`` outputs and ``n_in`` inputs as :class:`~triforce.kernels.blockcodes.BlockCodes`
+    """A GGUF matrix of ``raw.shape[0]`` outputs and ``n_in`` inputs as :class:`~triforce.kernels.codes.BlockCodes`
     (the (in, out) layout of csrc/blockcodes.c), converted :data:`_ROWS_PER_PASS` outputs at a time.
 
     Args:
@@ -176,7 +177,7 @@ def codes_from_gguf(raw: np.ndarray, qtype: QT, n_in: int) -> BlockCodes:
     return BlockCodes(bits, codes, d_all, m_all, n_in, n_out, group, d_sup, m_sup)
 
 
-class GGUFRows(torch.nn.Module):
+class GGUFRows(StoredRows):
     """A GGUF matrix kept as the file's rows (a token embedding: one row read per token), dequantized on lookup.
 
     Attributes:
@@ -204,9 +205,6 @@ class GGUFRows(torch.nn.Module):
         dense matrix's rows)."""
         raw = self.raw.index_select(0, ids.reshape(-1).cpu()).numpy()
         return torch.from_numpy(np.asarray(gguf_dequantize(raw, self.qtype), dtype=np.float32).reshape(-1, self.n_cols))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) int64 -> (B, T, n_cols) fp32
-        return self.rows(ids).reshape(*ids.shape, self.n_cols).to(ids.device)
 
 
 _NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -248,7 +246,7 @@ def read_gguf_codes(path, n_heads: int, n_kv_heads: int, tied: bool) -> dict[str
             them).
 
     Returns:
-        name -> :class:`~triforce.kernels.blockcodes.BlockCodes` for each projection of a type in :data:`CODED_TYPES`
+        name -> :class:`~triforce.kernels.codes.BlockCodes` for each projection of a type in :data:`CODED_TYPES`
         (the transposed (in, out) matrix), :class:`GGUFRows` for a coded token embedding, fp32 tensors for the rest
         (norms, biases, and matrices of other types, dequantized).
 

@@ -152,21 +152,22 @@ def _keeps_stored(dtype: torch.dtype, device: torch.device, tp) -> bool:
 
 def _as_stored(name: str, tensor: torch.Tensor, dtype: torch.dtype, state: dict, tied: bool):
     """A checkpoint tensor for the model: a bf16/fp16 projection or LM head kept at 2 bytes
-    (:func:`~triforce.kernels.blockcodes.codes_from_16bit`), its token embedding as
-    :class:`~triforce.kernels.blockcodes.StoredRows`
-    (tied: the head's codes, which it also writes to ``state``), anything else converted to ``dtype``."""
-    from ..kernels.blockcodes import WIDTH16_DTYPES, StoredRows, codes_from_16bit
+    (:func:`~triforce.kernels.codes.codes_from_16bit`), its token embedding as
+    :class:`~triforce.kernels.stored.Rows16` (tied: the head's codes, which it also writes to ``state``), anything else
+    converted to ``dtype``."""
+    from ..kernels.codes import WIDTH16_DTYPES, codes_from_16bit
+    from ..kernels.stored import Rows16
 
     if tensor.dtype not in WIDTH16_DTYPES or tensor.dim() != 2:
         return tensor.to(dtype)
     if name.endswith("embed_tokens.weight"):
         if not tied:
-            return StoredRows(table=tensor)
+            return Rows16(table=tensor)
         codes = codes_from_16bit(tensor)
         if codes is None:
             return tensor.to(dtype)
         state["lm_head.weight"] = codes
-        return StoredRows(codes=codes)
+        return Rows16(codes=codes)
     if name.endswith("_proj.weight") or name == "lm_head.weight":
         codes = codes_from_16bit(tensor)
         if codes is not None:

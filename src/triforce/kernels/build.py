@@ -53,7 +53,8 @@ def _cpu_flags() -> set[str]:
 
 def _build(out_dir: Path, source_path: Path, cflags: tuple[str, ...]) -> Path:
     """Compile ``source_path`` with ``cflags`` into ``out_dir`` and return the library's path; a build is kept per
-    (source, flags, compiler) hash, mode 0755 so that every user sharing the directory can load it.
+    (source and the headers beside it, flags, compiler) hash, mode 0755 so that every user sharing the directory can
+    load it.
 
     Concurrent first uses compile once: the compile runs under a file lock (``filelock``, beside the library), and the
     library appears by an atomic rename, so no process ever loads half a file.
@@ -67,7 +68,7 @@ def _build(out_dir: Path, source_path: Path, cflags: tuple[str, ...]) -> Path:
     cc = shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
     if not cc:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    source = source_path.read_bytes()
+    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
     key = hashlib.sha256(source + " ".join((*cc, *cflags)).encode()).hexdigest()[:16]
     lib = out_dir / f"{source_path.stem}-{key}.so"
     if lib.exists():

@@ -5,8 +5,7 @@ weight matrix (``csrc/qlinear.c``): the lower tiers' int8 weight-only projection
 out) (PyTorch's products otherwise).
 
 A decode step of the verifier attends g query rows per KV head (grouped-query attention, g = nh / nkv) over the
-whole cache: at 8K tokens the keys and values of SmolLM2 are 369 MB a step, read by PyTorch's CPU SDPA at about
-6 GB/s on one core and parallelised over the 3 KV heads only. ``csrc/attention.c`` streams each key and value row
+whole cache; PyTorch's CPU SDPA parallelises it over the KV heads only. ``csrc/attention.c`` streams each key and value row
 once for all rows of its head, split into key chunks that every thread shares (flash-decoding), and merges the
 chunks with the log-sum-exp rule (see the C file's header for the equations and sources). Measured by
 ``bench/kernels/attention_kernel.py`` (docs/history.md, "Attention kernel").
@@ -24,9 +23,8 @@ fallback: where there is no compiler, the build fails, or ``TRIFORCE_ATTENTION_K
 off for any reason but its variable is named once on stderr).
 
 The linear kernels stream each weight row once for up to :data:`LINEAR_MAX_ROWS` activation rows (int8:
-:data:`INT8_LINEAR_MAX_ROWS`): :func:`int8_linear` dequantises 16 int8 weights per AVX-512 vector, 1.1-1.2x faster than
-``aten._weight_int8pack_mm`` over SmolLM2's weights for the 1-2 rows of a lower tier's decode step on this project's CPU
-(as fast at 4-5 rows, slower from 7; docs/history.md); :func:`f32_linear` multiplies fp32 weights stored (in, out), the
+:data:`INT8_LINEAR_MAX_ROWS`): :func:`int8_linear` dequantises 16 int8 weights per AVX-512 vector (a lower tier's decode step and proposal
+blocks; ``aten._weight_int8pack_mm`` otherwise); :func:`f32_linear` multiplies fp32 weights stored (in, out), the
 verifier's blocks and batched steps (``bench/kernels/qlinear.py``, docs/history.md). They are built for AVX-512 (F, BW,
 VL) where the CPU has it, and otherwise for AVX2 and FMA (8-lane versions of the same kernels, with the same
 row-independence), and where the CPU has neither, portable (plain C loops: one multiply-add chain per output, as the
@@ -40,8 +38,7 @@ exact block codes read those instead (:mod:`triforce.kernels.blockcodes`, ``csrc
 
 A decode step of an int8 lower tier or of a model on block codes runs every layer in one call
 (:func:`triforce.kernels.decode_step.decode_layers`, ``csrc/decode_step.c``): the same kernels back to back from C,
-without a Python call between them, so the gaps between two products stay shorter than OpenMP's spin (1.75x faster than
-one Python call per operation for SmolLM2 at 8K tokens, ``bench/kernels/decode_step.py``);
+without a Python call between them, so the gaps between two products stay shorter than OpenMP's spin;
 ``TRIFORCE_DECODE_STEP_KERNEL=0`` turns it off.
 """
 
@@ -94,12 +91,11 @@ BLOCKCODES_ENV_SWITCH = "TRIFORCE_BLOCK_CODES"
 #: does
 BLOCKCODES_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 #: most activation rows of one linear kernel call: a decode step, a verification block, a batch of them (8 sequences
-#: verifying 7 tokens each are 56 rows, where MKL's product is 2.6x slower than ours, bench/kernels/qlinear.py); prefill
-#: chunks take PyTorch's op
+#: verifying 7 tokens each are 56 rows; bench/kernels/qlinear.py); prefill chunks take PyTorch's op
 LINEAR_MAX_ROWS = 64
 #: most rows of one :func:`f32_linear` call (csrc/qlinear.c's F32_MAX_ROWS): a row's value is the same for any number of
 #: rows, so the verifier's batches past :data:`LINEAR_MAX_ROWS` rows (``kernels/rows.py``) take one pass over the
-#: weights (calls of 64 rows took 1.0-1.6x its time over SmolLM2's matrices at 70 and 128 rows, docs/performance.md)
+#: weights instead of several calls of 64 rows (docs/performance.md)
 F32_MAX_ROWS = 1024
 #: most rows of one int8 kernel call (a lower tier's decode step or proposal block, a small batch of them): from about
 #: 7 rows on, aten's bf16 int8 product is faster (bench/kernels/qlinear.py --rows 7 14 28), and it takes more

@@ -4,10 +4,8 @@ nor sleeping OpenMP threads sit between two products. Models whose projections a
 ``model/quant.py``) or all block codes (a GGUF model's verifier, ``kernels/blockcodes.py``) get a :class:`DecodeStep`;
 the cache says where it applies (:meth:`~triforce.kv.caches.KVCache.one_query_rows`: a retrieval step, a full-cache
 decode step), over an fp32 or a bf16 cache (a lower tier's ``lower_kv_dtype``, which ``auto`` picks for its retrieval
-tier). For the int8 retrieval tier of SmolLM2 at 8K tokens on this project's 2-core AVX2 CPU it was 1.75x faster than
-one Python call per operation (``bench/kernels/decode_step.py``). ``TRIFORCE_DECODE_STEP_KERNEL=0`` turns it off;
-feature
-detection with a fallback (None: the model runs its layers in Python)."""
+tier). ``TRIFORCE_DECODE_STEP_KERNEL=0`` turns it off; feature detection with a fallback (None: the model runs its
+layers in Python). What it saves: ``bench/kernels/decode_step.py``."""
 
 from __future__ import annotations
 
@@ -16,7 +14,8 @@ import math
 
 import torch
 
-from .blockcodes import BlockCodes, _blockcodes
+from .blockcodes import _blockcodes
+from .codes import BlockCodes
 from .cpu import (
     _F,
     _I,
@@ -70,7 +69,7 @@ class LayerTable:
         norms: 2 per layer, (d,) fp32 contiguous: the input and post-attention RMSNorm weights, layer by layer.
         weights: 4 per layer (qkv, o, gate_up, down), each either ``(q, scale)``: (out, in) int8 and (out,) fp32
             per-channel scales, contiguous (:class:`~triforce.model.quant.Int8Linear`), or a
-            :class:`~triforce.kernels.blockcodes.BlockCodes` of the (in, out) matrix.
+            :class:`~triforce.kernels.codes.BlockCodes` of the (in, out) matrix.
         biases: 4 per layer: (out,) fp32 contiguous, or None.
         dims: (d, nh, nkv, hs, inter) of the model; ``eps`` its RMSNorm epsilon.
         q8: None, or one bool per weight: block codes multiplied by int8-quantized activations
@@ -169,16 +168,8 @@ def decode_layers(table: LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.
     else:
         rows_ok = 0 <= shared <= slot - T + 1 and slot < n_keys
     if (x.shape != (1, T, d) or not 1 <= T <= MAX_BLOCK or not rows_ok or x.dtype != torch.float32
-            or x.device.type != "cpu" or k.shape != v.shape
-            or k.dim() != 5 or tuple(k.shape[:3]) != (L, 1, nkv) or k.shape[4] != hs
-            or k.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype
-            or k.device.type != "cpu" or v.device.type != "cpu" or not k.is_contiguous()
-            or not v.is_contiguous() or n_keys > k.shape[3] or hs % 8
-            or hs > MAX_HEAD_DIM or nh % nkv or cos.shape != (T, hs) or sin.shape != (T, hs)
-            or cos.dtype != torch.float32 or sin.dtype != torch.float32 or not cos.is_contiguous()
-            or not sin.is_contiguous()
-            or (queries is not None and (queries.shape != (L, 1, nh, T, hs) or queries.dtype != torch.float32
-                                         or not queries.is_contiguous()))):
+            or x.device.type != "cpu" or not _cache_ok(table, k, v, n_keys, queries, T)
+            or not _rotations_ok(table, cos, sin, T)):
         return None
     lib = _kernels(table)
     if lib is None:
@@ -194,6 +185,29 @@ def decode_layers(table: LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.
         -1 if shared is None else shared, cos.data_ptr(), sin.data_ptr(), CHUNK, 1.0 / math.sqrt(hs), threads,
         table.work.data_ptr(), scratch.data_ptr())
     return out if rc == 0 else None
+
+
+def _cache_ok(table: LayerTable, k: torch.Tensor, v: torch.Tensor, n_keys: int, queries: torch.Tensor | None,
+              t: int) -> bool:
+    """Whether ``k``, ``v`` are (L, 1, nkv, capacity >= n_keys, hs) contiguous CPU caches, both fp32 or both bf16, and
+    ``queries`` None or (L, 1, nh, t, hs) fp32 contiguous."""
+    _, nh, nkv, hs, _ = table.dims
+    L = table.n_layers
+    return not (k.shape != v.shape or k.dim() != 5 or tuple(k.shape[:3]) != (L, 1, nkv) or k.shape[4] != hs
+                or k.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype
+                or k.device.type != "cpu" or v.device.type != "cpu" or not k.is_contiguous()
+                or not v.is_contiguous() or n_keys > k.shape[3]
+                or (queries is not None and (queries.shape != (L, 1, nh, t, hs) or queries.dtype != torch.float32
+                                             or not queries.is_contiguous())))
+
+
+def _rotations_ok(table: LayerTable, cos: torch.Tensor, sin: torch.Tensor, t: int) -> bool:
+    """Whether the heads fit the kernels (hs a multiple of 8 up to ``MAX_HEAD_DIM``, nh a multiple of nkv) and
+    ``cos``, ``sin`` are (t, hs) fp32 contiguous."""
+    _, nh, nkv, hs, _ = table.dims
+    return not (hs % 8 or hs > MAX_HEAD_DIM or nh % nkv or cos.shape != (t, hs) or sin.shape != (t, hs)
+                or cos.dtype != torch.float32 or sin.dtype != torch.float32 or not cos.is_contiguous()
+                or not sin.is_contiguous())
 
 
 def _kernels(table: LayerTable) -> dict | None:
@@ -245,18 +259,11 @@ def decode_layers_ragged(table: LayerTable, x: torch.Tensor, segments: list[tupl
     T = x.shape[1] if x.dim() == 3 else 0
     lengths = [n_keys - slot for _, _, slot, n_keys, _ in segments]
     if (not segments or x.shape != (1, T, d) or T != sum(lengths) or T > MAX_RAGGED_ROWS or x.dtype != torch.float32
-            or x.device.type != "cpu" or hs % 8 or hs > MAX_HEAD_DIM or nh % nkv or cos.shape != (T, hs)
-            or sin.shape != (T, hs) or cos.dtype != torch.float32 or sin.dtype != torch.float32
-            or not cos.is_contiguous() or not sin.is_contiguous()):
+            or x.device.type != "cpu" or not _rotations_ok(table, cos, sin, T)):
         return None
     dtype = segments[0][0].dtype
     for (k, v, slot, n_keys, queries), t in zip(segments, lengths):
-        if (not 1 <= t <= MAX_BLOCK or slot < 0 or k.shape != v.shape or k.dim() != 5
-                or tuple(k.shape[:3]) != (L, 1, nkv) or k.shape[4] != hs or k.dtype != dtype or v.dtype != dtype
-                or dtype not in (torch.float32, torch.bfloat16) or k.device.type != "cpu" or v.device.type != "cpu"
-                or not k.is_contiguous() or not v.is_contiguous() or n_keys > k.shape[3]
-                or (queries is not None and (queries.shape != (L, 1, nh, t, hs) or queries.dtype != torch.float32
-                                             or not queries.is_contiguous()))):
+        if not 1 <= t <= MAX_BLOCK or slot < 0 or k.dtype != dtype or not _cache_ok(table, k, v, n_keys, queries, t):
             return None
     lib = _kernels(table)
     if lib is None:

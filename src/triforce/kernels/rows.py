@@ -1,4 +1,4 @@
-"""One rule on every path (issue 47): a verifier row's value does not depend on how many tokens, rows or requests
+"""One rule on every path: a verifier row's value does not depend on how many tokens, rows or requests
 share its forward, nor on which of our paths computes it.
 
 Greedy equality of every speculative mode with autoregressive decoding needs a decode step (1 row) and its row of a
@@ -15,7 +15,7 @@ blocks of at most :data:`EXACT_MAX_BLOCK` tokens, on the CPU) runs inside :func:
   AVX2 and the portable build alike (a CPU with neither, or aarch64: plain C, one chain per output too), one row
   included (MKL's GEMV only with ``TRIFORCE_ONE_ROW_KERNEL=0``, an A/B switch that gives up the rule); where the
   kernel is off or unavailable, each row is its own PyTorch product, the call a decode step makes
-  (:func:`linear_forward`);
+  (:func:`~triforce.kernels.linear.linear_forward`);
 * the full cache attends with ``csrc/attention.c`` (one call for the whole block), or, where that kernel is off,
   each row with its own SDPA call over the keys it sees, the call a decode step makes (:func:`rowwise_attention`);
 * a model on block codes runs its layers in one ``csrc/decode_step.c`` call for a block of up to 64 tokens, and a
@@ -27,7 +27,7 @@ blocks of at most :data:`EXACT_MAX_BLOCK` tokens, on the CPU) runs inside :func:
   tier calls for its blocks and its prompt's last tokens, not for its prefill chunks): each keeps the rule, so
   every gamma the options allow gives the decode steps' tokens;
 * the prompt's last :data:`PREFILL_EXACT_TAIL` tokens never share a prefill chunk of more than
-  :data:`EXACT_MAX_BLOCK` tokens: the verifier prefills the rest in chunks and then them on these paths
+  :data:`EXACT_MAX_BLOCK` tokens: the verifier prefills the rest in chunks and then these tokens on these paths
   (:func:`prefill_forward_size`), so the first token's logits and those tokens' keys are what a request that
   reuses the prompt's KV (the engine's or the server's prefix cache, ``adopt_prefix``, a prompt-cache file) and
   feeds them again computes, in every mode: one more forward, of 8 rows, only for a prompt whose last chunk is
@@ -42,30 +42,18 @@ docs/architecture.md, "The exactness rule".
 
 from __future__ import annotations
 
-import os
 import threading
 from contextlib import contextmanager
 from typing import Callable
 
 import torch
 
-from .blockcodes import blockcode_linear, blockcode_linear_q8, blockcode_matmul
-from .cpu import (
-    F32_MAX_ROWS,
-    LINEAR_MAX_ROWS,
-    ONE_ROW_ENV_SWITCH,
-    f32_beats_onednn,
-    f32_linear,
-    f32_one_row_exact,
-    f32_one_row_pays,
-)
 from .sdpa import gqa_attention
 
 #: longest block of one sequence (tokens in one forward) that runs on the row-invariant paths: decode steps and
 #: verification blocks up to gamma 63 in one forward (``scheduling.SHORT_FORWARD_ROWS``), longer verification blocks
 #: in pieces of at most this many (:func:`verify_forward`); longer forwards are prefill chunks, which keep SDPA and
-#: PyTorch's products (the attention kernel took 0.77-0.84x SDPA's time for SmolLM2's 17- and 32-token
-#: blocks at 8K, 0.95-1.02x for 64: docs/performance.md, "Exactness paths: what they cost")
+#: PyTorch's products (docs/performance.md, "Exactness paths: what they cost")
 EXACT_MAX_BLOCK = 64
 
 #: the prompt's last tokens that the verifier's prefill runs on the row-invariant paths, apart from a longer chunk
@@ -74,7 +62,7 @@ EXACT_MAX_BLOCK = 64
 #: mode prefills a prompt alike (greedy equality) and any mode's reuse of its KV recomputes them as it did
 PREFILL_EXACT_TAIL = 8
 
-#: False turns the rule off, so that every forward takes the fastest paths by shape as before issue 47: for A/B
+#: False turns the rule off, so that every forward takes the fastest paths by shape: for A/B
 #: timings only (``bench/kernels/rows.py``); speculative modes then match autoregressive decoding in distribution
 #: but may differ from it by a greedy near-tie
 ROW_INVARIANT = True
@@ -101,75 +89,6 @@ def exact_forward(on: bool):
 def exact_rows() -> bool:
     """Whether the forward running in this thread must keep the rule (inside :func:`exact_forward`)."""
     return getattr(_state, "on", False)
-
-
-def _chunks(fn: Callable, x: torch.Tensor, w, rows: int = LINEAR_MAX_ROWS) -> torch.Tensor | None:
-    """``fn(x, w)`` over chunks of at most ``rows`` rows of ``x`` (M, in), concatenated; None where ``fn`` gives None
-    for one (the kernel does not apply)."""
-    if x.shape[0] <= rows:
-        return fn(x, w)
-    parts = []
-    for i in range(0, x.shape[0], rows):
-        part = fn(x[i:i + rows], w)
-        if part is None:
-            return None
-        parts.append(part)
-    return torch.cat(parts)
-
-
-def _rowwise(fn: Callable, x: torch.Tensor, w) -> torch.Tensor:
-    """``fn`` on each row of ``x`` (M, in) alone, as a fresh (1, in) tensor (what a decode step passes), stacked."""
-    return torch.cat([fn(x[i:i + 1].clone(), w) for i in range(x.shape[0])])
-
-
-def linear_forward(lin, x: torch.Tensor) -> torch.Tensor:
-    """What :class:`~triforce.model.transformer.Linear` computes, ``y = x W + b``, on the path this forward's rows need.
-
-    Inside :func:`exact_forward` on the CPU in fp32 (module docstring): block codes or our fp32 kernel for any number of
-    rows, in chunks of ``LINEAR_MAX_ROWS``; where neither kernel applies, one PyTorch product per row. Elsewhere the
-    fastest path by rows: block codes (up to ``LINEAR_MAX_ROWS`` rows, else dequantized tiles), our fp32 kernel for 2-64
-    rows unless oneDNN's packed product is faster on this build (:func:`~triforce.kernels.cpu.f32_beats_onednn`) and for
-    one row where :func:`~triforce.kernels.cpu.f32_one_row_pays`, oneDNN over packed weights, else MKL.
-
-    Args:
-        lin: a :class:`~triforce.model.transformer.Linear`: ``weight_t`` (in, out) or None (codes only), ``bias``
-            (out,) or None, ``codes`` (:class:`~triforce.kernels.blockcodes.BlockCodes`) or None, ``q8``, ``packed``
-            (oneDNN's copy) or None.
-        x: (..., in) activations.
-
-    Returns:
-        (..., out), x's dtype (fp32 from the kernels).
-    """
-    rows = x.numel() // x.shape[-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    exact = exact_rows() and x.device.type == "cpu" and x.dtype == torch.float32 and rows > 0
-    y = None  # our kernels' product where one applies (each gives None where it does not)
-    if lin.codes is not None and (rows <= LINEAR_MAX_ROWS or exact):  # the same fp32 weights, a fifth of the bytes
-        if lin.q8:  # integer dot products (a lower tier's copy; None where the codes do not allow them)
-            y = _chunks(blockcode_linear_q8, x2, lin.codes)
-        if y is None:
-            y = _chunks(blockcode_linear, x2, lin.codes)
-    if y is None and exact:
-        if lin.weight_t is None:  # codes only, their kernel off: the dequantized tiles' product, a row at a time
-            y = _rowwise(blockcode_matmul, x2, lin.codes)
-        elif rows > 1 or f32_one_row_exact():
-            y = _chunks(f32_linear, x2, lin.weight_t, F32_MAX_ROWS)
-        # the kernel off: each row as a decode step computes it (unless the A/B switch sends one row to MKL's GEMV)
-        if y is None and not (rows == 1 and os.environ.get(ONE_ROW_ENV_SWITCH) == "0"):
-            y = _rowwise(torch.matmul, x2, lin.weight_t)
-    if y is None and lin.weight_t is None:  # codes only (a GGUF file read as stored): dequantized tiles
-        y = blockcode_matmul(x2, lin.codes)
-    if y is None and ((1 < rows <= LINEAR_MAX_ROWS and (lin.packed is None or f32_beats_onednn()))
-                      or (rows == 1 and f32_one_row_pays())):
-        y = f32_linear(x2, lin.weight_t)
-    if y is not None:
-        y = y.reshape(*x.shape[:-1], -1)
-        return y + lin.bias if lin.bias is not None else y
-    if lin.packed is not None and rows > 1:  # several rows: prefill
-        y = torch.ops.mkldnn._linear_pointwise(x2, lin.packed, lin.bias, "none", [], "")
-        return y.reshape(*x.shape[:-1], -1)
-    y = x @ lin.weight_t
-    return y + lin.bias if lin.bias is not None else y
 
 
 def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: int) -> torch.Tensor:
@@ -220,7 +139,7 @@ def split_exact(blocks: list[tuple], run: Callable[[list[tuple]], list[torch.Ten
 def verify_forward(forward: Callable[[list[int], int | None], torch.Tensor], cache, tokens: list[int],
                    num_logits: int | None) -> torch.Tensor:
     """The verifier's forward of a verification block (the pending token and the proposals, whatever gamma), on the
-    row-invariant paths at any length (issue 47): a block of more than :data:`EXACT_MAX_BLOCK` tokens through a
+    row-invariant paths at any length: a block of more than :data:`EXACT_MAX_BLOCK` tokens through a
     cache that keeps the rule runs as consecutive forwards of at most that many tokens (sizes as equal as they go).
     Each piece keeps the rule, so each of its rows, and each key and value it writes, is bitwise what that token's
     decode step gives, and a later piece attends the earlier pieces' keys as a later decode step does: the block's

@@ -2,16 +2,16 @@
 
 Three policies, one interface (:class:`KVCache`):
 
-* :class:`FullKVCache` every token; the verifier's (tier 2) cache. Static, preallocated for
-  prompt + max_new_tokens + the largest speculation block + 1 (gpt-fast style), so rejected entries are
-  simply overwritten and rollback is O(1).
+* :class:`FullKVCache` every token; the verifier's (tier 2) cache. Static, preallocated for prompt + max_new_tokens
+  + the largest speculation block + 1 (gpt-fast style), so rejected entries are simply overwritten and rollback is
+  O(1).
 * :class:`~triforce.kv.retrieval.RetrievalCache` a budget of slots filled from the full cache by chunk retrieval
   (TriForce, arXiv 2404.11912, Sec. 4.1): the target model with this cache is the middle tier (tier 1).
 * :class:`~triforce.kv.streaming.StreamingCache` attention sinks + a recent window (StreamingLLM, arXiv 2309.17453): the
   tiny draft model's cache (tier 0).
 
-Every cache stores keys after RoPE at their absolute positions, and every query is rotated at its true
-absolute position, except for the StreamingLLM sinks (see :class:`~triforce.kv.streaming.StreamingCache`).
+Every cache stores keys after RoPE at their absolute positions, and every query is rotated at its true absolute
+position, except for the StreamingLLM sinks (see :class:`~triforce.kv.streaming.StreamingCache`).
 
 The model calls, for one forward of T tokens at positions ``positions`` (T,) int64::
 
@@ -19,9 +19,9 @@ The model calls, for one forward of T tokens at positions ``positions`` (T,) int
     for each layer: cache.attend(layer, q, k, v, q_pre)   # writes k/v, returns attention output
     cache.end_forward()                     # the cache now represents positions [0, positions[-1] + 1)
 
-Shapes: q, q_pre (B, nh, T, hs); k, v (B, nkv, T, hs); output (B, nh, T, hs). GQA is computed without
-repeating keys: the g = nh // nkv query heads of a KV head are stacked along the time axis,
-``(B, nh, T, hs) -> (B, nkv, g*T, hs)``.
+Shapes: q, q_pre (B, nh, T, hs); k, v (B, nkv, T, hs); output (B, nh, T, hs). GQA is computed without repeating
+keys: the g = nh // nkv query heads of a KV head are stacked along the time axis, ``(B, nh, T, hs) -> (B, nkv, g*T,
+hs)``.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class KVCache(ABC):
 
     def exact_rows(self, t: int) -> bool:
         """Whether a forward of ``t`` tokens through this cache is the verifier's decode step or verification block,
-        whose rows must not depend on the forward they share (issue 47): the model then runs it inside
+        whose rows must not depend on the forward they share: the model then runs it inside
         :func:`triforce.kernels.rows.exact_forward`. False (the default): a lower tier's cache, whose rounding changes
         no token."""
         return False
@@ -140,9 +140,9 @@ class KVCache(ABC):
 class RaggedCache(KVCache):
     """Several sequences' caches behind one forward whose T axis holds their blocks one after another (ragged).
 
-    :meth:`~triforce.model.transformer.Transformer.forward_ragged` concatenates the blocks of several sequences, (1,
-    sum T_i); this cache hands each sequence's slice of the positions, queries, keys and values to that sequence's own
-    cache and concatenates the attention outputs, so every sequence attends only over its own KV (the
+    :meth:`~triforce.model.transformer.Transformer.forward_ragged` concatenates the blocks of several sequences into
+    (1, sum T_i); this cache hands each sequence's slice of the positions, queries, keys and values to that
+    sequence's own cache and concatenates the attention outputs, so every sequence attends only over its own KV (the
     continuous-batching layout of vLLM's varlen attention, Kwon et al., arXiv 2309.06180, without the paging).
 
     Args:
@@ -199,10 +199,9 @@ class RaggedCache(KVCache):
 
 #: longest block (tokens per forward) the full KV cache attends with ``kernels.gqa_attention_kernel`` instead of SDPA
 #: (where the kernel is available): decode steps and verification blocks
-#: (:data:`~triforce.kernels.rows.EXACT_MAX_BLOCK`); longer blocks (prefill) use SDPA, whose matrix-product tiling wins
-#: there. A row's result does not depend on the block it is in (same chunks, same order of operations), so a
-#: verification computes the logits a decode step would. Its speed against SDPA: docs/performance.md, "Kernels (EPYC)"
-#: (and for blocks of 17-64 tokens, "Exactness paths: what they cost").
+#: (:data:`~triforce.kernels.rows.EXACT_MAX_BLOCK`); longer blocks (prefill) use SDPA. A row's result does not depend on
+#: the block it is in (same chunks, same order of operations), so a verification computes the logits a decode step
+#: would.
 KERNEL_MAX_BLOCK = EXACT_MAX_BLOCK
 
 

@@ -34,8 +34,7 @@ def release_free_memory() -> bool:
 
     Why: a KV cache of a few hundred tokens is a few MB per tensor, under glibc's mmap threshold (dynamic, up to
     32 MiB), so it lives in the heap, and after requests of mixed lengths come and go the heap keeps their freed
-    pages, hundreds of MiB, until this runs (docs/performance.md, "Figures behind the code's constants"). The
-    server calls it when a request ends.
+    pages until this runs. The server calls it when a request ends.
     """
     if not _LIBC:
         import ctypes
@@ -132,8 +131,8 @@ class KVPlacement:
         return asdict(self)
 
 
-def plan_kv_placement(layers: int, layer_bytes: int, device: torch.device | str, reserved_bytes: int = 0,
-                      on_chip_layers: int | None = None, headroom: float = 0.1) -> KVPlacement:
+def place_kv(layers: int, layer_bytes: int, device: torch.device | str, reserved_bytes: int = 0,
+             on_chip_layers: int | None = None, headroom: float = 0.1) -> KVPlacement:
     """Choose how many layers of an offloaded full KV cache stay on the device (the memory planner).
 
     The largest ``n`` with ``n * layer_bytes + buffers + reserved_bytes <= (1 - headroom) * free`` where ``free`` is

@@ -1,12 +1,10 @@
 """Prompt caches on disk: a prompt's full KV cache kept in a file, so that a later process prefills only what follows.
 
-A long document costs minutes of prefill on a CPU; a new question about it, a later ``triforce generate`` or a
-restarted server should not pay that again. As llama.cpp's ``--prompt-cache`` and llama-server's ``--slot-save-path``
-do, the verifier's full KV cache (positions 0 .. T-1 of the tokens it holds after a request) is written to a file;
-a later request whose prompt starts with some of those tokens loads their keys and values and prefills only the rest
-(the engine's prefix reuse, :meth:`~triforce.engine.Engine.adopt_prefix`). The KV of a prefix depends only on the
-prefix (causal attention), so the loaded values are the ones a prefill would compute, and the output distribution is
-unchanged.
+As llama.cpp's ``--prompt-cache`` and llama-server's ``--slot-save-path`` do, the verifier's full KV cache
+(positions 0 .. T-1 of the tokens it holds after a request) is written to a file; a later request whose prompt starts
+with some of those tokens loads their keys and values and prefills only the rest (the engine's prefix reuse,
+:meth:`~triforce.engine.Engine.adopt_prefix`). The KV of a prefix depends only on the prefix (causal attention), so
+the output distribution is unchanged.
 
 One file per entry, ``<dir>/<model key>-<tokens hash>.safetensors`` (safetensors: a JSON header and raw tensors,
 read through a memory map, only the positions reused):
@@ -35,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..text.tokens import common_prefix_length
 from .caches import FullKVCache
 
 if TYPE_CHECKING:  # the model imports the caches, never the reverse
@@ -195,11 +194,7 @@ class PromptCache:
             tokens = self._tokens(path)
             if tokens is None:
                 continue
-            n = 0
-            for a, b in zip(tokens, prompt):
-                if a != b:
-                    break
-                n += 1
+            n = common_prefix_length(tokens, prompt)
             if n > longer_than:
                 candidates.append((n, path, len(tokens)))
         for n, path, held in sorted(candidates, reverse=True):  # the longest prefix whose file passes its checks
@@ -266,9 +261,7 @@ class PromptCache:
             file's), and the :class:`PromptCacheHit` adopted, or None.
         """
         held = engine.prefix_tokens
-        cached = 0
-        while cached < min(len(held), len(ids)) and held[cached] == ids[cached]:
-            cached += 1
+        cached = common_prefix_length(held, ids)
         target = engine.target
         hit = self.lookup(ids, target.cfg, target.device, longer_than=cached, capacity=capacity)
         if hit is not None:

@@ -85,8 +85,8 @@ class RetrievalCache(KVCache):
 
     Policy, for a committed sequence of length n built at length ``build_len`` (n >= build_len):
 
-    * **Selection** (at build): the full cache's positions [0, build_len) are cut into chunks of
-      ``chunk_size``. For each layer and KV head, chunk c scores ``sum_{query heads h of the group} q_h . mean(K_c)``
+    * **Selection** (at build): the full cache's positions [0, build_len) are cut into chunks of ``chunk_size``.
+      For each layer and KV head, chunk c scores ``sum_{query heads h of the group} q_h . mean(K_c)``
       with q the post-RoPE query of the last token (position build_len, supplied by the caller). Chunk 0 (the
       attention sink) is always kept. Tokens are ranked by their chunk's score (ties by position) and the first
       ``budget`` fill slots 0, 1, ... in that order; with fewer tokens than the budget the rest stay empty.
@@ -113,8 +113,7 @@ class RetrievalCache(KVCache):
             * ``attn``: the attention mass the chunk holds, summed over the group's query heads (each head's softmax
               normalised on its own, :func:`attention_mass_scores`) and over a window of up to ``ATTN_QUERY_WINDOW``
               recorded queries; the last min(``ATTN_RECENT``, budget // 4) positions are always kept (after chunk 0).
-              Built for GQA models with wide groups and q/k biases (Qwen2.5, Llama-3): see docs/acceptance.md for the
-              measurements.
+              Built for GQA models with wide groups and q/k biases (Qwen2.5, Llama-3; docs/acceptance.md).
 
             With a window of queries (see :meth:`build`), ``mean``/``max``/``bound`` sum the score over the window.
         recent: positions [length - recent, length) are always kept, ranked right after chunk 0 (None:

@@ -33,14 +33,16 @@ class StreamingCache(KVCache):
     relative distance above ``sink + window - 1``, however long the prompt.
 
     Args:
-        cfg: the draft model's configuration. sink: attention-sink tokens kept (>= 0). window: recent tokens kept (>=
-        1). slack: extra slots: at least the largest block written at once plus the deepest rollback. rope: the draft
-        model's :class:`~triforce.model.rope.RotaryEmbedding` (re-rotates queries for the sinks). dtype, device, batch:
-        storage. fixed_shape: attend over every slot (the ones a query may not see masked out) with the step's slot
-        indices,
+        cfg: the draft model's configuration.
+        sink: attention-sink tokens kept (>= 0).
+        window: recent tokens kept (>= 1).
+        slack: extra slots: at least the largest block written at once plus the deepest rollback.
+        rope: the draft model's :class:`~triforce.model.rope.RotaryEmbedding` (re-rotates queries for the sinks).
+        dtype, device, batch: storage.
+        fixed_shape: attend over every slot (the ones a query may not see masked out) with the step's slot indices,
             mask and sink rotation in buffers refreshed in place, so that a CUDA graph can replay the forward
-            (``model/cudagraph.py``; blocks of up to ``MAX_GRAPH_TOKENS`` tokens). The same attention up to the order of
-            the softmax's sums.
+            (``model/cudagraph.py``; blocks of up to ``MAX_GRAPH_TOKENS`` tokens). The same attention up to the order
+            of the softmax's sums.
 
     Raises:
         ValueError: sink < 0 or window < 1.

@@ -1,7 +1,7 @@
 """The books the research tools read: where they are, finding one by name, its first N tokens.
 
-One place resolves the books folder (``triforce bench`` and ``triforce analyze`` used to resolve it two ways): the
-``shared/data/books`` folder beside the repository (``$TRIFORCE_BOOKS`` overrides it).
+The books folder, for ``triforce bench`` and ``triforce analyze`` alike: ``shared/data/books`` beside the repository
+(``$TRIFORCE_BOOKS`` overrides it).
 """
 
 from __future__ import annotations

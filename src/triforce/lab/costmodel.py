@@ -300,8 +300,7 @@ def accepted_length_distribution(alpha: float, gamma: int, counts: list[int] | N
     ``alpha^j (1 - alpha)`` for j < gamma and ``alpha^gamma`` for j = gamma. With ``counts`` (``counts[j]`` =
     verifications observed accepting exactly j, ``TierStats.accepted_lengths``): their frequencies, runs longer than
     ``gamma`` counted at ``gamma``. Acceptance on real text comes in runs (a verifier that accepts one token tends to
-    accept the next), which the independent model underestimates (3.5 tokens per verification predicted against 5.4
-    measured: docs/history.md, "Side by side: `triforce bench`").
+    accept the next), which the independent model underestimates.
 
     Returns:
         gamma + 1 probabilities summing to 1.

@@ -1,5 +1,5 @@
-"""Where a result came from: the git commit of the code that measured it, so that every result JSON of ``triforce
-bench``, ``triforce analyze`` and ``bench/`` names the code behind its figures (issue 48)."""
+"""Where a result came from: the git commit of the code that produced it, recorded in every result JSON of
+``triforce bench``, ``triforce analyze`` and ``bench/``."""
 
 from __future__ import annotations
 

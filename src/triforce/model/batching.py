@@ -49,8 +49,8 @@ SHORT_FORWARD_ROWS = 64
 #: rows of longer forwards (prefill chunks) one batched forward takes, earliest admitted first (one at least):
 #: one prefill chunk of the target (``ModelTier``'s ``prefill_chunk``, 512)
 PREFILL_ROWS_PER_FORWARD = 512
-#: while other generations run, a prefill chunk's forward should take about this long (a running stream's gap between
-#: tokens is about one such forward: issue 49's target is under 0.5 s)
+#: seconds a prefill chunk's forward should take while other generations run (a running stream's gap between tokens
+#: is about one such forward)
 PREFILL_CHUNK_SECONDS = 0.25
 #: ... but a chunk holds at least this many tokens
 MIN_PREFILL_CHUNK = 32
@@ -61,9 +61,12 @@ class ForwardRequest:
     """One sequence's forward, waiting to be batched.
 
     Attributes:
-        model: the :class:`~triforce.model.transformer.Transformer` to run. input_ids: (1, T) int64. positions: (T,)
-        int64 absolute positions continuing ``cache``. cache: the sequence's cache for this model. num_logits: logits
-        for the last ``num_logits`` positions (None: all T). waited: rounds this request has waited so far.
+        model: the :class:`~triforce.model.transformer.Transformer` to run.
+        input_ids: (1, T) int64.
+        positions: (T,) int64 absolute positions continuing ``cache``.
+        cache: the sequence's cache for this model.
+        num_logits: logits for the last ``num_logits`` positions (None: all T).
+        waited: rounds this request has waited so far.
     """
 
     model: Any

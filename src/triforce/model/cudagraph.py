@@ -18,9 +18,9 @@ logits are the eager ones, so greedy equality and the exact-distribution guarant
 (``bench/gpu/gpu_check.py --stages greedy`` checks it on a GPU).
 
 Off (eager forwards) on the CPU, under tensor parallelism, with ``torch.compile`` (its own CUDA graphs), for a
-batched (ragged) forward, and unless ``Transformer.cuda_graphs`` is set (``--cuda-graphs on``; off by default until
-``bench/gpu/gpu_check.py`` has run it on a GPU: tests/test_cudagraph.py runs the capture and replay code on the CPU with
-a stand-in that re-runs the captured forward).
+batched (ragged) forward, and unless ``Transformer.cuda_graphs`` is set (``--cuda-graphs on``, off by default;
+tests/test_cudagraph.py runs the capture and replay code on the CPU with a stand-in that re-runs the captured
+forward).
 """
 
 from __future__ import annotations
@@ -98,10 +98,11 @@ def run_graphed(model, cache, key: tuple, input_ids: torch.Tensor, positions: to
     caller runs the forward eagerly; a failed capture turns graphs off for this cache, with a warning).
 
     Args:
-        model: the :class:`~triforce.model.transformer.Transformer`. cache: the cache, whose ``cuda_graphs`` dict holds
-        its graphs. key: ``cache.graph_key()`` for this forward. input_ids: (B, T) int64; positions: (T,) int64 (as
-        :meth:`~triforce.model.transformer.Transformer.forward`). num_logits: logits for the last ``num_logits``
-        positions (None: all T).
+        model: the :class:`~triforce.model.transformer.Transformer`.
+        cache: the cache, whose ``cuda_graphs`` dict holds its graphs.
+        key: ``cache.graph_key()`` for this forward.
+        input_ids, positions: (B, T) int64 and (T,) int64 (as :meth:`~triforce.model.transformer.Transformer.forward`).
+        num_logits: logits for the last ``num_logits`` positions (None: all T).
 
     Returns:
         (B, num_logits or T, V) fp32, a fresh tensor (the graph's output is overwritten by its next replay).

@@ -220,10 +220,10 @@ def init_tensor_parallel(tp: int, device: str | torch.device = "cpu") -> TensorP
 def _destroy_process_group() -> None:
     """Destroy the default process group if it still exists (registered by :func:`init_tensor_parallel`).
 
-    Under gloo every rank first waits for the others (a monitored barrier, :data:`TEARDOWN_BARRIER_S` at most): a
-    rank that tore its group down while its peer was still finishing closed the connections under the peer's gloo
-    threads, and the peer aborted ("terminate called without an active exception") in 2 of 10 two-rank CPU runs.
-    A rank that is gone (the barrier times out or fails) does not stop the others' teardown."""
+    Under gloo every rank first waits for the others (a monitored barrier, :data:`TEARDOWN_BARRIER_S` at most): a rank
+    that tore its group down while its peer was still finishing closes the connections under the peer's gloo threads,
+    and the peer aborts ("terminate called without an active exception"). A rank that is gone (the barrier times out or
+    fails) does not stop the others' teardown."""
     import torch.distributed as dist
 
     if not dist.is_initialized():

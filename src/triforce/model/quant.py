@@ -34,9 +34,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..defaults import LOWER_WEIGHTS
-from ..kernels.blockcodes import dense_weight_t
 from ..kernels.cpu import int8_linear
 from ..kernels.decode_step import DecodeStep
+from ..kernels.stored import dense_weight_t
 from .transformer import Linear, Transformer, compile_forward
 
 #: inputs per int4 quantization group (a projection whose input size it does not divide keeps int8)
@@ -61,8 +61,10 @@ class Int8Linear(nn.Module):
         linear: the :class:`~triforce.model.transformer.Linear` to quantize (its ``weight_t`` is (in, out)).
 
     Attributes:
-        q: (out, in) int8. scale: (out,) bf16 (PyTorch's op). scale_f32: (out,) fp32 (our kernel). bias: (out,) in the
-        source dtype, or None.
+        q: (out, in) int8.
+        scale: (out,) bf16 (PyTorch's op).
+        scale_f32: (out,) fp32 (our kernel).
+        bias: (out,) in the source dtype, or None.
     """
 
     def __init__(self, linear: Linear) -> None:
@@ -224,7 +226,7 @@ def lower_precision_copy(model: Transformer, weights: str) -> Transformer:
 def int8_copy_bytes(model: Transformer) -> int:
     """Bytes of ``lower_precision_copy(model, "int8")``'s projections and LM head (:class:`Int8Linear`: one int8 byte
     a weight and an fp32 scale per output row), whatever bytes ``model`` stores them in (fp32, 2-byte or block codes):
-    what a step of an int8 tier reads, for ``auto``'s plan (``auto.plan_hierarchy``'s ``int8_weight_bytes``).
+    what a step of an int8 tier reads, for ``auto``'s plan (``auto.choose_hierarchy``'s ``int8_weight_bytes``).
 
     Args:
         model: the target (any layout :func:`lower_precision_copy` takes; an int8 copy counts itself).

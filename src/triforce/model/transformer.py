@@ -18,9 +18,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..defaults import DEFAULTS
-from ..kernels.blockcodes import BlockCodes, concat_outputs, place_stored
+from ..kernels.codes import BlockCodes, concat_outputs
 from ..kernels.cpu import apply_rope, rms_norm
-from ..kernels.rows import exact_forward, linear_forward, split_exact
+from ..kernels.linear import linear_forward
+from ..kernels.rows import exact_forward, exact_rows, split_exact
+from ..kernels.stored import StoredRows, place_stored
 from ..kv.caches import KVCache, RaggedCache
 from .config import ModelConfig
 from .cudagraph import graphs_apply, run_graphed
@@ -30,10 +32,9 @@ from .rope import RotaryEmbedding
 class Linear(nn.Module):
     """``y = x W^T + b`` with W stored transposed, (in, out) contiguous.
 
-    A decode step multiplies one row vector by each weight matrix, reading the whole matrix. On CPU, PyTorch
-    reads the (in, out) layout at about 26 GB/s on this project's machine, against about 17 GB/s for
-    ``nn.Linear``'s (out, in) layout with in = 576 (measured by ``bench/e2e/bench_decode.py --layouts``); on GPU both
-    layouts run the same cuBLAS kernels.
+    A decode step multiplies one row vector by each weight matrix, reading the whole matrix; PyTorch's CPU product
+    reads the (in, out) layout faster than ``nn.Linear``'s (out, in) one. On GPU both layouts run the same cuBLAS
+    kernels.
 
     Args:
         in_features, out_features: sizes; ``bias`` adds a bias of ``out_features``.
@@ -48,7 +49,7 @@ class Linear(nn.Module):
         self.q8 = False  # multiply the codes by int8-quantized activations (a copy for the tiers below the verifier)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        return linear_forward(self, x)  # the path this forward's rows need (kernels/rows.py)
+        return linear_forward(self, x, exact_rows())  # the path this forward's rows need (kernels/rows.py)
 
 
 class RMSNorm(nn.Module):
@@ -75,7 +76,7 @@ def compile_forward(fn, mode: str):
 
     ``reduce-overhead`` replays CUDA graphs (PyTorch's CUDA graph trees), which reuse a graph's output memory at a
     later replay; a block's norm output still read after that fails with "accessing tensor output of CUDAGraphs that
-    has been overwritten by a subsequent run" (seen on a GPU by ``bench/gpu/gpu_check.py --stages compiled``). The
+    has been overwritten by a subsequent run" (``bench/gpu/gpu_check.py --stages compiled`` runs it on a GPU). The
     clone (one activation-sized copy) is the remedy PyTorch's message names.
 
     Args:
@@ -306,13 +307,13 @@ class Transformer(nn.Module):
         checkpoint and the model, not a second copy of the checkpoint.
 
         Args:
-            cfg, state: the whole model's configuration and weights. dtype, device: of the weights. tp: a
-            :class:`~triforce.model.parallel.TensorParallel`: build this rank's shard (``model.cfg`` then has the
-                local head counts and MLP width; see ``model/parallel.py``).
+            cfg, state: the whole model's configuration and weights.
+            dtype, device: of the weights.
+            tp: a :class:`~triforce.model.parallel.TensorParallel`: build this rank's shard (``model.cfg`` then has
+                the local head counts and MLP width; see ``model/parallel.py``).
             consume: empty ``state`` (a dict) first and free each checkpoint tensor as soon as it is converted, so
-                the peak memory is about one copy of the weights (the loader's choice: a 1.5B-parameter fp32 model
-                peaked at three copies otherwise). The caller must hold no other reference to the tensors for this
-                to free anything.
+                the peak memory is about one copy of the weights (the loader's choice). The caller must hold no other
+                reference to the tensors for this to free anything.
 
         Raises:
             ValueError: a weight is missing or has the wrong shape (the name is in the message), or ``tp`` does not
@@ -391,7 +392,7 @@ class Transformer(nn.Module):
 
     def attach_block_codes(self) -> int:
         """Give every projection whose fp32 weights are a GGUF file's exact block codes its
-        :class:`~triforce.kernels.blockcodes.BlockCodes` (``Linear.codes``; the fp32 ``weight_t`` stays for prefill and
+        :class:`~triforce.kernels.codes.BlockCodes` (``Linear.codes``; the fp32 ``weight_t`` stays for prefill and
         for the lower tiers' copies), and, where every layer has them, a one-call decode step
         (:class:`~triforce.kernels.decode_step.DecodeStep`: decode steps and verification blocks over the full cache).
 
@@ -399,7 +400,8 @@ class Transformer(nn.Module):
             how many projections got codes: 0 off the CPU, for dtypes other than fp32, under tensor parallelism,
             where the kernel is off or unavailable (``blockcodes_status()``), or where no matrix is block codes.
         """
-        from ..kernels.blockcodes import blockcodes_status, find_block_codes
+        from ..kernels.blockcodes import blockcodes_status
+        from ..kernels.codes import find_block_codes
         from ..kernels.decode_step import DecodeStep
 
         if (self.device.type != "cpu" or self.dtype != torch.float32 or self.tp is not None
@@ -421,10 +423,10 @@ class Transformer(nn.Module):
         """Add a oneDNN-prepacked copy of every projection, for products of several rows on the CPU outside the
         verifier's decode steps and blocks, which keep our kernel (``kernels/rows.py``): prefill, a lower tier's blocks.
 
-        A speculative verification multiplies gamma + 1 rows by each weight matrix. On this project's CPU a 7-token
-        forward of SmolLM2 at 8K costs 2.3x a decode step with MKL's general matrix product, and 1.6x with oneDNN
-        and weights reordered for its kernels (``torch.ops.mkldnn``, what ``torch.compile``'s CPU freezing uses;
-        ``bench/kernels/rows.py``). One-row decode steps keep the (in, out) layout. Costs one more copy of the weights.
+        A speculative verification multiplies gamma + 1 rows by each weight matrix; oneDNN with weights reordered for
+        its kernels (``torch.ops.mkldnn``, what ``torch.compile``'s CPU freezing uses) runs such products faster than
+        MKL's general matrix product. One-row decode steps keep the (in, out) layout. Costs one more copy of the
+        weights.
 
         Returns:
             True when packed; False (nothing changed) off the CPU, for dtypes other than fp32, or where oneDNN's
@@ -446,10 +448,7 @@ class Transformer(nn.Module):
         """The ``auto`` rule of ``--packed-weights``: a CPU model in fp32 whose weights take at most a quarter of the
         free memory (the packed copy doubles them), where our fp32 kernel for a few rows (``kernels.f32_linear``) cannot
         run or is slower than oneDNN's packed product (the AVX2 build, :func:`~triforce.kernels.cpu.f32_beats_onednn`).
-        Where the AVX-512 build runs it is about as fast as oneDNN's packed product for 2-64 rows
-        (``bench/kernels/qlinear.py``), and prefill (more rows) is as fast with MKL's product over the (in, out)
-        weights, so the copy would only cost memory. Nor where the weights are block codes (``kernels/blockcodes.py``):
-        2-64 rows read the codes."""
+        Not where the weights are block codes (``kernels/blockcodes.py``): 2-64 rows read the codes."""
         from ..kernels.cpu import f32_beats_onednn
         from ..kv.memory import available_bytes
 
@@ -483,7 +482,7 @@ class Transformer(nn.Module):
         """Bytes of the model's parameters (tied weights counted once)."""
         return (sum(p.numel() * p.element_size() for p in self.parameters())
                 + sum(m.codes.nbytes for m in self.modules() if isinstance(m, Linear) and m.weight_t is None)
-                + getattr(self.embed_tokens, "nbytes", 0))
+                + (self.embed_tokens.nbytes if isinstance(self.embed_tokens, StoredRows) else 0))
 
     def layers_on_codes(self) -> bool:
         """Whether every layer's projections read GGUF block codes in one-call decode steps

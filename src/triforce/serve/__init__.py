@@ -8,13 +8,13 @@ Modules: ``settings`` (errors, server settings), ``schema`` (OpenAI request vali
 (Prometheus), ``worker`` (the engine's thread), ``app`` (the FastAPI app and its streaming). The ``serve`` subcommand
 (options, start-up) is ``triforce.cli.serve``.
 
-Design (batch 1): one engine, one worker thread. Requests are validated and tokenized on the event loop, then
-queued; the worker runs them one at a time in arrival order, so concurrent clients never share state, and each
-request may reuse the KV cache of the previous one (longest common token prefix, see
-:class:`~triforce.engine.Engine`). Tokens travel from the worker to the request's coroutine through an asyncio
-queue. Between tokens (and between prefill chunks) the worker checks whether the request was cancelled (client
-disconnected) or ran past its deadline, and then closes the token generator, which stops the engine and leaves
-its cache consistent for the next request.
+Design: one worker thread runs the engine. Requests are validated and tokenized on the event loop, then queued;
+the worker runs up to ``--max-batch`` of them at once in arrival order, their forwards batched
+(:class:`~triforce.serve.worker.GenerationWorker`), each with its own engine state, and a request may reuse the KV
+cache of an earlier one (longest common token prefix). Tokens travel from the worker to the request's coroutine
+through an asyncio queue. Between tokens (and between prefill chunks) the worker checks whether the request was
+cancelled (client disconnected) or ran past its deadline, and then closes the token generator, which stops the
+engine and leaves its cache consistent for the next request.
 
 FastAPI, uvicorn and prometheus_client (the ``serve`` extra) are imported only when a server is built, so the
 rest of the command line works without them.

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..text.detok import IncrementalDetokenizer
+from ..text.tokens import common_prefix_length
 from .logprob_fields import describe
 from .metrics import ServerMetrics
 from .schema import GenerationRequest
@@ -192,17 +193,10 @@ class GenerationWorker:
     def _take_view(self, prompt: list[int]):
         """The engine state a job runs on: the idle one whose kept tokens share the longest prefix with ``prompt``,
         else the least recently used idle one, else a new fork."""
-        def common(view) -> int:
-            n = 0
-            for a, b in zip(view.engine.prefix_tokens, prompt):
-                if a != b:
-                    break
-                n += 1
-            return n
-
         if not self._idle_views:
             return self.tf.fork() if self._can_fork else self.tf
-        shared = [common(view) for view in self._idle_views]  # LRU first: ties and no match take the oldest
+        # LRU first: ties and no match take the oldest
+        shared = [common_prefix_length(view.engine.prefix_tokens, prompt) for view in self._idle_views]
         view = self._idle_views.pop(max(range(len(shared)), key=lambda i: (shared[i], -i)))
         self.metrics.prefix_cache_bytes.set(self.kept_cache_bytes)  # its cache is now the running request's
         return view
@@ -440,7 +434,7 @@ def check_with_engine(tf: "TriForce", req: GenerationRequest, spec: "Speculation
             tf.check_prompt_logprobs(req.prompt_ids, req.logprobs)
         if not req.max_tokens:  # echo with max_tokens 0: the prompt is scored, the engine generates nothing
             return
-        tf.engine.validate(req.prompt_ids, req.max_tokens, spec)
+        tf.engine.plan(req.prompt_ids, req.max_tokens, spec, choose_auto=False)  # checked as plain decoding if auto
     except InsufficientMemoryError as e:
         raise APIError(400, str(e), param="max_tokens", code="insufficient_memory") from e
     except ValueError as e:

@@ -1,47 +1,29 @@
 """``--mode auto``: choose the hierarchy for a request, and bypass it while it does not pay.
 
-Two parts, both lossless (every token is still decided by the verifier over the full KV cache; the choice of
-hierarchy only changes how many tokens each verification emits, never their distribution):
+Both parts are lossless: the verifier over the full KV cache still decides every token, so the choice changes how
+many tokens a verification emits, never their distribution. The thresholds' measurements are in docs/auto.md.
 
-* :func:`plan_hierarchy` picks the tiers once per request from what a decode step reads (Leviathan et al. 2023,
-  arXiv 2211.17192, Sec. 3.4: speculation pays when drafting is cheap next to a verification; TriForce,
-  arXiv 2404.11912, Sec. 4: a retrieval tier pays once the KV cache outweighs the weights it reads):
+* :func:`choose_hierarchy` picks the tiers once per request from the bytes a step reads (Leviathan et al. 2023,
+  arXiv 2211.17192, Sec. 3.4: speculation pays when drafting is cheap next to a verification; TriForce, arXiv
+  2404.11912, Sec. 4: a retrieval tier pays once the KV cache outweighs the weights):
 
-  - a retrieval tier (target weights as int8, ``budget`` slots) goes under the target when the full KV cache at
-    the prompt length is at least :data:`RETRIEVAL_MIN_KV_SHARE` of the target's weight bytes under greedy decoding,
-    :data:`RETRIEVAL_MIN_KV_SHARE_SAMPLING` under sampling, with a budget of :data:`RETRIEVAL_BUDGET_SHARE` of the
-    prompt (:data:`RETRIEVAL_BUDGET_SHARE_SAMPLING` under sampling). Below the threshold its step reads nearly as many
-    bytes as the target's own decode step, and under sampling its proposals are accepted less often;
-  - either way only where its step reads at most :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE` (greedy) or
-    :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING` of what the verifier's decode step reads: with a GGUF model's
-    block codes (``kernels/blockcodes.py``) the verifier reads a fifth of its fp32 weights' bytes, so the tier pays
-    later; and it then reads the target's own codes rather than an int8 copy (fewer bytes), multiplied by int8-quantized
-    activations (``--lower-weights codes``: integer dot products, as llama.cpp's, where the verifier's exact fp32
-    products are bound by dequantizing the codes);
-  - the same tier also goes under the target, whatever the KV share, when the step is bound by the weights' bytes:
-    on a CPU, a target whose layers hold at least :data:`WEIGHT_BOUND_LAYER_BYTES` each, so that a step's fixed
-    per-layer costs are small next to the bytes the int8 copy saves. Its budget is then the largest
-    (``max_budget``): the KV cache is small, and the whole prompt in the retrieval cache makes the tier the target's
-    own int8 copy, accepted most often (self-speculation by quantization, as QuantSpec, arXiv 2502.10424, with
-    int8 weights). A draft model the user named that reads at least as many bytes per step as the int8 copy has no
-    place under it and is left out (the reason says so);
-  - under sampling, on a CPU, that tier (with nothing below it) verifies at most :data:`RETRIEVAL_GAMMA2_SAMPLING`
-    proposals at a time: a verification's attention is bound by the CPU's arithmetic past about 4 tokens, so a
-    shorter block pays unless nearly every proposal is accepted;
-  - the bottom tier is the one the user named (a draft model, ``ngram``, or ``self``: the target's int4 copy over
-    a StreamingLLM cache; ``self`` drafts directly for the target). Without one: the model-free n-gram drafter under
-    greedy decoding (it costs no forward, and greedy text repeats itself); under sampling nothing below the
-    retrieval tier (the n-gram drafter's exact-match proposals are rarely accepted on sampled prose), and plain
-    decoding for short prompts.
+  - a retrieval tier (``budget`` slots, :func:`retrieval_budget`) goes under the target when the full KV cache is at
+    least :data:`RETRIEVAL_MIN_KV_SHARE` (sampling: :data:`RETRIEVAL_MIN_KV_SHARE_SAMPLING`) of the weights' bytes,
+    or, on a CPU, when each layer holds at least :data:`WEIGHT_BOUND_LAYER_BYTES` (the step is bound by the
+    weights' bytes; the budget is then the largest, QuantSpec-style self-speculation, arXiv 2502.10424);
+  - either way only where its step reads at most :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE` (sampling:
+    :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING`) of the verifier's step, or, given measured step times, where
+    it is predicted :data:`RETRIEVAL_MIN_PREDICTED_SPEEDUP` faster (``steptimes.py``). Its weights are an int8 copy,
+    or the target's own GGUF block codes times int8 activations (``codes``, llama.cpp's integer dot products) where
+    the verifier reads codes; under sampling on a CPU it proposes at most :data:`RETRIEVAL_GAMMA2_SAMPLING` tokens;
+  - the bottom tier is the one the user named (a draft model, ``ngram``, ``self``); without one the n-gram drafter
+    under greedy decoding and nothing under sampling. A named draft model that reads as many bytes per step as the
+    int8 tier under a weight-bound target is left out.
 
-  The measurements behind each threshold: docs/auto.md.
-
-* :class:`SpeedGovernor` watches, while generating, the tokens each speculative step emits against the tokens it
-  must emit to beat plain decoding (its time over a decode step's, both from the quiet samples of this request), and
-  bypasses the drafters (autoregressive steps) while speculation confidently does not pay, trying again after a
-  backoff (16 tokens) that doubles each time it fails. A tier that stops paying is therefore bypassed, and tried
-  again later. Greedy output is unchanged token for token; under sampling the output distribution is unchanged, but
-  the sample drawn for a seed depends on the timings.
+* :class:`SpeedGovernor` bypasses the drafters while the tokens each speculative step emits fall confidently short
+  of the tokens it must emit to beat plain decoding, and tries again after a doubling backoff. Greedy output is
+  unchanged token for token; under sampling the distribution is unchanged, but the sample drawn for a seed depends on
+  the timings.
 """
 
 from __future__ import annotations
@@ -49,7 +31,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -84,7 +66,7 @@ RETRIEVAL_GAMMA2_SAMPLING = 3
 #: on a CPU, the int8 retrieval tier goes under a target with at least this many weight bytes per layer whatever
 #: the KV share: there the bytes it saves outweigh a step's per-layer costs (docs/auto.md)
 WEIGHT_BOUND_LAYER_BYTES = 64 * 2**20
-#: with measured step times (``plan_hierarchy``'s ``measure``), a retrieval tier goes in where it is predicted at
+#: with measured step times (``choose_hierarchy``'s ``measure``), a retrieval tier goes in where it is predicted at
 #: least this much faster than plain decoding (the governor bypasses it if it then does not pay)
 RETRIEVAL_MIN_PREDICTED_SPEEDUP = 1.05
 #: the acceptance rate (each proposal, independently) the prediction assumes under greedy decoding, and under
@@ -101,7 +83,7 @@ def bf16_cache_reads_fast(device_type: str) -> bool:
     ``"cuda"``): on a CPU where ``csrc/attention.c`` and the one-call decode step (``csrc/decode_step.c``, which runs
     the tier's blocks of several tokens over the cache) run (the kernel's bf16 path; docs/auto.md, "A bf16 cache for
     the tier"). Without the kernel PyTorch's SDPA reads a bf16 cache more slowly than the kernel an fp32 one, so
-    :func:`plan_hierarchy` keeps the full cache's dtype there. Raises nothing (it loads the kernels if nobody has
+    :func:`choose_hierarchy` keeps the full cache's dtype there. Raises nothing (it loads the kernels if nobody has
     yet)."""
     return (device_type == "cpu" and attention_kernel_status().startswith("on")
             and decode_step_status().startswith("on"))
@@ -131,70 +113,50 @@ class AutoPlan:
 
 
 def retrieval_budget(prompt_tokens: int, greedy: bool, max_budget: int = DEFAULTS["budget"]) -> int:
-    """The retrieval tier's budget :func:`plan_hierarchy` starts from, in slots (tokens): :data:`RETRIEVAL_BUDGET_SHARE`
-    of the prompt (:data:`RETRIEVAL_BUDGET_SHARE_SAMPLING` under sampling), within :data:`RETRIEVAL_BUDGET_BOUNDS` and
-    never above ``max_budget`` (the paper's 4,096 of 120K tokens, TriForce Sec. 5, scaled to the prompt); e.g. 1,000
-    at 8,000 tokens under sampling. Pure arithmetic, raises nothing; ``plan_hierarchy`` then raises it to the
-    smallest budget a block fits in."""
+    """The retrieval budget :func:`choose_hierarchy` starts from, in slots: :data:`RETRIEVAL_BUDGET_SHARE` of the
+    prompt (sampling: :data:`RETRIEVAL_BUDGET_SHARE_SAMPLING`), within :data:`RETRIEVAL_BUDGET_BOUNDS`, at most
+    ``max_budget`` (TriForce Sec. 5's 4,096 of 120K tokens, scaled to the prompt). Raises nothing."""
     lo, hi = RETRIEVAL_BUDGET_BOUNDS
     share = RETRIEVAL_BUDGET_SHARE if greedy else RETRIEVAL_BUDGET_SHARE_SAMPLING
     return int(min(hi, max_budget, max(lo, prompt_tokens * share)))
 
 
-def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, prompt_tokens: int, bottom: str | None,
-                   sampling: SamplingParams, gamma1: int = DEFAULTS["gamma1"], gamma2: int = DEFAULTS["gamma2"],
-                   chunk_size: int = DEFAULTS["chunk_size"], max_budget: int = DEFAULTS["budget"],
-                   device_type: str = "cpu", draft_weight_bytes: int | None = None,
-                   step_weight_bytes: int | None = None, lower_kv_bf16: bool = False,
-                   lower_kv_dtype: torch.dtype | None = None, adaptive_gamma: bool = False,
-                   int8_weight_bytes: int | None = None,
-                   measure: Callable[[int, int, str, torch.dtype], StepTimes | None] | None = None) -> AutoPlan:
+def choose_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, prompt_tokens: int, bottom: str | None,
+                     sampling: SamplingParams, gamma1: int = DEFAULTS["gamma1"], gamma2: int = DEFAULTS["gamma2"],
+                     chunk_size: int = DEFAULTS["chunk_size"], max_budget: int = DEFAULTS["budget"],
+                     device_type: str = "cpu", draft_weight_bytes: int | None = None,
+                     step_weight_bytes: int | None = None, lower_kv_bf16: bool = False,
+                     lower_kv_dtype: torch.dtype | None = None, adaptive_gamma: bool = False,
+                     int8_weight_bytes: int | None = None,
+                     measure: Callable[[int, int, str, torch.dtype], StepTimes | None] | None = None) -> AutoPlan:
     """Choose the hierarchy for a request of ``prompt_tokens`` (rules in the module docstring).
 
     Args:
-        cfg: the target's configuration (layers, KV heads, head size: the KV bytes per token).
-        weight_bytes: bytes of the target's weights (what a decode step reads besides the KV cache).
-        kv_dtype: dtype of the full KV cache.
-        prompt_tokens: the prompt's length, tokens (>= 1).
-        bottom: the bottom tier's kind the user asked for: ``draft`` (a draft model was given), ``ngram`` or
-            ``self``; None: chosen here.
-        sampling: the request's sampling (greedy favours the n-gram drafter's exact-match proposals; kept for the
-            reason line).
-        gamma1, gamma2: proposals per verification of the bottom and the middle tier (gamma2 at most
-            :data:`RETRIEVAL_GAMMA2_SAMPLING` for a retrieval tier alone under sampling on a CPU).
+        cfg: the target's configuration (the KV bytes per token). weight_bytes: bytes of the target's weights.
+        kv_dtype: dtype of the full KV cache. prompt_tokens: the prompt's length (>= 1).
+        bottom: the bottom tier the user named (``draft``, ``ngram``, ``self``); None: chosen here.
+        sampling: the request's sampling (greedy or not decides the thresholds and the bottom tier).
+        gamma1, gamma2: proposals per verification of the bottom and the middle tier.
         chunk_size: retrieval chunk size.
-        max_budget: the most retrieval slots (``SpeculationConfig.budget``, honoured: the budget is
-            :data:`RETRIEVAL_BUDGET_SHARE` of the prompt, :data:`RETRIEVAL_BUDGET_SHARE_SAMPLING` under sampling,
-            within :data:`RETRIEVAL_BUDGET_BOUNDS` and never above this; at least ``chunk_size + gamma2 + 2``, the
-            room a block needs, and where this is smaller no retrieval tier is chosen, the reason says so;
-            ``SpeculationConfig`` refuses such a budget).
-        device_type: where the target runs (``"cpu"``, ``"cuda"``): the weight-bound rule is measured on CPUs only,
-            where our int8 kernel runs.
+        max_budget: the most retrieval slots (``SpeculationConfig.budget``, honoured: where it is below
+            ``chunk_size + gamma2 + 2``, the room a block needs, no retrieval tier is chosen).
+        device_type: where the target runs (``"cpu"``, ``"cuda"``): the weight-bound rule applies on CPUs only.
         draft_weight_bytes: bytes of the named draft model's weights (``bottom == "draft"``), or None.
-        step_weight_bytes: bytes of weights the verifier's decode step reads
-            (:meth:`~triforce.model.transformer.Transformer.step_weight_bytes`: block codes where it has them); None:
-            ``weight_bytes``. A retrieval tier whose step would read more than :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE`
-            (greedy) or :data:`RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING` of the verifier's step (weights and full KV
-            cache) is left out; where these bytes are fewer than an int8 copy's, the tier reads the target's own
-            weights.
-        adaptive_gamma: gammas may grow to twice their value (``SpeculationConfig.adaptive_gamma``): the budget then
-            leaves room for the larger blocks (``SpeculationConfig.reach``).
-        lower_kv_bf16: whether a bf16 retrieval cache is read at full speed (:func:`bf16_cache_reads_fast`): then a
-            retrieval tier with no model below it (nor the ``self`` tier) gets a bf16 cache where the full one is fp32
-            (lossless: the tier only proposes; a retrieval step of SmolLM2 at 8K tokens reads a 1,000-slot cache of
-            23 MB instead of 46).
-        int8_weight_bytes: bytes of an int8 copy of the target's projections and LM head
-            (:meth:`~triforce.model.transformer.Transformer.int8_weight_bytes`); None: ``weight_bytes`` over the KV
-            cache's element size (weights stored in the cache's dtype).
-        lower_kv_dtype: the lower caches' dtype the user named (``SpeculationConfig.lower_kv_dtype``), or None: the
-            bytes a retrieval step is weighed on are then that dtype's, and the plan chooses none.
-        measure: called as ``measure(budget, gamma2, lower_weights, lower_kv_dtype)`` where a retrieval tier passes
-            the rules of the KV share or of the weight-bound target, it returns the measured
-            :class:`~triforce.speculation.steptimes.StepTimes` of that tier (``Engine.step_times``), and the tier then
-            goes in when :meth:`~triforce.speculation.steptimes.StepTimes.predicted_speedup` at the prior acceptance
-            (:data:`ACCEPTANCE_PRIOR`, :data:`ACCEPTANCE_PRIOR_SAMPLING`) is at least
-            :data:`RETRIEVAL_MIN_PREDICTED_SPEEDUP`, in place of the bytes bounds; None (or a ``measure`` that
-            returns None: no memory to measure in): the bytes bounds.
+        step_weight_bytes: bytes of weights the verifier's decode step reads (block codes where it has them,
+            ``Transformer.step_weight_bytes``); None: ``weight_bytes``. Where fewer than an int8 copy's, the tier
+            reads the target's own codes.
+        adaptive_gamma: gammas may grow to twice their value: the budget leaves room for the larger blocks.
+        lower_kv_bf16: a bf16 retrieval cache is read at full speed (:func:`bf16_cache_reads_fast`): a retrieval
+            tier with no model below it then gets a bf16 cache where the full one is fp32.
+        int8_weight_bytes: bytes of an int8 copy of the target (``Transformer.int8_weight_bytes``); None:
+            ``weight_bytes`` over the KV dtype's element size.
+        lower_kv_dtype: the lower caches' dtype the user named, or None; a named one is what a retrieval step is
+            weighed on, and the plan then chooses none.
+        measure: ``measure(budget, gamma2, lower_weights, lower_kv_dtype) -> StepTimes | None``, asked where a
+            retrieval tier passes the KV-share or weight-bound rule (``Engine.step_times``); the tier then goes in
+            when its :meth:`~triforce.speculation.steptimes.StepTimes.predicted_speedup` at :data:`ACCEPTANCE_PRIOR`
+            (sampling: :data:`ACCEPTANCE_PRIOR_SAMPLING`) is at least :data:`RETRIEVAL_MIN_PREDICTED_SPEEDUP`, in
+            place of the bytes bounds. None, or None returned: the bytes bounds.
 
     Returns:
         :class:`AutoPlan` (its ``budget`` None without a retrieval tier).
@@ -233,7 +195,7 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
     lower_kv = lower_kv_dtype or (torch.bfloat16 if half_cache else kv_dtype)
     step_share = (lower_bytes + kv_bytes(cfg, budget, lower_kv)) / max(1, verifier_bytes + kv)
     max_step_share = RETRIEVAL_MAX_STEP_BYTES_SHARE if sampling.greedy else RETRIEVAL_MAX_STEP_BYTES_SHARE_SAMPLING
-    if weight_bound:  # measured at 0.25 (fp32 weights); a tier reading as much as the verifier cannot pay
+    if weight_bound:  # a tier reading as much as the verifier cannot pay
         max_step_share = 1.0
     steps = (f"the verifier's step reads {verifier_bytes / 2**20:.0f} MiB of weights, a retrieval step "
              f"{step_share:.2f} x its bytes{' (bf16 cache)' if lower_kv == torch.bfloat16 else ''}")
@@ -288,36 +250,21 @@ def plan_hierarchy(cfg: ModelConfig, weight_bytes: int, kv_dtype: torch.dtype, p
 class SpeedGovernor:
     """Bypasses the drafters of the top tier while their tokens per verification do not pay for the verification.
 
-    The rule (Leviathan et al. 2023, arXiv 2211.17192, Sec. 3.4: a speculative step pays when it emits more tokens
-    than it costs decode steps): a speculative step of ``s`` seconds that emits ``t`` tokens beats plain decoding
-    when ``t > c = s / d``, ``d`` a decode step's time. ``c`` is the break-even tokens per step; its estimate and the
-    tokens per step are kept apart because they vary for different reasons:
-
-    * ``c`` is a ratio of two costs, each taken as the lower quartile of its samples (:data:`COST_QUANTILE`: the
-      speculative steps' times in the window, the decode steps' times per token): a machine runs in phases of
-      several slow steps (docs/auto.md, "The governor"). Assuming a slow phase slows both kinds of step
-      alike (not measured: the two were never timed in the same phase), the quiet samples of each, not a mean or a
-      median over steps timed in different phases, give the ratio. Where a step's cost varies with what it drafts
-      (three tiers: the middle tier's own speculation), the lower quartile is a cheaper step than the mean, and the
-      rule leans towards keeping the drafters;
-    * the tokens per step vary with the text (1 to gamma + 1 per step, runs of low acceptance): the drafters are
-      bypassed only when the mean over the window is below ``c`` by :attr:`confidence` standard errors, so that a
-      stretch of low acceptance inside a run that pays is not a bypass.
-
-    Replayed on recorded requests this rule bypassed fewer of those that paid than a rule on each window's time
-    per token against a probe's decode steps, and more of those made slower (docs/auto.md, "The governor").
+    The rule (Leviathan et al. 2023, arXiv 2211.17192, Sec. 3.4): a speculative step of ``s`` seconds that emits
+    ``t`` tokens beats plain decoding when ``t > c = s / d``, ``d`` a decode step's seconds per token. ``c`` is the
+    lower quartile (:data:`COST_QUANTILE`) of the window's step times over that of the decode steps' times per token:
+    a machine runs in phases of slow steps, and the quiet samples of each give the ratio (docs/auto.md, "The
+    governor"). The drafters are bypassed when the window's mean tokens per step is below ``c`` by
+    :attr:`confidence` standard errors, so a short stretch of low acceptance is not a bypass.
 
     The first :attr:`probe` steps decode without drafting to time a decode step (more decode samples join while the
     drafters are bypassed). Then the drafters run; the first :attr:`warmup` speculative steps after each (re)start
-    are not timed (they carry one-off costs: the retrieval cache's first selection, the lower tiers' catch-up
-    forward over the tokens decoded while bypassed); from :attr:`min_steps` timed steps on, the last :attr:`window`
-    of them are tested after each step. A bypass lasts ``backoff`` tokens (16, doubling up to 1024 while it keeps
-    failing), then the drafters are tried again (the lower tiers catch up: ``ModelTier.resume_drafting``); a window
-    that pays by :attr:`confidence` standard errors resets the backoff.
-
-    Times are wall-clock seconds of each ``step`` + ``commit`` as the engine measures them; ``tokens`` are the tokens
-    a step emitted. A request's first step is not timed and does not count towards the probe: its token is sampled
-    from the prefill's last logits, with no forward (a small fraction of a decode step's time).
+    are not timed (one-off costs: the retrieval cache's first selection, the lower tiers' catch-up); from
+    :attr:`min_steps` timed steps on, the last :attr:`window` are tested after each step. A bypass lasts ``backoff``
+    tokens (:attr:`backoff_min`, doubling up to :attr:`backoff_max` while it keeps failing), then the drafters are
+    tried again (``ModelTier.resume_drafting``); a window that pays by :attr:`confidence` standard errors resets the
+    backoff. Times are wall-clock seconds of each ``step`` + ``commit``; a request's first step (its token comes from
+    the prefill's logits, no forward) is neither timed nor counted towards the probe.
 
     Attributes:
         top: the verifier tier (:class:`~triforce.speculation.tiers.ModelTier`) whose ``drafting`` flag this sets.
@@ -336,14 +283,6 @@ class SpeedGovernor:
     confidence: float = 1.0
     backoff_min: int = 16
     backoff_max: int = 1024
-    _decode: deque = field(default_factory=lambda: deque(maxlen=16))
-    _spec: deque = field(default_factory=lambda: deque(maxlen=32))
-    _left: int = 0
-    _backoff: int = 16
-    _untimed: int = 0
-    _first: bool = True
-    _tested: tuple | None = None  # (mean tokens per step, c) at the last test
-    counts: dict = field(default_factory=lambda: {"speculative_tokens": 0, "autoregressive_tokens": 0, "bypasses": 0})
 
     def __post_init__(self) -> None:
         if self.min_steps < 2:
@@ -357,9 +296,14 @@ class SpeedGovernor:
         if self.backoff_min < 1 or self.backoff_max < self.backoff_min:
             raise ValueError(f"backoff_min must be >= 1 and backoff_max >= backoff_min, got {self.backoff_min} and "
                              f"{self.backoff_max}")
-        self._spec = deque(maxlen=self.window)
+        self.counts = {"speculative_tokens": 0, "autoregressive_tokens": 0, "bypasses": 0}
+        self._decode: deque = deque(maxlen=16)  # decode steps' seconds per token
+        self._spec: deque = deque(maxlen=self.window)  # (seconds, tokens) of the timed speculative steps
+        self._left = self.probe  # tokens to decode before the drafters run (again)
         self._backoff = self.backoff_min
-        self._left = self.probe
+        self._untimed = 0  # speculative steps still to skip (warm-up)
+        self._first = True
+        self._tested: tuple | None = None  # (mean tokens per step, c) at the last test
         self.top.drafting = False
 
     def before_step(self, seq: list[int]) -> None:

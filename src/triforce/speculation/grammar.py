@@ -27,6 +27,8 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from ..text.tokens import common_prefix_length
+
 #: ``response_format`` types (OpenAI's ``json_object`` and ``json_schema``; ``regex`` and ``lark`` as extensions)
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "lark")
 #: masks kept per generation, by prefix (a verification asks for gamma + 1 prefixes; the tiers below for theirs)
@@ -98,11 +100,7 @@ class GrammarConstraint:
     def _goto(self, output: list[int]) -> bool:
         """Move the matcher to ``output`` (roll back to the common prefix, consume the rest); False where a token
         of ``output`` leaves the language (the matcher then stands on the longest allowed prefix)."""
-        common = 0
-        for a, b in zip(self._consumed, output):
-            if a != b:
-                break
-            common += 1
+        common = common_prefix_length(self._consumed, output)
         if common < len(self._consumed):
             self.matcher.rollback(len(self._consumed) - common)
             del self._consumed[common:]

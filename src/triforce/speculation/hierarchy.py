@@ -15,7 +15,7 @@ preset (``--mode``)     chain under the target, bottom first                    
 ``retrieval``           retrieval                                                        gamma2
 ``draft``               drafter (``draft`` model, ``ngram`` or ``self``)                 gamma2
 ``triforce``            drafter, retrieval                                               gamma1, gamma2
-``auto``                chosen per request (:func:`~triforce.speculation.auto.plan_hierarchy`)      gamma1, gamma2
+``auto``                chosen per request (``auto.choose_hierarchy``)                   gamma1, gamma2
 ======================  ===============================================================  =====================
 """
 
@@ -111,8 +111,7 @@ class SpeculationConfig:
             ``draft_window`` tokens).
         self_weights: weights of the ``self`` tier, one of :data:`SELF_WEIGHTS` (default ``int4``).
         ngram_n: longest suffix the n-gram drafter matches.
-        ngram_min: shortest suffix the n-gram drafter may match (>= 1; capped at ngram_n; default 3, measured
-            best on 4 books x 2 prompt kinds in ``bench/e2e/beyond.py``, docs/history.md).
+        ngram_min: shortest suffix the n-gram drafter may match (>= 1; capped at ngram_n).
         stop_below: model drafters end a proposal before a token whose confidence (max probability at temperature
             1) is below this (None: fixed-length proposals).
         adaptive_gamma: each verifying tier adapts its gamma from the last block: +1 after a fully accepted block
@@ -247,8 +246,8 @@ class SpeculationConfig:
         """This config with every gamma (``gamma1``, ``gamma2``, each of ``tiers``) capped at what a request of
         ``max_new_tokens`` tokens can use: ``max_new_tokens - 1``, at least 1. A verification emits at most the
         tokens left, so no tier is ever asked for more proposals (``ModelTier.step``): the output is the same, and
-        the caches are sized for the capped gammas, not for a huge one (``Engine.prepare`` applies it; the stats
-        report the gamma each verifying tier ran with). Itself when nothing is capped.
+        the caches are sized for the capped gammas, not for a huge one (``Engine.plan`` applies it). Itself when
+        nothing is capped.
 
         Raises:
             ValueError: ``max_new_tokens`` is not an integer >= 1.

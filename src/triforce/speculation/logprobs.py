@@ -1,16 +1,10 @@
 """Log-probabilities of the tokens a request emits (and of its prompt), from the verifier's logits.
 
-What is reported is the target model's own distribution: ``log_softmax`` of the verifier's fp32 logits at
-temperature 1, before temperature, top-k and top-p (vLLM's default ``raw_logprobs``; OpenAI's ``logprobs`` do not
-change with the temperature either), so a harness scoring continuations gets the model's log-likelihoods whatever
-the request samples with. Every emitted token is decided by the verifier over the full KV cache (TriForce,
-arXiv 2404.11912, Sec. 4), and the rows of a verification block are the rows a decode step would compute (on the kernel
-paths, docs/architecture.md, "The exactness rule"), so the values are the ones plain autoregressive decoding reports, in
-every mode: the speculation below the verifier never enters them.
-
-Prompt log-probabilities (``echo`` on ``/v1/completions``, lm-evaluation-harness's loglikelihood requests) come from
-one extra pass of the target over the prompt (:func:`prompt_logprobs`): the prefill of a generation keeps only its
-last row of logits.
+The values are the target model's own distribution: ``log_softmax`` of the verifier's fp32 logits at temperature 1,
+before temperature, top-k and top-p (vLLM's default ``raw_logprobs``, as OpenAI's ``logprobs``). A verification
+block's rows are the rows a decode step computes (docs/architecture.md, "The exactness rule"), so every mode reports
+plain autoregressive decoding's values. Prompt log-probabilities (``echo`` on ``/v1/completions``) take one extra
+pass of the target over the prompt (:func:`prompt_logprobs`).
 """
 
 from __future__ import annotations
@@ -94,7 +88,7 @@ def prompt_logprobs(model, prompt_ids: list[int], top: int, chunk: int = 512,
             frequencies depend on a request's length, and the model's are the running request's).
         prompt_ids: the prompt, >= 1 token.
         top: alternatives per token, >= 0.
-        chunk: tokens per forward (fewer beside running generations, ``scheduling.prefill_chunk``); only one
+        chunk: tokens per forward (fewer beside running generations, ``model.batching.prefill_chunk``); only one
             chunk's logits are held at a time ((chunk, V) fp32).
         progress: called with the tokens of each chunk once it is done (it may raise to stop the pass).
 

@@ -19,28 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from ..defaults import DEFAULTS
-from ..kernels.cpu import _F, _I, _P, PORTABLE_CFLAGS, SAMPLING_CFLAGS, SAMPLING_ENV_SWITCH, _Library, best_build
+from ..kernels.sampling import sampling_kernel
 from .logprobs import check_top_logprobs
-
-#: the builds of csrc/sampling.c: its AVX2 compares and maxima, or its plain C branches (the same results)
-_BUILDS = {"AVX2": (("avx2",), SAMPLING_CFLAGS), "portable": ((), PORTABLE_CFLAGS)}
-_sampling = _Library("sampling.c", SAMPLING_ENV_SWITCH, (), lambda: best_build(_BUILDS), {
-    "triforce_top_p": (_I, [_P, _I, _I, _F, _I, _P, _P]),
-    "triforce_sample": (_I, [_P, _P, _P, _I, _I, _P])}, _BUILDS)
-
-
-def sampling_status() -> str:
-    """'on (...)', 'off (...)' or 'unavailable: <reason>' for the sampling kernel (``csrc/sampling.c``; loads it if
-    nobody has yet)."""
-    _sampling.load()
-    return _sampling.status
 
 
 def _kernel_rows(x: torch.Tensor) -> dict | None:
     """The sampling kernel's functions where they apply to ``x`` (2-D, contiguous fp32 on the CPU), else None."""
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or not x.numel():
         return None
-    return _sampling.load()
+    return sampling_kernel()
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Measured step times: what a verifier's decode step, its verification of a block and a retrieval tier's step cost
-on this machine, for ``--mode auto`` to weigh a retrieval tier by time rather than by bytes.
+"""Step times: what a verifier's decode step, its verification of a block and a retrieval tier's step cost, timed
+where the engine runs, for ``--mode auto`` to weigh a retrieval tier by time rather than by bytes.
 
 Speculation pays when a verification emits more tokens than it costs decode steps (Leviathan et al. 2023, arXiv
 2211.17192, Sec. 3.4). With a retrieval tier proposing ``gamma`` tokens (TriForce, arXiv 2404.11912, Sec. 4) one
@@ -10,8 +10,8 @@ round costs ``gamma`` retrieval steps and one verification of ``gamma + 1`` toke
 
 (:meth:`StepTimes.predicted_speedup`). Bytes alone mispredict both ends: on a small model a step is bound by
 per-layer work, and at long contexts a verification's attention by arithmetic (docs/auto.md,
-docs/long_documents.md). So the times are measured, with caches of the
-request's length holding zeros (a step's time does not depend on the values it reads), once per engine and shape.
+docs/long_documents.md). So the forwards are timed, over caches of the request's length holding zeros (a step's
+time does not depend on the values it reads), once per engine and shape.
 """
 
 from __future__ import annotations
@@ -119,8 +119,7 @@ def time_interleaved(calls: dict[str, Callable[[], None]], reps: int, device: to
                      progress: Callable[[int], None] | None = None) -> dict[str, list[float]]:
     """Wall seconds of each call, ``reps`` times, interleaved: one untimed warm-up of each, then each repetition runs
     every call once in an order rotated from one repetition to the next, so that a slow phase of the machine slows
-    every kind alike (docs/performance.md: timed apart, the same hierarchy was predicted at different speedups).
-    CUDA work is synchronised around each call.
+    every kind alike. CUDA work is synchronised around each call.
 
     Returns:
         ``{name: [seconds of each repetition]}``. Raises what the calls raise.

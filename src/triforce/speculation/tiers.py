@@ -43,6 +43,7 @@ from ..kv.retrieval import RetrievalCache
 from ..kv.streaming import StreamingCache
 from ..model.batching import prefill_chunk, run_forward
 from ..model.transformer import Transformer
+from ..text.tokens import common_prefix_length
 from .logprobs import TokenLogprob, token_logprobs
 from .rule import rejection_sample
 from .sampling import SamplingParams, logits_to_probs
@@ -83,8 +84,8 @@ class ModelTier:
     """A model with a KV cache, optionally sped up by a drafter below it.
 
     Attribute ``refeed`` (int, >= 1): prompt tokens a prefill feeds again even when prefix reuse holds them; the
-    verifier's prefill runs its last ``max(refeed, exact.PREFILL_EXACT_TAIL)`` on the row-invariant paths
-    (``exact.prefill_forward_size``), reused or not.
+    verifier's prefill runs its last ``max(refeed, rows.PREFILL_EXACT_TAIL)`` on the row-invariant paths
+    (``rows.prefill_forward_size``), reused or not.
 
     Args:
         name: tier name used in stats.
@@ -173,17 +174,13 @@ class ModelTier:
 
         Tokens already cached that match the prompt's start are kept (prefix reuse); at least ``refeed`` tokens are
         fed (the engine raises it so the verifier records the queries a retrieval rule with a query window reads).
-        The top tier feeds the last ``exact.PREFILL_EXACT_TAIL`` (8, at least ``refeed``) apart from a prefill chunk
-        of more than ``exact.EXACT_MAX_BLOCK`` tokens, on the row-invariant paths, as a reuse of the prompt's KV
+        The top tier feeds the last ``rows.PREFILL_EXACT_TAIL`` (8, at least ``refeed``) apart from a prefill chunk
+        of more than ``rows.EXACT_MAX_BLOCK`` tokens, on the row-invariant paths, as a reuse of the prompt's KV
         feeds them: the same prompt gives the same tokens on a fresh engine and again, in every mode
-        (``exact.prefill_forward_size``).
+        (``rows.prefill_forward_size``).
         """
         n = len(prompt) if self.is_top else len(prompt) - 1
-        common = 0
-        for a, b in zip(self.cached, prompt[:max(0, n - self.refeed)]):
-            if a != b:
-                break
-            common += 1
+        common = common_prefix_length(self.cached, prompt[:max(0, n - self.refeed)])
         self.truncate(common)
         self.stats.extra["reused_prefix_tokens"] = common
         self.tail_logits = self._prefill_tokens(prompt[common:n], progress)
@@ -200,7 +197,7 @@ class ModelTier:
             if n_out != len(new) + 1 or self.tail_logits is None:
                 raise RuntimeError(f"tier {self.name}: no logits for position {n - 1} (bug)")
             out = self.tail_logits[None]
-            if new:  # the verifier's blocks on the row-invariant paths whatever their length (exact.verify_forward)
+            if new:  # the verifier's blocks on the row-invariant paths whatever their length (rows.verify_forward)
                 out = torch.cat([out, verify_forward(self._forward, self.cache, new, None)])
         else:
             out = verify_forward(self._forward, self.cache, new, n_out)

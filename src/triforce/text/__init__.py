@@ -1,3 +1,2 @@
-"""Text in and out: prompts to token ids (documents, questions, chat templates) and token ids back to text,
-incrementally.
+"""Text in and out: prompts to token ids (documents, questions, chat templates), token ids back to text incrementally.
 """

@@ -442,13 +442,7 @@ static inline __attribute__((always_inline)) void chunk_item(const float* Q, con
 
 #else  /* portable: no ISA flags (a CPU without AVX2, or aarch64) */
 
-/* The portable build's multiply-add: one rounding where the target fuses it in hardware (__FP_FAST_FMAF: aarch64),
- * else a multiply and an add (x86-64 without FMA); -ffp-contract=off keeps the compiler from mixing the two. */
-#if defined(__FP_FAST_FMAF)
-#define MADD(a, b, c) fmaf((a), (b), (c))
-#else
-#define MADD(a, b, c) ((a) * (b) + (c))
-#endif
+#include "common.h"  /* MADD: the portable builds' multiply-add */
 #define P_LANES 8  /* partial sums of a row's softmax sum: lane l takes the keys j = l mod 8 */
 
 /* element i of p as fp32 (bf16: the top half of the fp32 with the same bits, exact) */

@@ -602,102 +602,89 @@ static inline __m256 half_step(__m128i h, int k) {
     return _mm256_cvtph_ps(_mm_add_epi16(h, _mm_set1_epi16((short)k)));
 }
 
-/* w: (in, out) fp32 contiguous; codes, d, m: outputs in the layout above (m ignored for bits 8). Returns 0 when every
- * weight is reproduced exactly, 1 when some block is not (the outputs then hold nothing usable), -1 for bad sizes. */
-int triforce_blockcode_fit(const float* w, int in, int out, int bits, void* codes, uint16_t* d, uint16_t* m) {
-    if (in < GROUP || in % GROUP || out < 32 || out % 32 || (bits != 4 && bits != 8))
-        return -1;
-    const int groups = in / GROUP;
-    const int64_t items = (int64_t)(out / 8) * groups;
-    int bad = 0;
-    #pragma omp parallel for schedule(static) reduction(| : bad)
-    for (int64_t it = 0; it < items; ++it) {
-        if (bad) continue;
-        const int64_t c = it / groups;
-        const int g = (int)(it % groups);
-        __m256 col[GROUP];  /* the block's 32 inputs for 8 outputs */
-        for (int j = 0; j < GROUP; ++j) col[j] = _mm256_loadu_ps(w + (int64_t)(g * GROUP + j) * out + 8 * c);
-        __m256 lo = col[0], hi = col[0];
-        for (int j = 1; j < GROUP; ++j) {
-            lo = _mm256_min_ps(lo, col[j]);
-            hi = _mm256_max_ps(hi, col[j]);
+/* One block of triforce_blockcode_fit (below the portable branch): item it = c * groups + g, the 32 inputs of group g
+ * for outputs 8 c .. 8 c + 7, all 8 lanes at once. Writes its codes, d and m and returns 0 when every weight is
+ * reproduced exactly; returns 1 (writing nothing) when one is not. */
+static int fit_item(const float* w, int in, int out, int bits, int64_t it, int groups, void* codes, uint16_t* d,
+                    uint16_t* m) {
+    const int64_t c = it / groups;
+    const int g = (int)(it % groups);
+    __m256 col[GROUP];  /* the block's 32 inputs for 8 outputs */
+    for (int j = 0; j < GROUP; ++j) col[j] = _mm256_loadu_ps(w + (int64_t)(g * GROUP + j) * out + 8 * c);
+    __m256 lo = col[0], hi = col[0];
+    for (int j = 1; j < GROUP; ++j) {
+        lo = _mm256_min_ps(lo, col[j]);
+        hi = _mm256_max_ps(hi, col[j]);
+    }
+    const __m256 absmax = _mm256_max_ps(hi, _mm256_sub_ps(_mm256_setzero_ps(), lo));
+    const __m256 base = bits == 4 ? _mm256_div_ps(_mm256_sub_ps(hi, lo), _mm256_set1_ps(15.f))
+                                  : _mm256_div_ps(absmax, _mm256_set1_ps(127.f));
+    const __m256 mv = bits == 4 ? lo : _mm256_setzero_ps();
+    const __m128i h = _mm256_cvtps_ph(base, _MM_FROUND_TO_NEAREST_INT);
+    const float qlo = bits == 4 ? 0.f : -128.f, qhi = bits == 4 ? 15.f : 127.f;
+    __m256 dv = _mm256_setzero_ps();
+    int done = 0;  /* lanes reproduced exactly */
+    __m256 qs[GROUP];
+    static const int steps[5] = {0, 1, -1, 2, -2};
+    for (int s = 0; s < 5 && done != 0xFF; ++s) {
+        const __m256 cand = half_step(h, steps[s]);
+        const __m256 pos = _mm256_cmp_ps(cand, _mm256_setzero_ps(), _CMP_GT_OQ);
+        const __m256 safe = _mm256_blendv_ps(_mm256_set1_ps(1.f), cand, pos);
+        int ok = 0xFF & _mm256_movemask_ps(_mm256_cmp_ps(cand, cand, _CMP_ORD_Q));  /* not NaN */
+        __m256 q[GROUP];
+        for (int j = 0; j < GROUP && ok; ++j) {
+            __m256 x = bits == 4 ? _mm256_sub_ps(col[j], mv) : col[j];
+            x = _mm256_round_ps(_mm256_div_ps(x, safe), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            x = _mm256_and_ps(x, pos);  /* a zero scale: code 0 */
+            q[j] = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(qlo)), _mm256_set1_ps(qhi));
+            __m256 rec = _mm256_mul_ps(cand, q[j]);
+            if (bits == 4) rec = _mm256_add_ps(rec, mv);
+            ok &= _mm256_movemask_ps(_mm256_cmp_ps(rec, col[j], _CMP_EQ_OQ));
         }
-        const __m256 absmax = _mm256_max_ps(hi, _mm256_sub_ps(_mm256_setzero_ps(), lo));
-        const __m256 base = bits == 4 ? _mm256_div_ps(_mm256_sub_ps(hi, lo), _mm256_set1_ps(15.f))
-                                      : _mm256_div_ps(absmax, _mm256_set1_ps(127.f));
-        const __m256 mv = bits == 4 ? lo : _mm256_setzero_ps();
-        const __m128i h = _mm256_cvtps_ph(base, _MM_FROUND_TO_NEAREST_INT);
-        const float qlo = bits == 4 ? 0.f : -128.f, qhi = bits == 4 ? 15.f : 127.f;
-        __m256 dv = _mm256_setzero_ps();
-        int done = 0;  /* lanes reproduced exactly */
-        __m256 qs[GROUP];
-        static const int steps[5] = {0, 1, -1, 2, -2};
-        for (int s = 0; s < 5 && done != 0xFF; ++s) {
-            const __m256 cand = half_step(h, steps[s]);
-            const __m256 pos = _mm256_cmp_ps(cand, _mm256_setzero_ps(), _CMP_GT_OQ);
-            const __m256 safe = _mm256_blendv_ps(_mm256_set1_ps(1.f), cand, pos);
-            int ok = 0xFF & _mm256_movemask_ps(_mm256_cmp_ps(cand, cand, _CMP_ORD_Q));  /* not NaN */
-            __m256 q[GROUP];
-            for (int j = 0; j < GROUP && ok; ++j) {
-                __m256 x = bits == 4 ? _mm256_sub_ps(col[j], mv) : col[j];
-                x = _mm256_round_ps(_mm256_div_ps(x, safe), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                x = _mm256_and_ps(x, pos);  /* a zero scale: code 0 */
-                q[j] = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(qlo)), _mm256_set1_ps(qhi));
-                __m256 rec = _mm256_mul_ps(cand, q[j]);
-                if (bits == 4) rec = _mm256_add_ps(rec, mv);
-                ok &= _mm256_movemask_ps(_mm256_cmp_ps(rec, col[j], _CMP_EQ_OQ));
-            }
-            const int take = ok & ~done;  /* lanes this candidate reproduces, not yet taken */
-            if (take) {
-                const __m256 sel = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-                    _mm256_and_si256(_mm256_set1_epi32(take), _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128)),
-                    _mm256_setzero_si256()));
-                dv = _mm256_blendv_ps(dv, cand, sel);
-                for (int j = 0; j < GROUP; ++j) qs[j] = s == 0 ? q[j] : _mm256_blendv_ps(qs[j], q[j], sel);
-                done |= take;
-            }
-        }
-        /* the minima are stored as fp16 too: a Q4_1 block's minimum is its fp16 m (the weight of code 0) */
-        const __m128i mh = _mm256_cvtps_ph(mv, _MM_FROUND_TO_NEAREST_INT);
-        if (done != 0xFF || (bits == 4 && _mm256_movemask_ps(_mm256_cmp_ps(_mm256_cvtph_ps(mh), mv, _CMP_EQ_OQ)) != 0xFF)) {
-            bad = 1;
-            continue;
-        }
-        /* (c, g) -> (c * groups + g) * 8; every candidate scale is an fp16 value, so both conversions are exact */
-        _mm_storeu_si128((__m128i*)(d + it * 8), _mm256_cvtps_ph(dv, _MM_FROUND_TO_NEAREST_INT));
-        if (bits == 4) {
-            _mm_storeu_si128((__m128i*)(m + it * 8), mh);
-            uint32_t* cw = (uint32_t*)codes + c * in + g * GROUP;
-            for (int j = 0; j < GROUP; ++j) {
-                const __m256i qi = _mm256_sllv_epi32(_mm256_cvtps_epi32(qs[j]), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-                __m128i s4 = _mm_or_si128(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
-                s4 = _mm_or_si128(s4, _mm_shuffle_epi32(s4, 0x4E));
-                s4 = _mm_or_si128(s4, _mm_shuffle_epi32(s4, 0xB1));
-                cw[j] = (uint32_t)_mm_cvtsi128_si32(s4);
-            }
-        } else {
-            int8_t* cb = (int8_t*)codes + (c * in + g * GROUP) * 8;
-            for (int j = 0; j < GROUP; ++j) {
-                int32_t lanes[8];
-                _mm256_storeu_si256((__m256i*)lanes, _mm256_cvtps_epi32(qs[j]));
-                for (int k = 0; k < 8; ++k) cb[j * 8 + k] = (int8_t)lanes[k];
-            }
+        const int take = ok & ~done;  /* lanes this candidate reproduces, not yet taken */
+        if (take) {
+            const __m256 sel = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                _mm256_and_si256(_mm256_set1_epi32(take), _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128)),
+                _mm256_setzero_si256()));
+            dv = _mm256_blendv_ps(dv, cand, sel);
+            for (int j = 0; j < GROUP; ++j) qs[j] = s == 0 ? q[j] : _mm256_blendv_ps(qs[j], q[j], sel);
+            done |= take;
         }
     }
-    return bad;
+    /* the minima are stored as fp16 too: a Q4_1 block's minimum is its fp16 m (the weight of code 0) */
+    const __m128i mh = _mm256_cvtps_ph(mv, _MM_FROUND_TO_NEAREST_INT);
+    if (done != 0xFF || (bits == 4 && _mm256_movemask_ps(_mm256_cmp_ps(_mm256_cvtph_ps(mh), mv, _CMP_EQ_OQ)) != 0xFF)) {
+        return 1;
+    }
+    /* (c, g) -> (c * groups + g) * 8; every candidate scale is an fp16 value, so both conversions are exact */
+    _mm_storeu_si128((__m128i*)(d + it * 8), _mm256_cvtps_ph(dv, _MM_FROUND_TO_NEAREST_INT));
+    if (bits == 4) {
+        _mm_storeu_si128((__m128i*)(m + it * 8), mh);
+        uint32_t* cw = (uint32_t*)codes + c * in + g * GROUP;
+        for (int j = 0; j < GROUP; ++j) {
+            const __m256i qi = _mm256_sllv_epi32(_mm256_cvtps_epi32(qs[j]), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+            __m128i s4 = _mm_or_si128(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+            s4 = _mm_or_si128(s4, _mm_shuffle_epi32(s4, 0x4E));
+            s4 = _mm_or_si128(s4, _mm_shuffle_epi32(s4, 0xB1));
+            cw[j] = (uint32_t)_mm_cvtsi128_si32(s4);
+        }
+    } else {
+        int8_t* cb = (int8_t*)codes + (c * in + g * GROUP) * 8;
+        for (int j = 0; j < GROUP; ++j) {
+            int32_t lanes[8];
+            _mm256_storeu_si256((__m256i*)lanes, _mm256_cvtps_epi32(qs[j]));
+            for (int k = 0; k < 8; ++k) cb[j * 8 + k] = (int8_t)lanes[k];
+        }
+    }
+    return 0;
 }
 
 #else  /* portable: no ISA flags (a CPU without AVX2, or aarch64) */
 
-/* The portable build's multiply-add, as csrc/qlinear.c's portable branch defines it: one rounding (fmaf) where the
- * target fuses it in hardware (__FP_FAST_FMAF: aarch64), else a multiply and an add (x86-64 without FMA). Each y[m, o]
- * below is one MADD chain over i = 0 .. in-1 from +0 of the same fp32 weights, so the exact product is bitwise the
- * portable triforce_f32_linear over the dequantized weights, whatever M and the other rows. */
-#if defined(__FP_FAST_FMAF)
-#define MADD(a, b, c) fmaf((a), (b), (c))
-#else
-#define MADD(a, b, c) ((a) * (b) + (c))
-#endif
+/* MADD: the portable builds' multiply-add, as csrc/qlinear.c's portable branch uses it. Each y[m, o] below is one MADD
+ * chain over i = 0 .. in-1 from +0 of the same fp32 weights, so the exact product is bitwise the portable
+ * triforce_f32_linear over the dequantized weights, whatever M and the other rows. */
+#include "common.h"
 
 /* the 8 scales (or minima) of column block c at group g as fp32, exactly: fp16, fp32 (F32) or a K-quant's int8 group
  * value times its fp16 super-block value (KS: exact, kscale8 above) */
@@ -865,8 +852,77 @@ static uint16_t f2h(float f) {
     return sign | (uint16_t)lrintf(a * 0x1p24f);  /* subnormal: units of 2^-24, exact before the rounding */
 }
 
-/* The AVX2 path's fit, one output (lane) at a time: the same candidates in the same order, the same comparisons (a
+/* The AVX2 path's fit_item, one output (lane) at a time: the same candidates in the same order, the same comparisons (a
  * scale that is NaN or not positive fails or gives code 0 as there), so the same codes. */
+static int fit_item(const float* w, int in, int out, int bits, int64_t it, int groups, void* codes, uint16_t* d,
+                    uint16_t* m) {
+    const int64_t c = it / groups;
+    const int g = (int)(it % groups);
+    int bad = 0;
+    uint16_t dh[8], mh[8];
+    int qs[8][GROUP];
+    for (int k = 0; k < 8 && !bad; ++k) {
+        float col[GROUP];
+        for (int j = 0; j < GROUP; ++j) col[j] = w[(int64_t)(g * GROUP + j) * out + 8 * c + k];
+        float lo = col[0], hi = col[0];
+        for (int j = 1; j < GROUP; ++j) {
+            lo = lo < col[j] ? lo : col[j];  /* _mm256_min_ps / max_ps: the second operand where either is NaN */
+            hi = hi > col[j] ? hi : col[j];
+        }
+        const float neg = 0.f - lo, absmax = hi > neg ? hi : neg;
+        const float base = bits == 4 ? (hi - lo) / 15.f : absmax / 127.f;
+        const float mv = bits == 4 ? lo : 0.f;
+        const uint16_t h = f2h(base);
+        const float qlo = bits == 4 ? 0.f : -128.f, qhi = bits == 4 ? 15.f : 127.f;
+        static const int steps[5] = {0, 1, -1, 2, -2};
+        int done = 0;
+        for (int s = 0; s < 5 && !done; ++s) {
+            const uint16_t hc = (uint16_t)(h + steps[s]);
+            const float cand = h2f(hc);
+            if (cand != cand) continue;  /* NaN */
+            const int pos = cand > 0.f;
+            const float safe = pos ? cand : 1.f;
+            int ok = 1;
+            for (int j = 0; j < GROUP && ok; ++j) {
+                float v = bits == 4 ? col[j] - mv : col[j];
+                v = pos ? nearbyintf(v / safe) : 0.f;
+                v = v > qlo ? v : qlo;
+                v = v < qhi ? v : qhi;
+                float rec = cand * v;
+                if (bits == 4) rec = rec + mv;
+                ok = rec == col[j];
+                qs[k][j] = (int)v;
+            }
+            if (ok) {
+                done = 1;
+                dh[k] = f2h(cand);
+            }
+        }
+        mh[k] = f2h(mv);
+        if (!done || (bits == 4 && h2f(mh[k]) != mv)) bad = 1;
+    }
+    if (bad) return 1;
+    for (int k = 0; k < 8; ++k) d[it * 8 + k] = dh[k];
+    if (bits == 4) {
+        for (int k = 0; k < 8; ++k) m[it * 8 + k] = mh[k];
+        uint32_t* cw = (uint32_t*)codes + c * in + g * GROUP;
+        for (int j = 0; j < GROUP; ++j) {
+            uint32_t word = 0;
+            for (int k = 0; k < 8; ++k) word |= (uint32_t)qs[k][j] << (4 * k);
+            cw[j] = word;
+        }
+    } else {
+        int8_t* cb = (int8_t*)codes + (c * in + g * GROUP) * 8;
+        for (int j = 0; j < GROUP; ++j)
+            for (int k = 0; k < 8; ++k) cb[j * 8 + k] = (int8_t)qs[k][j];
+    }
+    return 0;
+}
+#endif
+
+/* w: (in, out) fp32 contiguous; codes, d, m: outputs in the layout above (m ignored for bits 8). Returns 0 when every
+ * weight is reproduced exactly, 1 when some block is not (the outputs then hold nothing usable), -1 for bad sizes. Each
+ * block of 32 inputs and 8 outputs is one fit_item, this build's. */
 int triforce_blockcode_fit(const float* w, int in, int out, int bits, void* codes, uint16_t* d, uint16_t* m) {
     if (in < GROUP || in % GROUP || out < 32 || out % 32 || (bits != 4 && bits != 8))
         return -1;
@@ -876,69 +932,10 @@ int triforce_blockcode_fit(const float* w, int in, int out, int bits, void* code
     #pragma omp parallel for schedule(static) reduction(| : bad)
     for (int64_t it = 0; it < items; ++it) {
         if (bad) continue;
-        const int64_t c = it / groups;
-        const int g = (int)(it % groups);
-        uint16_t dh[8], mh[8];
-        int qs[8][GROUP];
-        for (int k = 0; k < 8 && !bad; ++k) {
-            float col[GROUP];
-            for (int j = 0; j < GROUP; ++j) col[j] = w[(int64_t)(g * GROUP + j) * out + 8 * c + k];
-            float lo = col[0], hi = col[0];
-            for (int j = 1; j < GROUP; ++j) {
-                lo = lo < col[j] ? lo : col[j];  /* _mm256_min_ps / max_ps: the second operand where either is NaN */
-                hi = hi > col[j] ? hi : col[j];
-            }
-            const float neg = 0.f - lo, absmax = hi > neg ? hi : neg;
-            const float base = bits == 4 ? (hi - lo) / 15.f : absmax / 127.f;
-            const float mv = bits == 4 ? lo : 0.f;
-            const uint16_t h = f2h(base);
-            const float qlo = bits == 4 ? 0.f : -128.f, qhi = bits == 4 ? 15.f : 127.f;
-            static const int steps[5] = {0, 1, -1, 2, -2};
-            int done = 0;
-            for (int s = 0; s < 5 && !done; ++s) {
-                const uint16_t hc = (uint16_t)(h + steps[s]);
-                const float cand = h2f(hc);
-                if (cand != cand) continue;  /* NaN */
-                const int pos = cand > 0.f;
-                const float safe = pos ? cand : 1.f;
-                int ok = 1;
-                for (int j = 0; j < GROUP && ok; ++j) {
-                    float v = bits == 4 ? col[j] - mv : col[j];
-                    v = pos ? nearbyintf(v / safe) : 0.f;
-                    v = v > qlo ? v : qlo;
-                    v = v < qhi ? v : qhi;
-                    float rec = cand * v;
-                    if (bits == 4) rec = rec + mv;
-                    ok = rec == col[j];
-                    qs[k][j] = (int)v;
-                }
-                if (ok) {
-                    done = 1;
-                    dh[k] = f2h(cand);
-                }
-            }
-            mh[k] = f2h(mv);
-            if (!done || (bits == 4 && h2f(mh[k]) != mv)) bad = 1;
-        }
-        if (bad) continue;
-        for (int k = 0; k < 8; ++k) d[it * 8 + k] = dh[k];
-        if (bits == 4) {
-            for (int k = 0; k < 8; ++k) m[it * 8 + k] = mh[k];
-            uint32_t* cw = (uint32_t*)codes + c * in + g * GROUP;
-            for (int j = 0; j < GROUP; ++j) {
-                uint32_t word = 0;
-                for (int k = 0; k < 8; ++k) word |= (uint32_t)qs[k][j] << (4 * k);
-                cw[j] = word;
-            }
-        } else {
-            int8_t* cb = (int8_t*)codes + (c * in + g * GROUP) * 8;
-            for (int j = 0; j < GROUP; ++j)
-                for (int k = 0; k < 8; ++k) cb[j * 8 + k] = (int8_t)qs[k][j];
-        }
+        bad |= fit_item(w, in, out, bits, it, groups, codes, d, m);
     }
     return bad;
 }
-#endif
 
 /* The fp32 weights of column blocks [c_from, c_to) (outputs 8 c_from .. 8 c_to - 1), written to w as an (in, 8 (c_to -
  * c_from)) row-major tile: w = fl(fl(d q) + m) per weight, the value the products above multiply by (d q is exact, so

@@ -362,15 +362,7 @@ int triforce_f32_linear(const float* x, const float* w, float* y, int M, int in,
 
 #else  /* portable: no ISA flags (a CPU with neither AVX2 nor AVX-512, or aarch64) */
 
-/* The portable build's multiply-add, the same in both kernels and in csrc/blockcodes.c's portable branch: one rounding
- * (fmaf) where the target fuses it in hardware (__FP_FAST_FMAF: aarch64, where the compiler vectorises it), else a
- * multiply and an add, two roundings (x86-64 without FMA, where fmaf is a libm call per element). Built with
- * -ffp-contract=off, so the compiler never fuses the second form on its own: one build rounds one way everywhere. */
-#if defined(__FP_FAST_FMAF)
-#define MADD(a, b, c) fmaf((a), (b), (c))
-#else
-#define MADD(a, b, c) ((a) * (b) + (c))
-#endif
+#include "common.h"  /* MADD: the portable builds' multiply-add, the same in both kernels and in csrc/blockcodes.c */
 
 #define P_LANES 8   /* the int8 kernel's partial sums: lane l takes inputs i = l mod 8 (the loop the compiler vectorises) */
 #define P_COLS 64   /* the fp32 kernel's columns per work item: their accumulators, one per row, stay in L1 */

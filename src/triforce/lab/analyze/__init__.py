@@ -11,7 +11,7 @@ Three analyses, each a plain dict (JSON-ready) and a PNG chart:
 * **Acceptance** (Sec. 4.1, tier 1): the acceptance rate of mode ``retrieval`` (the target over a retrieval cache
   drafting for the target over its full cache) against budget, chunk size, temperature and context length.
 
-Definitions shared by the first two (the same as ``bench/acceptance/recovery.py`` always used):
+Definitions shared by the first two (and by ``bench/acceptance/recovery.py``):
 
 * queries and keys are post-RoPE, exactly as the model's attention receives them (``FullKVCache(record_queries=
   True)``); attention probabilities are recomputed in float64 from them;

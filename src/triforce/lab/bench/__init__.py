@@ -1,4 +1,4 @@
-"""``triforce bench``: side-by-side decode speed of triforce and its peers, in one run (issue 4, item 1).
+"""``triforce bench``: side-by-side decode speed of triforce and its peers, in one run.
 
 Every method decodes the same prompt token ids with the same model, sampling, dtype and threads:
 
@@ -49,12 +49,12 @@ How it measures (the definitions are also written into the JSON, field ``definit
 * Under greedy decoding (``--temperature 0``) every repetition of every method is compared token for token
   with the reference (``hf-ar``, else ``autoregressive``, else the first method that ran); a method that differs
   is flagged in the JSON (``greedy.same_tokens`` false, ``greedy_mismatches``) and by a warning line on stderr.
-* When ``triforce.lab.costmodel`` is importable, each of our speculative methods also reports the cost model's
-  predicted speedup (tier latencies measured in that method's worker at the bench's context length, acceptance
-  from the run) next to the measured one (issue 4, item 2); the tier latencies time each step as the engine runs it
-  (the forward, then the token selection on real text's logits) in one interleaved loop. A second prediction,
-  ``predicted_from_run``, takes the steps' own times in the run instead (``step_seconds``, forwards while
-  generating), which tests the model of acceptance apart from the machine's changes of speed between two moments.
+* When ``triforce.lab.costmodel`` is importable, each of our speculative methods also reports the cost model's predicted
+  speedup (tier latencies measured in that method's worker at the bench's context length, acceptance from the run) next
+  to the measured one; the tier latencies time each step as the engine runs it (the forward, then the token selection on
+  real text's logits) in one interleaved loop. A second prediction, ``predicted_from_run``, takes the steps' own times
+  in the run instead (``step_seconds``, forwards while generating), which tests the model of acceptance apart from the
+  machine's changes of speed between two moments.
 
 Bad options exit with status 2 and one line naming the option, before any model is loaded.
 

@@ -75,13 +75,11 @@ def _machine() -> dict:
     import torch
     import transformers
 
-    from ...kernels import cpu as kernels
-    from ...kernels.blockcodes import blockcodes_status
-    from ...speculation.sampling import sampling_status
+    from ...kernels.cpu import cpu
+    from ...kernels.status import kernel_status
     from ..provenance import git_commit
 
-    info = {**kernels.cpu(), "attention_kernel": kernels.status(), "linear_kernels": kernels.linear_status(),
-            "block_code_kernel": blockcodes_status(), "sampling_kernel": sampling_status(),
+    info = {**cpu(), **kernel_status(),
             "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__,

@@ -169,7 +169,7 @@ class _OursRunner:
         return out
 
     def predict(self, context: int, acceptance: dict, reps: int) -> dict:
-        """The cost model's prediction for this method at ``context`` tokens (issue 4, item 2)."""
+        """The cost model's prediction for this method at ``context`` tokens."""
         from ...engine import KV_DTYPES
 
         cm = _costmodel_module()

@@ -137,8 +137,8 @@ def with_empty_proposals(lengths: dict[str, list[int]], acceptance: dict[str, di
 
     An n-gram drafter without a match proposes no token; its tier then runs a one-token forward that emits one
     token, which its stats count in ``forward_passes`` but not in ``verifications`` (``speculation/tiers.py``). The
-    cost model takes the drafter to propose gamma tokens at every step, so it left those forwards out and over-predicted
-    ``ngram:4,retrieval:6`` (docs/performance.md, "Figures behind the code's constants"). Counted as a proposal
+    cost model takes the drafter to propose gamma tokens at every step, which leaves those forwards out and
+    over-predicts such a chain (docs/performance.md, "Figures behind the code's constants"). Counted as a proposal
     rejected at its first token (one forward, one token emitted), they cost exactly what they cost where the tier's
     decode and pass latency are the same per-forward average, as ``predicted_from_run`` takes them
     (``step_seconds``). Only for a tier below the target: the target's forwards also hold ``auto``'s plain decode
