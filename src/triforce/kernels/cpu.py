@@ -5,8 +5,8 @@ weight matrix (``csrc/qlinear.c``): the lower tiers' int8 weight-only projection
 out) (PyTorch's products otherwise).
 
 A decode step of the verifier attends g query rows per KV head (grouped-query attention, g = nh / nkv) over the
-whole cache; PyTorch's CPU SDPA parallelises it over the KV heads only. ``csrc/attention.c`` streams each key and value row
-once for all rows of its head, split into key chunks that every thread shares (flash-decoding), and merges the
+whole cache; PyTorch's CPU SDPA parallelises it over the KV heads only. ``csrc/attention.c`` streams each key and
+value row once for all rows of its head, split into key chunks that every thread shares (flash-decoding), and merges the
 chunks with the log-sum-exp rule (see the C file's header for the equations and sources). Measured by
 ``bench/kernels/attention_kernel.py`` (docs/history.md, "Attention kernel").
 
@@ -23,8 +23,8 @@ fallback: where there is no compiler, the build fails, or ``TRIFORCE_ATTENTION_K
 off for any reason but its variable is named once on stderr).
 
 The linear kernels stream each weight row once for up to :data:`LINEAR_MAX_ROWS` activation rows (int8:
-:data:`INT8_LINEAR_MAX_ROWS`): :func:`int8_linear` dequantises 16 int8 weights per AVX-512 vector (a lower tier's decode step and proposal
-blocks; ``aten._weight_int8pack_mm`` otherwise); :func:`f32_linear` multiplies fp32 weights stored (in, out), the
+:data:`INT8_LINEAR_MAX_ROWS`): :func:`int8_linear` dequantises 16 int8 weights per AVX-512 vector (a lower
+tier's decode step and proposal blocks; ``aten._weight_int8pack_mm`` otherwise); :func:`f32_linear` multiplies fp32 weights stored (in, out), the
 verifier's blocks and batched steps (``bench/kernels/qlinear.py``, docs/history.md). They are built for AVX-512 (F, BW,
 VL) where the CPU has it, and otherwise for AVX2 and FMA (8-lane versions of the same kernels, with the same
 row-independence), and where the CPU has neither, portable (plain C loops: one multiply-add chain per output, as the
