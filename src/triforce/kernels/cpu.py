@@ -23,12 +23,12 @@ fallback: where there is no compiler, the build fails, or ``TRIFORCE_ATTENTION_K
 off for any reason but its variable is named once on stderr).
 
 The linear kernels stream each weight row once for up to :data:`LINEAR_MAX_ROWS` activation rows (int8:
-:data:`INT8_LINEAR_MAX_ROWS`): :func:`int8_linear` dequantises 16 int8 weights per AVX-512 vector (a lower
-tier's decode step and proposal blocks; ``aten._weight_int8pack_mm`` otherwise); :func:`f32_linear` multiplies
-fp32 weights stored (in, out), the verifier's blocks and batched steps (``bench/kernels/qlinear.py``, docs/history.md). They are built for AVX-512 (F, BW,
-VL) where the CPU has it, and otherwise for AVX2 and FMA (8-lane versions of the same kernels, with the same
-row-independence), and where the CPU has neither, portable (plain C loops: one multiply-add chain per output, as the
-vector lanes compute); where there is no compiler, or ``TRIFORCE_LINEAR_KERNEL=0`` is set, they return None
+:data:`INT8_LINEAR_MAX_ROWS`): :func:`int8_linear` dequantises 16 int8 weights per AVX-512 vector (a lower tier's decode
+step and proposal blocks; ``aten._weight_int8pack_mm`` otherwise); :func:`f32_linear` multiplies fp32 weights stored
+(in, out), the verifier's blocks and batched steps (``bench/kernels/qlinear.py``, docs/history.md). They are built for
+AVX-512 (F, BW, VL) where the CPU has it, and otherwise for AVX2 and FMA (8-lane versions of the same kernels, with the
+same row-independence), and where the CPU has neither, portable (plain C loops: one multiply-add chain per output, as
+the vector lanes compute); where there is no compiler, or ``TRIFORCE_LINEAR_KERNEL=0`` is set, they return None
 (``linear_status()`` says why). The verifier's decode steps and blocks run every fp32 product on our kernel, with either
 build, any number of rows and any width, so that a row rounds alike wherever it is (:mod:`triforce.kernels.rows`,
 :func:`f32_one_row_exact`); elsewhere the product is decided per build: with AVX-512 our kernel for 2-64 rows and for
