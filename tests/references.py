@@ -35,26 +35,29 @@ def gguf_like(hf, embed=q8_0, proj=q4_1):
 
 
 def q8_dot_reference(x: torch.Tensor, codes) -> torch.Tensor:
-    """The integer dot products' definition (blockcodes.blockcode_linear_q8, llama.cpp's Q8 activations) in float64:
-    per block g of 32 inputs, dx = max |x| / 127 (fp32), xq = round(x * (127 / max |x|)) (fp32, half to even), and
-    y_o = sum_g d_go dx_g sum_i q_io xq_i + m_go sum_i x_i (the inputs' fp32 sum)."""
+    """The integer dot products' definition (blockcodes.blockcode_linear_q8, llama.cpp's Q8_0 activations) in float64:
+    per block b of 32 inputs, dx = max |x| / 127 (fp32), xq = round(x * (127 / max |x|)) (fp32, half to even), and
+    y_o = sum_g d_go dx_b sum_i q_io xq_i + m_go sum_i x_i over the scale groups g of ``codes.group`` inputs (32, or
+    16: Q6_K) with the inputs' fp32 sums; ``codes`` with fp16 or fp32 scales."""
     m, n_in = x.shape
+    group = codes.group
     xg = x.reshape(m, n_in // 32, 32)
     amax = xg.abs().amax(-1, keepdim=True)
     inv = torch.full_like(amax, 127.0) / amax  # a true division (torch's 127 / t multiplies by t's reciprocal)
-    xq = torch.round(xg * torch.where(amax > 0, inv, torch.zeros_like(amax))).double()
-    dx = (amax / 127).double()
+    xq = torch.round(xg * torch.where(amax > 0, inv, torch.zeros_like(amax))).double().reshape(m, n_in // group, group)
+    dx = (amax / 127).double().repeat_interleave(32 // group, dim=1)
     w = codes.dequantize().double()  # (in, out) = d q + m
-    deq_m = codes.m.double().permute(1, 0, 2).reshape(n_in // 32, -1) if codes.m is not None else None
-    d = codes.d.double().permute(1, 0, 2).reshape(n_in // 32, -1)  # (groups, out)
-    q = w.reshape(n_in // 32, 32, -1)
+    deq_m = codes.m.double().permute(1, 0, 2).reshape(n_in // group, -1) if codes.m is not None else None
+    d = codes.d.double().permute(1, 0, 2).reshape(n_in // group, -1)  # (groups, out)
+    q = w.reshape(n_in // group, group, -1)
     if deq_m is not None:
         q = q - deq_m[:, None]
     dg = d[:, None]  # the codes back from d q (exact: d q was exact in fp32); a zero scale's codes count for nothing
     q = torch.where(dg != 0, torch.round(q / torch.where(dg != 0, dg, torch.ones_like(dg))), torch.zeros_like(q))
     y = torch.einsum("mgi,gio->mgo", xq, q).mul(dx).mul(d[None]).sum(1)
     if deq_m is not None:
-        y = y + (xg.sum(-1, keepdim=True).double() * deq_m[None]).sum(1)
+        sums = torch.stack([x[:, i:i + group].sum(-1) for i in range(0, n_in, group)], dim=1)  # fp32, in order
+        y = y + (sums.double()[..., None] * deq_m[None]).sum(1)
     return y
 
 

@@ -70,9 +70,9 @@ def test_codes_are_gguf_dequantize_and_the_product_is_fp32_bitwise(qtype, blockc
 
 @pytest.mark.parametrize("qtype", CODED_TYPES, ids=lambda t: t.name)
 def test_int8_activation_products_of_every_type_compute_their_definition(qtype, blockcode_build):
-    """blockcode_linear_q8 (the tiers below the verifier) over a GGUF type's own codes: llama.cpp's formula computed
-    in float64 to fp32 rounding, a row alone = the row in a block, within a few percent of the exact product; the
-    types it cannot take (groups of 16: Q6_K) are left to the exact product (None)."""
+    """blockcode_linear_q8 (the ``file`` precision, the tiers below the verifier) over a GGUF type's own codes:
+    llama.cpp's formula computed in float64 to fp32 rounding (Q6_K's groups of 16 included), a row alone = the row in
+    a block, within a few percent of the exact product."""
     from references import q8_dot_reference
     from triforce.kernels.blockcodes import blockcode_linear_q8
 
@@ -86,9 +86,6 @@ def test_int8_activation_products_of_every_type_compute_their_definition(qtype, 
     codes = codes_from_gguf(raw, qtype, n_in)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(7, n_in, generator=gen)
-    if qtype == QT.Q6_K:
-        assert not codes.q8_dot_ok and blockcode_linear_q8(x, codes) is None
-        return
     assert codes.q8_dot_ok
     # the reference reads fp32 scales: a K-quant's stored pairs as their products (the same weights and scales)
     as_f32 = codes.promoted(codes.bits, True, codes.group, codes.m is not None) if codes.d_super is not None else codes
@@ -159,6 +156,66 @@ def test_fused_matrices_of_mixed_types_keep_every_weight(types, blockcode_build)
     for rows in (1, 5, 12):
         x = torch.randn(rows, n_in, generator=torch.Generator().manual_seed(rows))
         assert torch.equal(blockcode_linear(x, fused), f32_linear(x, w_t))
+    if fused.q8_dot_ok:  # the file's arithmetic over the fusion: its definition, and each row as it is alone
+        from references import q8_dot_reference
+        from triforce.kernels.blockcodes import blockcode_linear_q8
+
+        as_f32 = fused.promoted(fused.bits, True, fused.group, fused.m is not None)
+        x = torch.randn(9, n_in, generator=torch.Generator().manual_seed(9))
+        y, ref = blockcode_linear_q8(x, fused), q8_dot_reference(x, as_f32)
+        assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-6 * float(w_t.abs().max())
+        assert all(torch.equal(blockcode_linear_q8(x[i:i + 1], fused), y[i:i + 1]) for i in range(9))
+
+
+#: the GGUF types and fusions of them (a Q4_K_M file's q/k/v and its Q6_K matrices) whose int8-activation products
+#: must be bitwise alike on every build
+Q8_CASES = [(t,) for t in CODED_TYPES] + [(QT.Q4_K, QT.Q4_K, QT.Q6_K), (QT.Q6_K, QT.Q4_K, QT.Q5_0), (QT.Q4_K, QT.Q5_0)]
+
+
+def test_int8_activation_products_are_bitwise_alike_on_every_build_and_row_count(monkeypatch):
+    """The file's arithmetic (blockcode_linear_q8) on every build this CPU runs, the portable one included: the same
+    integer sums (vpdpbusd, vpmaddubsw + vpmaddwd, or C) and the same float steps (a multiply and an add, in group
+    order), so each row's result is bitwise the same on every build, in every row count and thread count, and equal
+    to the row computed alone (the row invariance the verifier's ``file`` precision relies on)."""
+    from triforce.kernels.blockcodes import blockcode_linear_q8
+
+    n_in = 512
+    cases = []
+    for i, types in enumerate(Q8_CASES):
+        parts = [random_blocks(t, 32 if len(types) > 1 else 96, n_in, seed=100 + i + j) for j, t in enumerate(types)]
+        for raw, t in zip(parts, types):
+            if t == QT.Q8_0:  # no codes of -128 (ggml never writes them; the kernel refuses them)
+                q = raw.reshape(raw.shape[0], -1, 34)[..., 2:]
+                q[q == 0x80] = 0x81
+        codes = concat_outputs([codes_from_gguf(r, t, n_in) for r, t in zip(parts, types)])
+        assert codes.q8_dot_ok, types
+        cases.append(codes)
+    x = torch.randn(LINEAR_MAX_ROWS, n_in, generator=torch.Generator().manual_seed(3))
+    x[1, 64:96] = 0  # a block of zeros: scale 0
+    threads = torch.get_num_threads()
+    results = {}
+    try:
+        for isa in blockcodes._BUILDS:
+            build = blockcodes.blockcodes_build(isa)
+            if build.load() is None:
+                continue
+            monkeypatch.setattr(blockcodes, "_blockcodes", build)
+            for n_threads in (1, 2, 3):
+                torch.set_num_threads(n_threads)
+                for c, codes in enumerate(cases):
+                    full = blockcode_linear_q8(x, codes)
+                    results.setdefault((isa, c), []).append(full)
+                    for rows in (1, 2, 3, 4, 5, 7, 9):
+                        assert torch.equal(blockcode_linear_q8(x[:rows], codes), full[:rows]), (isa, c, rows)
+                    assert torch.equal(blockcode_linear_q8(x[-1:], codes), full[-1:]), (isa, c)
+    finally:
+        torch.set_num_threads(threads)
+    builds = {isa for isa, _ in results}
+    assert "portable" in builds
+    for c in range(len(cases)):
+        first = results[(next(iter(builds)), c)][0]
+        for isa in builds:
+            assert all(torch.equal(y, first) for y in results[(isa, c)]), (isa, Q8_CASES[c])
 
 
 def test_linear_without_fp32_weights_multiplies_many_rows_by_dequantized_tiles():

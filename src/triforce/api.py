@@ -23,6 +23,7 @@ from .engine import Engine, GenerationStats, SpeculationConfig
 from .formats.loading import LoadedModel, ModelLoadError, load_model
 from .kv.caches import KV_DTYPES
 from .model.config import check_rope_scaling
+from .model.precision import check_precision
 from .plan import cache_capacity
 from .speculation.grammar import constraint_for
 from .speculation.logprobs import TokenLogprob, check_top_logprobs, prompt_logprobs
@@ -119,7 +120,8 @@ class TriForce:
         if prompt_cache is not None:
             from .kv.promptcache import PromptCache, model_key
 
-            key = model_key(target.source, target.model.cfg, target.model.dtype, self.engine.kv_dtype)
+            key = model_key(target.source, target.model.cfg, target.model.dtype, self.engine.kv_dtype,
+                            target.model.precision)
             self.prompt_cache = PromptCache(prompt_cache, key, prompt_cache_max_bytes, prompt_cache_min_tokens)
 
     @classmethod
@@ -131,7 +133,8 @@ class TriForce:
              prompt_cache_max_bytes: int | None = DEFAULTS["prompt_cache_max_bytes"],
              prompt_cache_min_tokens: int = DEFAULTS["prompt_cache_min_tokens"],
              rope_scaling: str | None = DEFAULTS["rope_scaling"],
-             rope_factor: float | None = DEFAULTS["rope_factor"]) -> "TriForce":
+             rope_factor: float | None = DEFAULTS["rope_factor"],
+             precision: str | None = DEFAULTS["precision"]) -> "TriForce":
         """Load the target (default: the embedded SmolLM2-135M-Instruct) and an optional draft (a model source,
         ``"ngram"`` for the model-free drafter or ``"self"`` for the target's own int4 copy); see :func:`load_model`.
         With ``tp`` (a :class:`~triforce.model.parallel.TensorParallel`) the target is this rank's shard and the draft
@@ -148,11 +151,16 @@ class TriForce:
         :class:`TriForce` (checked, and the directory created, before any model loads). ``rope_scaling``,
         ``rope_factor``: the target's RoPE scaling override, e.g. ``"yarn", 4.0`` (see :func:`load_model`; it changes
         the model); the draft keeps its own RoPE, since a StreamingLLM cache shows it distances of at most ``draft_sink
-        + draft_window - 1`` whatever the position (``self`` is the target's copy).
+        + draft_window - 1`` whatever the position (``self`` is the target's copy). ``precision``: the models'
+        arithmetic, ``"file"`` (a GGUF file's codes times int8 activations, as llama.cpp computes), ``"exact"`` (fp32
+        products, transformers' model) or None (``file`` for a GGUF file on the CPU in fp32, else ``exact``;
+        :mod:`triforce.model.precision`) of the target; a draft takes the fastest (its file's where it has one: a
+        proposer's rounding changes no token).
 
         Raises:
             ValueError: an unknown ``quantize`` or ``kv_dtype``, or ``threads`` not ``"auto"``, None or an integer in
-                [1, 4x the CPUs], or a bad RoPE override (before loading), or see :func:`load_model`."""
+                [1, 4x the CPUs], or a bad RoPE override or ``precision`` (before loading), or see
+                :func:`load_model`."""
         if quantize not in (None, "int8"):
             raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:  # the command line's --kv-dtype names, aliases too
@@ -161,6 +169,7 @@ class TriForce:
 
         check_threads(threads)
         check_rope_scaling(rope_scaling, rope_factor)
+        check_precision(precision)
         if prompt_cache is not None:
             from .kv.promptcache import check_options
 
@@ -168,7 +177,8 @@ class TriForce:
         probe = IdleCPUProbe() if threads == "auto" else None  # measured over the loading below
         if isinstance(threads, int):
             set_threads(threads)
-        target = load_model(model, dtype, device, tp=tp, rope_scaling=rope_scaling, rope_factor=rope_factor)
+        target = load_model(model, dtype, device, tp=tp, rope_scaling=rope_scaling, rope_factor=rope_factor,
+                            precision=precision)
         if quantize:
             from .model.quant import lower_precision_copy
 

@@ -27,6 +27,9 @@ LOWER_WEIGHTS = ("int8", "int4", "bfloat16", "codes")
 #: ``--lower-kv-dtype``; ``dtype``, ``kv_dtype``, ``lower_kv_dtype``) -> its name in :data:`DTYPE_NAMES`; the torch
 #: dtypes: ``triforce.kv.caches.KV_DTYPES``. A lower tier's cache may be float32 under a bf16/fp16 verifier
 DTYPE_ALIASES = {**{name: name for name in DTYPE_NAMES}, "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+#: ``--precision`` values: the verifier's arithmetic (``model/precision.py``): ``file`` = a GGUF file's block codes
+#: times int8 activations, as llama.cpp computes; ``exact`` = fp32 products over the weights the checkpoint stands for
+PRECISIONS = ("file", "exact")
 #: ``--packed-weights`` values
 PACKED_WEIGHTS = ("auto", "on", "off")
 #: ``--compile`` modes (``torch.compile``)
@@ -46,6 +49,7 @@ DEFAULTS: dict[str, object] = {
     "threads": None,  # CPU threads: one per physical core other programs leave idle (kernels/threads.py)
     "kv_dtype": None,  # dtype of every KV cache: as --dtype
     "quantize": None,  # weight-only quantization of the target itself: none
+    "precision": None,  # the models' arithmetic: file for a GGUF file on the CPU in fp32, else exact
     "packed_weights": "auto",  # oneDNN-prepacked fp32 weights on the CPU (Transformer.packing_pays)
     "compile": None,  # torch.compile mode: none
     "cuda_graphs": "off",  # the retrieval and draft tiers' forwards replayed as CUDA graphs (model/cudagraph.py)

@@ -50,6 +50,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"tokens generated per run ({d['new_tokens']})")
     add_options(g, ("temperature", "top_p", "top_k"), "bench")
     add_options(g, ("seed",), "bench", seed="repetition r of every method uses seed + r ({default})")
+    add_options(m, ("precision",), "bench",
+                precision="our methods' arithmetic (as in generate; the -exact methods: exact): file = a GGUF file's "
+                          "codes times int8 activations, exact = fp32 products; default: file for a GGUF file")
     add_options(m, ("packed_weights",), "bench",
                 packed_weights="our methods: oneDNN-prepacked weights for multi-token passes (CPU, fp32; as in "
                                "generate; default {default})")

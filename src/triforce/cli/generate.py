@@ -130,7 +130,7 @@ def load_from_args(args: argparse.Namespace, tp=None):
                        prompt_cache=getattr(args, "prompt_cache", None),
                        prompt_cache_max_bytes=None if getattr(args, "prompt_cache_max_gib", None) is None
                        else int(args.prompt_cache_max_gib * 2**30),
-                       rope_scaling=args.rope_scaling, rope_factor=args.rope_factor)
+                       rope_scaling=args.rope_scaling, rope_factor=args.rope_factor, precision=args.precision)
     if args.compile:
         tf.compile(args.compile)
     tf.set_cuda_graphs(args.cuda_graphs == "on")

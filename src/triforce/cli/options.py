@@ -20,6 +20,7 @@ from ..defaults import (
     DTYPE_ALIASES,
     LOWER_WEIGHTS,
     PACKED_WEIGHTS,
+    PRECISIONS,
     ROPE_SCALINGS,
     SELF_WEIGHTS,
     default,
@@ -69,6 +70,10 @@ _MODEL = [
                         "the model loads)", type=int),
     Option("--kv-dtype", "dtype of every KV cache (default: --dtype); the full cache's dtype is the verifier's",
            choices=tuple(DTYPE_ALIASES)),
+    Option("--precision", "the target's arithmetic: file = a GGUF file's block codes times int8 activations, as "
+                          "llama.cpp computes; exact = fp32 products over the weights the file stands for "
+                          "(transformers' model); default: file for a GGUF file on the CPU in fp32, else exact",
+           choices=PRECISIONS),
     Option("--quantize", "weight-only int8 for the target itself (changes its outputs like --dtype does; see "
                          "--lower-weights for a lossless use)", choices=("int8",)),
     Option("--packed-weights", "CPU, fp32: oneDNN-prepacked weights for multi-token passes (verification blocks, "

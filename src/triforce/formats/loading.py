@@ -31,6 +31,7 @@ from ..model.config import (  # noqa: F401  (re-exported)
     check_rope_scaling,
     with_rope_scaling,
 )
+from ..model.precision import check_precision, set_precision
 from ..model.transformer import Transformer
 from .gguf import read_gguf
 
@@ -206,6 +207,13 @@ def _prod(shape) -> int:
     return n
 
 
+def _gguf_source(path: Path) -> bool:
+    """Whether ``path`` is a GGUF file, or a folder that holds exactly one and no config.json."""
+    if path.is_file():
+        return path.suffix == ".gguf"
+    return path.is_dir() and not (path / "config.json").is_file() and len(list(path.glob("*.gguf"))) == 1
+
+
 def _looks_like_hub_id(source: str) -> bool:
     parts = source.split("/")
     return len(parts) == 2 and all(parts) and not source.startswith((".", "/", "~"))
@@ -213,7 +221,7 @@ def _looks_like_hub_id(source: str) -> bool:
 
 def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu", tp=None, rope_scaling: str | None = None,
-               rope_factor: float | None = None) -> LoadedModel:
+               rope_factor: float | None = None, precision: str | None = None) -> LoadedModel:
     """Load a Llama-family model and its tokenizer from a folder, a GGUF file, a hub id, or the default model.
 
     Args:
@@ -226,6 +234,11 @@ def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype
             context}`` in its config.json, and its context becomes ``int(context * factor)`` (yarn, linear; dynamic:
             no limit): :func:`~triforce.model.config.with_rope_scaling`. It changes the model's outputs. None: the
             checkpoint's RoPE.
+        precision: the model's arithmetic (:mod:`triforce.model.precision`): ``"file"`` (a GGUF file's block codes
+            times int8 activations, as llama.cpp computes), ``"exact"`` (fp32 products over the weights the file
+            stands for, transformers' model), or None: ``file`` for a GGUF file on the CPU in fp32, else ``exact``
+            (a Hugging Face folder whose weights are a GGUF file's blocks, as the default model's, takes ``file``
+            when asked).
 
     Returns:
         :class:`LoadedModel`.
@@ -237,9 +250,11 @@ def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype
         ValueError: an unknown dtype, or a ``tp`` size that does not divide the heads (valid sizes listed); a bad RoPE
             override (before anything is read: one of the pair without the other, an unknown type, a factor not > 1;
             before the weights are read, except for a GGUF file read in fp32 blocks: a checkpoint whose RoPE is
-            already scaled with another type).
+            already scaled with another type); an unknown ``precision``, or ``"file"`` off the CPU or in another dtype
+            than fp32 (before anything is read), or for weights that are no block codes (after the load).
     """
     check_rope_scaling(rope_scaling, rope_factor)
+    check_precision(precision)
     rope = None if rope_scaling is None else (rope_scaling, rope_factor)
     torch_dtype = parse_dtype(dtype)
     device = parse_device(device)
@@ -251,6 +266,9 @@ def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype
         source = str(download_default_model())
     source = str(source)
     path = Path(source).expanduser()
+    if precision == "file" and not (torch_dtype == torch.float32 and device.type == "cpu"):
+        raise ValueError(f"precision='file' is a GGUF file's own arithmetic on the CPU in fp32, not dtype {dtype} on "
+                         f"device {device}: use precision='exact' or None")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"model file {path} is not a .gguf file; pass a GGUF file or a Hugging Face folder")
@@ -273,7 +291,7 @@ def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype
         except Exception as e:  # network errors, unknown repo, gated repo
             raise ModelLoadError(f"could not fetch {source!r} from the Hugging Face hub ({type(e).__name__}); "
                                  "pass a local folder or GGUF file instead") from e
-        return load_model(folder, dtype, device, tp, rope_scaling, rope_factor)
+        return load_model(folder, dtype, device, tp, rope_scaling, rope_factor, precision)
     else:
         raise ModelLoadError(f"model {source!r} not found: pass a local Hugging Face folder, a .gguf file, or a hub "
                              "id like 'org/name'")
@@ -281,4 +299,6 @@ def load_model(source: str | os.PathLike | None = None, dtype: str | torch.dtype
     model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=device if tp is None else tp.device,
                                         tp=tp, consume=True)
     model.attach_block_codes()  # a GGUF model's exact 4/8-bit codes: the same fp32 products from fewer bytes
+    # a Hugging Face checkpoint computes exactly unless asked (its weights may be a GGUF file's blocks: the default)
+    set_precision(model, precision if _gguf_source(path) else precision or "exact")
     return LoadedModel(model, tokenizer, hf_config, source)

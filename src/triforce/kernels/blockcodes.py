@@ -4,8 +4,8 @@
 :func:`blockcode_linear` dequantizes the codes in registers and computes bitwise what our fp32 kernel
 (:func:`~triforce.kernels.cpu.f32_linear`) computes over the dequantized weights: one chain of FMAs over the inputs
 per output, so a row's value does not depend on the rows beside it. :func:`blockcode_linear_q8` is llama.cpp's integer
-dot product (``ggml-quants.c``), for the tiers below the verifier. :func:`blockcode_matmul` multiplies dequantized
-tiles for any number of rows (prefill). ``TRIFORCE_BLOCK_CODES=0`` turns the kernel off.
+dot product (``ggml-quants.c``) on int8 activations, row-invariant and bitwise alike on every build.
+:func:`blockcode_matmul` multiplies dequantized tiles for any number of rows (prefill). ``TRIFORCE_BLOCK_CODES=0`` turns the kernel off.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 #: inputs per block (ggml's QK4_1 = QK8_0 = 32; the activations' blocks of :func:`blockcode_linear_q8`)
 GROUP = 32
+#: floats per row and block of 32 inputs in :func:`blockcode_linear_q8`'s work beside the quantized activations: the
+#: block's scale and the inputs' sums of its scale groups (two for groups of 16)
+Q8_WORK_FLOATS = 3
 
 #: flags added to a block-code width in the kernel's ``bits`` argument (``BlockCodes.kernel_bits``): fp32 scales and
 #: minima (a K-quant's products), groups of 16 inputs (Q6_K's), bf16 weights (width 16), a K-quant's scales and minima
@@ -109,15 +112,17 @@ def _product(symbol: str, x: torch.Tensor, codes: BlockCodes, *extra) -> torch.T
 
 
 def blockcode_linear_q8(x: torch.Tensor, codes: BlockCodes) -> torch.Tensor | None:
-    """``y ~= x W`` with ``x`` quantized to int8 per block of 32 inputs, integer dot products over the codes.
+    """``y ~= x W`` with ``x`` quantized to int8 per block of 32 inputs, integer dot products over the codes: the
+    file's own arithmetic (the ``file`` precision, :mod:`triforce.model.precision`) and the lower tiers' ``codes``.
 
     What llama.cpp computes for Q4_1 and Q8_0 weights (``ggml-quants.c``: ``vec_dot_q4_1_q8_1``, ``vec_dot_q8_0_q8_0``;
-    for Q4_K and Q5_K, ``vec_dot_q4_K_q8_K`` sums each 32-input sub-block the same way, with activations quantized per
-    256 inputs where we quantize per 32):
-    per block g of 32 inputs, ``dx_g = max |x_i| / 127``, ``xq_i = round(x_i / dx_g)``, and
-    ``y_o = sum_g d_go dx_g sum_i q_io xq_i + m_go sum_i x_i`` (the minima's term over the exact fp32 inputs). Not the
-    fp32 product (relative error about 1e-2 per output): for tiers below the verifier only, whose rounding changes how
-    often their proposals are accepted, never the output (TriForce, arXiv 2404.11912, Sec. 4).
+    for Q4_K, Q5_K and Q6_K, ``vec_dot_q*_K_q8_K`` sums each 32- or 16-input sub-block the same way, with activations
+    quantized per 256 inputs where we quantize per 32):
+    per block b of 32 inputs, ``dx_b = max |x_i| / 127``, ``xq_i = round(x_i / dx_b)`` (to nearest even), and
+    ``y_o = sum_g (sum_i q_io xq_i) (d_go dx_b) + m_go sum_i x_i`` over the scale groups g (32 inputs, or 16: Q6_K) in
+    order, each term a multiply and an add (the minima's term over the exact fp32 inputs). Each row's value depends on
+    that row alone and is bitwise the same on the AVX-512 (VNNI or not), AVX2 and portable builds. Not the fp32
+    product of the dequantized weights (relative error about 1e-2 per output).
 
     Args:
         x: (M, in) fp32 contiguous CPU activations, 1 <= M <= :data:`~triforce.kernels.cpu.LINEAR_MAX_ROWS`.
@@ -129,7 +134,8 @@ def blockcode_linear_q8(x: torch.Tensor, codes: BlockCodes) -> torch.Tensor | No
     """
     if not codes.q8_dot_ok or x.dim() != 2:
         return None
-    work = torch.empty(x.numel() * codes.bits + 8 * x.shape[0] * (x.shape[1] // GROUP) + 32, dtype=torch.uint8)
+    work = torch.empty(x.numel() * codes.bits + Q8_WORK_FLOATS * 4 * x.shape[0] * (x.shape[1] // GROUP) + 32,
+                       dtype=torch.uint8)
     base = work.data_ptr() + (-work.data_ptr()) % 32  # the kernel's aligned loads
     return _product("triforce_blockcode_linear_q8", x, codes, base)
 

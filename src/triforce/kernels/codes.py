@@ -100,10 +100,12 @@ class BlockCodes:
     @cached_property
     def q8_dot_ok(self) -> bool:
         """Whether :func:`~triforce.kernels.blockcodes.blockcode_linear_q8` takes these codes: fp16 (Q4_0, Q4_1, Q5_0,
-        Q8_0), stored K-quant (Q4_K, Q5_K) or fp32 scales over groups of 32, with 4-bit codes or 8-bit codes within
-        [-127, 127] (the kernel's ``vpsignb`` cannot negate -128; ggml's own Q8_0 quantization never writes it).
-        Groups of 16 (Q6_K, mixed fusions) are not taken. Checked once."""
-        if self.kernel_bits not in (4, 8, 4 | BC_F32, 8 | BC_F32, 4 | BC_KS, 8 | BC_KS):
+        Q8_0), stored K-quant (Q4_K, Q5_K, Q6_K and their fusions) or fp32 scales, with 4-bit codes or 8-bit codes
+        within [-127, 127] (the kernel's ``vpsignb`` cannot negate -128; ggml's own Q8_0 quantization never writes
+        it); groups of 16 (Q6_K's) with 8-bit codes and K-quant or fp32 scales. 2-byte weights are not taken. Checked
+        once."""
+        if self.kernel_bits not in (4, 8, 4 | BC_F32, 8 | BC_F32, 4 | BC_KS, 8 | BC_KS, 8 | BC_KS | BC_G16,
+                                    8 | BC_F32 | BC_G16):
             return False
         return self.bits == 4 or int(self.codes.min()) > -128
 

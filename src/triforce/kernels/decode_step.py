@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .blockcodes import _blockcodes
+from .blockcodes import GROUP, Q8_WORK_FLOATS, _blockcodes
 from .codes import BlockCodes
 from .cpu import (
     _F,
@@ -122,7 +122,8 @@ class LayerTable:
         self.bits = (ctypes.c_int * len(bits))(*bits)
         n_in = max(d, nh * hs, inter)  # the widest projection input (the integer dot products' activations)
         self.work = torch.empty(MAX_BLOCK * (6 * nh * hs + 4 * nkv * hs + 2 * d + 3 * inter + 3 * nh + 2 * n_in
-                                             + n_in // 16) + 8, dtype=torch.float32)  # csrc/decode_step.c's work
+                                             + Q8_WORK_FLOATS * n_in // GROUP) + 8,
+                                dtype=torch.float32)  # csrc/decode_step.c's work
 
 
 def decode_layers(table: LayerTable, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int,
@@ -270,7 +271,7 @@ def decode_layers_ragged(table: LayerTable, x: torch.Tensor, segments: list[tupl
         return None
     threads = torch.get_num_threads()
     work = torch.empty(T * (6 * nh * hs + 4 * nkv * hs + 2 * d + 3 * inter + 3 * nh + 2 * max(d, nh * hs, inter)
-                            + max(d, nh * hs, inter) // 16) + 8, dtype=torch.float32)
+                            + Q8_WORK_FLOATS * max(d, nh * hs, inter) // GROUP) + 8, dtype=torch.float32)
     scratch = max((_attention_scratch(nh // nkv * t, n_keys, nkv, hs, threads)
                    for (_, _, _, n_keys, _), t in zip(segments, lengths)), key=torch.Tensor.numel)
     S = len(segments)

@@ -45,7 +45,10 @@ def _rowwise(fn: Callable, x: torch.Tensor, w) -> torch.Tensor:
 def linear_forward(lin, x: torch.Tensor, rows_exact: bool) -> torch.Tensor:
     """``y = x W + b`` for a :class:`~triforce.model.transformer.Linear`, on the path its rows need.
 
-    With ``rows_exact`` on the CPU in fp32 (:mod:`triforce.kernels.rows`): block codes or our fp32 kernel for any number
+    A Linear with ``q8`` set (the file's arithmetic, :mod:`triforce.model.precision`; a lower tier's copy) takes the
+    integer dot products for any number of rows, in chunks of ``LINEAR_MAX_ROWS`` (each row's value is its own, so
+    prefill and decode steps compute one model). Otherwise, with ``rows_exact`` on the CPU in fp32
+    (:mod:`triforce.kernels.rows`): block codes or our fp32 kernel for any number
     of rows, in chunks of ``LINEAR_MAX_ROWS``; where neither kernel applies, one PyTorch product per row. Otherwise the
     fastest path by rows: block codes (up to ``LINEAR_MAX_ROWS`` rows, else dequantized tiles); our fp32 kernel for
     2-64 rows unless oneDNN's packed product is faster on this build (:func:`~triforce.kernels.cpu.f32_beats_onednn`),
@@ -65,11 +68,11 @@ def linear_forward(lin, x: torch.Tensor, rows_exact: bool) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     exact = rows_exact and x.device.type == "cpu" and x.dtype == torch.float32 and rows > 0
     y = None  # our kernels' product where one applies (each gives None where it does not)
-    if lin.codes is not None and (rows <= LINEAR_MAX_ROWS or exact):  # the same fp32 weights, a fifth of the bytes
-        if lin.q8:  # integer dot products (a lower tier's copy; None where the codes do not allow them)
-            y = _chunks(blockcode_linear_q8, x2, lin.codes)
-        if y is None:
-            y = _chunks(blockcode_linear, x2, lin.codes)
+    if lin.codes is not None and lin.q8 and x.device.type == "cpu" and x.dtype == torch.float32 and rows > 0:
+        # the file's arithmetic (model/precision.py) or a lower tier's copy, for any rows, prefill included: one model
+        y = _chunks(blockcode_linear_q8, x2, lin.codes)  # None where the codes do not allow it
+    if y is None and lin.codes is not None and (rows <= LINEAR_MAX_ROWS or exact):  # the fp32 weights, fewer bytes
+        y = _chunks(blockcode_linear, x2, lin.codes)
     if y is None and exact:
         if lin.weight_t is None:  # codes only, their kernel off: the dequantized tiles' product, a row at a time
             y = _rowwise(blockcode_matmul, x2, lin.codes)

@@ -44,14 +44,16 @@ FORMAT_VERSION = "1"
 _SUFFIX = ".safetensors"
 
 
-def model_key(source: str, cfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
+def model_key(source: str, cfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype,
+              precision: str = "exact") -> str:
     """A short hex key that changes whenever the KV a prompt produces could: the model's files (names, sizes,
     modification times; a folder's config.json and weights, or a GGUF file), its configuration, the weights' and KV
-    dtypes, and triforce's version.
+    dtypes, its arithmetic, and triforce's version.
 
     Args:
         source: the model's path (:attr:`~triforce.formats.loading.LoadedModel.source`); a hub id keys by name only.
-        cfg: its configuration; dtype: the weights' dtype; kv_dtype: the full KV cache's dtype.
+        cfg: its configuration; dtype: the weights' dtype; kv_dtype: the full KV cache's dtype; precision: the
+            model's arithmetic (``model.precision``: ``file`` or ``exact``).
 
     Returns:
         24 hex digits.
@@ -63,7 +65,7 @@ def model_key(source: str, cfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch
     files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.suffix in kept)
     stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.is_file()]
     blob = json.dumps([str(path.resolve()) if path.exists() else source, stamp, repr(cfg), str(dtype), str(kv_dtype),
-                       __version__, FORMAT_VERSION])
+                       __version__, FORMAT_VERSION] + ([] if precision == "exact" else [precision]))
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 

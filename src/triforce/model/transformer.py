@@ -46,7 +46,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed = None  # oneDNN-prepacked copy for multi-row products on CPU (see Transformer.pack_weights)
         self.codes = None  # exact GGUF block codes (kernels/blockcodes.py), read instead of weight_t (None: codes only)
-        self.q8 = False  # multiply the codes by int8-quantized activations (a copy for the tiers below the verifier)
+        self.q8 = False  # multiply the codes by int8-quantized activations (model/precision.py's file; lower tiers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         return linear_forward(self, x, exact_rows())  # the path this forward's rows need (kernels/rows.py)
@@ -173,6 +173,7 @@ class Transformer(nn.Module):
         self.compile_mode: str | None = None  # set by compile_blocks (lower-precision copies compile their own MLPs)
         # (x, cos, sin, cache) -> hidden state after the last layer, or None: set on int8 copies (model/quant.py)
         self.decode_step = None
+        self.precision = "exact"  # the products' arithmetic (model/precision.py: set_precision)
         # replay fixed-shape forwards as CUDA graphs on a GPU (model/cudagraph.py; --cuda-graphs)
         self.cuda_graphs = DEFAULTS["cuda_graphs"] == "on"
 

@@ -390,22 +390,23 @@ int triforce_blockcode_linear(const float* x, const void* codes, int bits, const
 
 
 
-/* ---- Integer dot products over the same codes, for the tiers below the verifier ----
+/* ---- Integer dot products over the same codes: the file's own arithmetic ----
  *
- * The retrieval tier only proposes tokens (TriForce, arXiv 2404.11912, Sec. 4: tier 1 need only be close to the
- * target), so its products may round differently: here each row's activations are quantized to int8 per block of
- * 32 inputs (xq = round(x / dx), dx = max |x| / 127) and each block's sum is an integer dot product of codes and xq,
- * as llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 dot products compute it (ggml-quants.c):
+ * A GGUF model's users run it as llama.cpp computes it: each row's activations quantized to int8, integer dot
+ * products with the file's codes (ggml-quants.c). Here each row's activations are quantized per block of 32 inputs
+ * (xq = round(x / dx), dx = max |x| / 127; llama.cpp's Q8_0, for every weight type) and each scale group's sum is an
+ * integer dot product of codes and xq:
  *
  *     y[o] = sum_g d[g, o] dx[g] sum_{i in g} q[i, o] xq[i]  +  m[g, o] sum_{i in g} x[i]
  *
- * (the minima's term with the exact fp32 sum of the block's inputs). vpmaddubsw multiplies 32 byte pairs at once, so
- * a product costs about a quarter of the instructions of the exact kernel's dequantization (which a one-row product
- * is bound by: 8.3 ms over SmolLM2's codes, against 4.3 ms for its bytes at the large-GEMV bandwidth). The same
- * formula takes Q4_K's and Q5_K's codes (bits with BC_F32: fp32 d sc and -(dmin mc) per 32 inputs, as llama.cpp's
- * vec_dot_q4_K_q8_K sums each 32-input sub-block; it quantizes the activations per 256, we per 32). Q8_0 codes must
- * lie in [-127, 127] (vpsignb cannot negate -128; the Python side checks). xp: the rows' activations laid out for the
- * byte shuffles below (prepare_rows), dx and sx: (M, in / 32) the blocks' scales and fp32 input sums. */
+ * (the minima's term with the exact fp32 sum of the group's inputs), the groups added in one fixed order with a
+ * multiply and an add each. A row's result depends on that row alone, on every build (the integers are exact; the
+ * float steps are the same operations in the same order): row-invariant by construction, so the verifier may use it
+ * (the ``file`` precision) as the tiers below it do. The same formula takes the K-quants' codes (BC_F32 or BC_KS:
+ * d sc and -(dmin mc) per 32 inputs for Q4_K and Q5_K, per 16 for Q6_K, BC_G16; llama.cpp's vec_dot_q*_K_q8_K sums
+ * the same sub-blocks with activations quantized per 256, we per 32). Q8_0 codes must lie in [-127, 127] (vpsignb
+ * cannot negate -128; the Python side checks). xp: the rows' activations laid out for the byte shuffles below
+ * (prepare_rows); dx: (M, in / 32) the blocks' scales; sx: (M, in / G) the scale groups' fp32 input sums. */
 
 /* 4-bit codes: 8 inputs (one 32-byte load: 8 words of 8 nibbles) -> per lane, the 4 inputs' products summed for the
  * even outputs (lo) and the odd ones (hi) of the column block; xp lane k = the 4 inputs' xq repeated 4 times */
@@ -449,14 +450,35 @@ static inline __attribute__((always_inline)) void dot8_step(__m256i v0, __m256i 
     }
 }
 
-/* y[r, 8 c : 8 c + 8) for R (<= 4) rows of column block c */
+/* acc[r] += the block's integer sums (s0, s1: dot4_step's or dot8_step's lanes) times dv dx, plus mv sx, for R rows:
+ * a multiply and an add each (no FMA, the flags forbid contraction), so that every build, the portable one included,
+ * rounds alike */
+static inline __attribute__((always_inline)) void add_block(__m256* acc, const __m256i* s0, const __m256i* s1,
+                                                            const int R, const int BITS, __m256 dv, __m256 mv,
+                                                            const int HAS_M, const float* dx, int64_t dstride,
+                                                            const float* sx, int64_t sstride) {
+    for (int r = 0; r < R; ++r) {
+        const __m128i u = _mm_add_epi32(_mm256_castsi256_si128(s0[r]), _mm256_extracti128_si256(s0[r], 1));
+        const __m128i w = _mm_add_epi32(_mm256_castsi256_si128(s1[r]), _mm256_extracti128_si256(s1[r], 1));
+        /* BITS 4: u = outputs 0 2 4 6, w = 1 3 5 7; BITS 8: u = 0-3, w = 4-7 */
+        const __m256i iv = BITS == 4 ? _mm256_set_m128i(_mm_unpackhi_epi32(u, w), _mm_unpacklo_epi32(u, w))
+                                     : _mm256_set_m128i(w, u);
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(iv),
+                                                     _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * dstride]))));
+        if (HAS_M) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(mv, _mm256_set1_ps(sx[r * sstride])));
+    }
+}
+
+/* y[r, 8 c : 8 c + 8) for R (<= 4) rows of column block c; G: inputs per scale (32, or 16 with 8-bit codes: Q6_K's
+ * groups, two scales per block of the activations) */
 static inline __attribute__((always_inline)) void dot_tile(const __m256i* xp, const float* dx, const float* sx,
                                                            const int R, int in, const void* codes, const int BITS,
                                                            const void* d, const void* m, const int HAS_M, const int F32,
-                                                           const int KS, int64_t c, int out, float* y, const int PF) {
+                                                           const int KS, const int G, int64_t c, int out, float* y,
+                                                           const int PF) {
     const int ds = KS ? 1 : F32 ? 4 : 2;  /* bytes of a (sub-block) scale or minimum: int8 (KS), fp32 or fp16 */
-    const int groups = in / GROUP;
-    const int64_t sup = (int64_t)out * groups;  /* KS: the super-block values' byte offset */
+    const int groups = in / GROUP, gs = in / G;  /* activation blocks, scale groups */
+    const int64_t sup = (int64_t)out * gs;  /* KS: the super-block values' byte offset */
     const int64_t xstride = (int64_t)in * BITS / 32;  /* 32-byte vectors per row: 4 bytes (BITS 4) or 8 an input */
     __m256 acc[4];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -465,35 +487,38 @@ static inline __attribute__((always_inline)) void dot_tile(const __m256i* xp, co
         if (PF) {
             const char* cn = cg + (int64_t)in * BITS;  /* the next column block's */
             for (int o = 0; o < GROUP * BITS; o += 64) _mm_prefetch(cn + o, _MM_HINT_T0);
-            _mm_prefetch((const char*)d + ((c + 1) * groups + g) * 8 * ds, _MM_HINT_T0);
-            if (HAS_M) _mm_prefetch((const char*)m + ((c + 1) * groups + g) * 8 * ds, _MM_HINT_T0);
+            for (int h = 0; h < GROUP / G; ++h) {
+                const int64_t gi = (c + 1) * gs + g * (GROUP / G) + h;
+                _mm_prefetch((const char*)d + gi * 8 * ds, _MM_HINT_T0);
+                if (HAS_M) _mm_prefetch((const char*)m + gi * 8 * ds, _MM_HINT_T0);
+            }
             if (KS && g % 8 == 0) {  /* the super-block's fp16 values */
-                const int64_t s = sup + ((c + 1) * (groups / 8) + g / 8) * 16;
+                const int64_t s = sup + ((c + 1) * (in / 256) + g / 8) * 16;
                 _mm_prefetch((const char*)d + s, _MM_HINT_T0);
                 if (HAS_M) _mm_prefetch((const char*)m + s, _MM_HINT_T0);
             }
         }
         __m256i s0[4], s1[4];
-        for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
         const __m256i* xg = xp + (int64_t)g * GROUP * BITS / 32;
-        if (BITS == 4)
+        const float* dg = dx + g;
+        if (BITS == 4) {
+            for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
             for (int k = 0; k < 4; ++k)
                 dot4_step(_mm256_loadu_si256((const __m256i*)cg + k), xg + k, R, xstride, s0, s1);
-        else
-            for (int k = 0; k < 8; k += 2)
-                dot8_step(_mm256_loadu_si256((const __m256i*)cg + k), _mm256_loadu_si256((const __m256i*)cg + k + 1),
-                          xg + k, R, xstride, s0, s1);
-        const __m256 dv = group8(d, c, groups, g, F32, KS, GROUP, sup);
-        const __m256 mv = HAS_M ? group8(m, c, groups, g, F32, KS, GROUP, sup) : _mm256_setzero_ps();
-        for (int r = 0; r < R; ++r) {
-            const __m128i u = _mm_add_epi32(_mm256_castsi256_si128(s0[r]), _mm256_extracti128_si256(s0[r], 1));
-            const __m128i w = _mm_add_epi32(_mm256_castsi256_si128(s1[r]), _mm256_extracti128_si256(s1[r], 1));
-            /* BITS 4: u = outputs 0 2 4 6, w = 1 3 5 7; BITS 8: u = 0-3, w = 4-7 */
-            const __m256i iv = BITS == 4 ? _mm256_set_m128i(_mm_unpackhi_epi32(u, w), _mm_unpacklo_epi32(u, w))
-                                         : _mm256_set_m128i(w, u);
-            const int64_t rg = (int64_t)r * groups + g;
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), _mm256_mul_ps(dv, _mm256_set1_ps(dx[rg])), acc[r]);
-            if (HAS_M) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx[rg]), acc[r]);
+            const __m256 dv = group8(d, c, gs, g, F32, KS, G, sup);
+            const __m256 mv = HAS_M ? group8(m, c, gs, g, F32, KS, G, sup) : _mm256_setzero_ps();
+            add_block(acc, s0, s1, R, BITS, dv, mv, HAS_M, dg, groups, sx + g, gs);
+        } else {
+            for (int h = 0; h < GROUP / G; ++h) {  /* G 16: each half of the block with its own scale */
+                const int per = 8 * G / GROUP, gi = g * (GROUP / G) + h;  /* 2-vector steps a scale group */
+                for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
+                for (int k = per * h; k < per * (h + 1); k += 2)
+                    dot8_step(_mm256_loadu_si256((const __m256i*)cg + k),
+                              _mm256_loadu_si256((const __m256i*)cg + k + 1), xg + k, R, xstride, s0, s1);
+                const __m256 dv = group8(d, c, gs, gi, F32, KS, G, sup);
+                const __m256 mv = HAS_M ? group8(m, c, gs, gi, F32, KS, G, sup) : _mm256_setzero_ps();
+                add_block(acc, s0, s1, R, BITS, dv, mv, HAS_M, dg, groups, sx + gi, gs);
+            }
         }
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (int64_t)r * out + 8 * c, acc[r]);
@@ -503,7 +528,7 @@ static inline __attribute__((always_inline)) void dot_tile(const __m256i* xp, co
  * 8 lanes (vcvtps2dq rounds to nearest even, as lrintf does in the default rounding mode) and laid out with shuffles;
  * the inputs' sum stays one sequential chain. Serial (it runs before the product's parallel region): scalar, it
  * took about 6% of a retrieval step's master thread on SmolLM2 (perf), its partner spinning meanwhile. */
-static void prepare_rows(const float* x, int M, int in, int bits, int8_t* xp, float* dx, float* sx) {
+static void prepare_rows(const float* x, int M, int in, int bits, int G, int8_t* xp, float* dx, float* sx) {
     const int groups = in / GROUP;
     const __m256 sign = _mm256_set1_ps(-0.f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  /* packs' lane interleave -> input order */
@@ -518,8 +543,11 @@ static void prepare_rows(const float* x, int M, int in, int bits, int8_t* xp, fl
             __m128 a4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
             a4 = _mm_max_ps(a4, _mm_movehl_ps(a4, a4));
             const float amax = _mm_cvtss_f32(_mm_max_ss(a4, _mm_movehdup_ps(a4)));  /* max |x|: any order */
-            float s = 0.f;
-            for (int i = 0; i < GROUP; ++i) s += xg[i];
+            for (int h = 0; h < GROUP / G; ++h) {  /* the inputs' sums per scale group, each one chain in order */
+                float s = 0.f;
+                for (int i = h * G; i < (h + 1) * G; ++i) s += xg[i];
+                sx[(int64_t)r * (in / G) + g * (GROUP / G) + h] = s;
+            }
             const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
             const __m256 iv = _mm256_set1_ps(inv);
             __m256i q[4];
@@ -527,7 +555,6 @@ static void prepare_rows(const float* x, int M, int in, int bits, int8_t* xp, fl
             const __m256i codes = _mm256_permutevar8x32_epi32(  /* the 32 codes in input order */
                 _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
             dx[(int64_t)r * groups + g] = scale;
-            sx[(int64_t)r * groups + g] = s;
             int8_t* o = xp + ((int64_t)r * in + g * GROUP) * bits;
             if (bits == 4) {  /* per 8 inputs, 32 bytes: inputs 0-3's codes 4 times, then inputs 4-7's */
                 for (int t = 0; t < 4; ++t)
@@ -545,16 +572,17 @@ static void prepare_rows(const float* x, int M, int in, int bits, int8_t* xp, fl
  * 32-byte aligned, then 2 M in / 32 floats. Returns 0, or -1 for arguments outside what the kernel handles. */
 int triforce_blockcode_linear_q8(const float* x, const void* codes, int bits, const void* d, const void* m,
                                  float* y, int M, int in, int out, int nthreads, void* work) {
-    /* fp32 scales and minima per 32 inputs, or the file's (KS): Q4_K (4-bit), Q5_K (8-bit) */
-    const int f32 = (bits & BC_F32) != 0, ks = (bits & BC_KS) != 0;
-    bits &= ~(BC_F32 | BC_KS);
+    /* fp32 scales and minima per 32 inputs, or the file's (KS): Q4_K (4-bit), Q5_K (8-bit); G16: Q6_K (8-bit) */
+    const int f32 = (bits & BC_F32) != 0, ks = (bits & BC_KS) != 0, G = (bits & BC_G16) ? 16 : 32;
+    bits &= ~(BC_F32 | BC_KS | BC_G16);
     if (M < 1 || M > MAX_ROWS || in < GROUP || in % GROUP || out < 32 || out % 32 || (bits != 4 && bits != 8)
-        || nthreads < 1 || ((uintptr_t)work & 31) || (f32 && ks) || (ks && in % 256))
+        || nthreads < 1 || ((uintptr_t)work & 31) || (f32 && ks) || (ks && in % 256) || (G == 16 && bits != 8)
+        || (G == 16 && !f32 && !ks))
         return -1;
     int8_t* const xp = (int8_t*)work;
     float* const dx = (float*)(xp + (int64_t)M * in * bits);
     float* const sx = dx + (int64_t)M * (in / GROUP);
-    prepare_rows(x, M, in, bits, xp, dx, sx);
+    prepare_rows(x, M, in, bits, G, xp, dx, sx);
     const int64_t quads = out / 32, groups = in / GROUP, xrow = (int64_t)in * bits / 32;
     #pragma omp parallel num_threads(nthreads)
     {
@@ -564,33 +592,38 @@ int triforce_blockcode_linear_q8(const float* x, const void* codes, int bits, co
             for (int r0 = 0; r0 < M; r0 += 4) {
                 const int R = M - r0 < 4 ? M - r0 : 4, pf = r0 == 0 && c + 1 < c1;
                 const __m256i* xr = (const __m256i*)xp + r0 * xrow;
-                const float *dr = dx + r0 * groups, *sr = sx + r0 * groups;
+                const float *dr = dx + r0 * groups, *sr = sx + (int64_t)r0 * (in / G);
                 float* yr = y + (int64_t)r0 * out;
-#define DOT_TILE(BITS, HAS_M, F32, KS)                                                                                 \
+#define DOT_TILE(BITS, HAS_M, F32, KS, G)                                                                              \
     switch (R * 2 + (pf ? 1 : 0)) {                                                                                    \
-        case 2: dot_tile(xr, dr, sr, 1, in, codes, BITS, d, m, HAS_M, F32, KS, c, out, yr, 0); break;                  \
-        case 3: dot_tile(xr, dr, sr, 1, in, codes, BITS, d, m, HAS_M, F32, KS, c, out, yr, 1); break;                  \
-        case 4: dot_tile(xr, dr, sr, 2, in, codes, BITS, d, m, HAS_M, F32, KS, c, out, yr, 0); break;                  \
-        case 5: dot_tile(xr, dr, sr, 2, in, codes, BITS, d, m, HAS_M, F32, KS, c, out, yr, 1); break;                  \
-        case 6: dot_tile(xr, dr, sr, 3, in, codes, BITS, d, m, HAS_M, F32, KS, c, out, yr, 0); break;                  \
-        case 7: dot_tile(xr, dr, sr, 3, in, codes, BITS, d, m, HAS_M, F32, KS, c, out, yr, 1); break;                  \
-        case 8: dot_tile(xr, dr, sr, 4, in, codes, BITS, d, m, HAS_M, F32, KS, c, out, yr, 0); break;                  \
-        default: dot_tile(xr, dr, sr, 4, in, codes, BITS, d, m, HAS_M, F32, KS, c, out, yr, 1); break;                 \
+        case 2: dot_tile(xr, dr, sr, 1, in, codes, BITS, d, m, HAS_M, F32, KS, G, c, out, yr, 0); break;               \
+        case 3: dot_tile(xr, dr, sr, 1, in, codes, BITS, d, m, HAS_M, F32, KS, G, c, out, yr, 1); break;               \
+        case 4: dot_tile(xr, dr, sr, 2, in, codes, BITS, d, m, HAS_M, F32, KS, G, c, out, yr, 0); break;               \
+        case 5: dot_tile(xr, dr, sr, 2, in, codes, BITS, d, m, HAS_M, F32, KS, G, c, out, yr, 1); break;               \
+        case 6: dot_tile(xr, dr, sr, 3, in, codes, BITS, d, m, HAS_M, F32, KS, G, c, out, yr, 0); break;               \
+        case 7: dot_tile(xr, dr, sr, 3, in, codes, BITS, d, m, HAS_M, F32, KS, G, c, out, yr, 1); break;               \
+        case 8: dot_tile(xr, dr, sr, 4, in, codes, BITS, d, m, HAS_M, F32, KS, G, c, out, yr, 0); break;               \
+        default: dot_tile(xr, dr, sr, 4, in, codes, BITS, d, m, HAS_M, F32, KS, G, c, out, yr, 1); break;              \
     }
-                if (ks) {  /* K-quants' scales and minima as stored: sc, mc and d, -dmin */
-                    if (bits == 4 && m) { DOT_TILE(4, 1, 0, 1) }
-                    else if (bits == 4) { DOT_TILE(4, 0, 0, 1) }
-                    else if (m) { DOT_TILE(8, 1, 0, 1) }
-                    else { DOT_TILE(8, 0, 0, 1) }
+                if (G == 16) {  /* Q6_K, alone (KS) or fused with Q4_K or Q5_K (minima) */
+                    if (ks && m) { DOT_TILE(8, 1, 0, 1, 16) }
+                    else if (ks) { DOT_TILE(8, 0, 0, 1, 16) }
+                    else if (m) { DOT_TILE(8, 1, 1, 0, 16) }
+                    else { DOT_TILE(8, 0, 1, 0, 16) }
+                } else if (ks) {  /* K-quants' scales and minima as stored: sc, mc and d, -dmin */
+                    if (bits == 4 && m) { DOT_TILE(4, 1, 0, 1, 32) }
+                    else if (bits == 4) { DOT_TILE(4, 0, 0, 1, 32) }
+                    else if (m) { DOT_TILE(8, 1, 0, 1, 32) }
+                    else { DOT_TILE(8, 0, 0, 1, 32) }
                 } else if (f32) {  /* K-quants' scales and minima: d sc and -(dmin mc) as fp32 */
-                    if (bits == 4 && m) { DOT_TILE(4, 1, 1, 0) }
-                    else if (bits == 4) { DOT_TILE(4, 0, 1, 0) }
-                    else if (m) { DOT_TILE(8, 1, 1, 0) }
-                    else { DOT_TILE(8, 0, 1, 0) }
-                } else if (bits == 4 && m) { DOT_TILE(4, 1, 0, 0) }
-                else if (bits == 4) { DOT_TILE(4, 0, 0, 0) }
-                else if (m) { DOT_TILE(8, 1, 0, 0) }
-                else { DOT_TILE(8, 0, 0, 0) }
+                    if (bits == 4 && m) { DOT_TILE(4, 1, 1, 0, 32) }
+                    else if (bits == 4) { DOT_TILE(4, 0, 1, 0, 32) }
+                    else if (m) { DOT_TILE(8, 1, 1, 0, 32) }
+                    else { DOT_TILE(8, 0, 1, 0, 32) }
+                } else if (bits == 4 && m) { DOT_TILE(4, 1, 0, 0, 32) }
+                else if (bits == 4) { DOT_TILE(4, 0, 0, 0, 32) }
+                else if (m) { DOT_TILE(8, 1, 0, 0, 32) }
+                else { DOT_TILE(8, 0, 0, 0, 32) }
 #undef DOT_TILE
             }
     }
@@ -774,64 +807,71 @@ int triforce_blockcode_linear(const float* x, const void* codes, int bits, const
 }
 
 /* The integer dot products of the AVX2 path's definition, in plain C: each row's activations quantized per 32 inputs
- * (dx = max |x| / 127, xq = round-to-nearest-even of x (127 / max |x|), sx the inputs' fp32 sum in order), each
- * block's integer sum exact, then per output y = sum_g (isum d fl(d_g dx_g)) + m_g sx_g in group order (MADD). The
- * same integers as the AVX2 path; its FMAs are MADDs here, so the results may differ from it in the last bit (the
- * tiers below the verifier only). work: xq (M in int8 at the start), dx and sx where the AVX2 path keeps them. */
+ * (dx = max |x| / 127, xq = round-to-nearest-even of x (127 / max |x|), sx the inputs' fp32 sum per scale group, in
+ * order), each scale group's integer sum exact, then per output acc = acc + isum fl(d_g dx) and acc = acc + m_g sx_g,
+ * a multiply and an add each, in group order: bitwise the AVX2 and AVX-512 paths' results, whatever the rows. work:
+ * xq (M in int8 at the start), dx and sx where the AVX2 path keeps them. */
 int triforce_blockcode_linear_q8(const float* x, const void* codes, int bits, const void* d, const void* m,
                                  float* y, int M, int in, int out, int nthreads, void* work) {
-    const int f32 = (bits & BC_F32) != 0, ks = (bits & BC_KS) != 0;
-    bits &= ~(BC_F32 | BC_KS);
+    const int f32 = (bits & BC_F32) != 0, ks = (bits & BC_KS) != 0, G = (bits & BC_G16) ? 16 : 32;
+    bits &= ~(BC_F32 | BC_KS | BC_G16);
     if (M < 1 || M > MAX_ROWS || in < GROUP || in % GROUP || out < 32 || out % 32 || (bits != 4 && bits != 8)
-        || nthreads < 1 || ((uintptr_t)work & 31) || (f32 && ks) || (ks && in % 256))
+        || nthreads < 1 || ((uintptr_t)work & 31) || (f32 && ks) || (ks && in % 256) || (G == 16 && bits != 8)
+        || (G == 16 && !f32 && !ks))
         return -1;
     int8_t* const xq = (int8_t*)work;
     float* const dx = (float*)(xq + (int64_t)M * in * bits);
-    const int groups = in / GROUP;
+    const int groups = in / GROUP, gs = in / G, halves = GROUP / G;
     float* const sx = dx + (int64_t)M * groups;
     for (int r = 0; r < M; ++r)
         for (int g = 0; g < groups; ++g) {
             const float* xg = x + (int64_t)r * in + g * GROUP;
-            float amax = 0.f, s = 0.f;
+            float amax = 0.f;
             for (int i = 0; i < GROUP; ++i) {
                 const float a = fabsf(xg[i]);
                 amax = a > amax ? a : amax;
-                s += xg[i];
+            }
+            for (int h = 0; h < halves; ++h) {
+                float s = 0.f;
+                for (int i = h * G; i < (h + 1) * G; ++i) s += xg[i];
+                sx[(int64_t)r * gs + g * halves + h] = s;
             }
             const float inv = amax > 0.f ? 127.f / amax : 0.f;
             for (int i = 0; i < GROUP; ++i) xq[(int64_t)r * in + g * GROUP + i] = (int8_t)lrintf(xg[i] * inv);
             dx[(int64_t)r * groups + g] = amax / 127.f;
-            sx[(int64_t)r * groups + g] = s;
         }
-    const int64_t sup = (int64_t)out * groups;
+    const int64_t sup = (int64_t)out * gs;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int c = 0; c < out / 8; ++c) {
         float acc[MAX_ROWS][8];
         for (int r = 0; r < M; ++r)
             for (int k = 0; k < 8; ++k) acc[r][k] = 0.f;
-        for (int g = 0; g < groups; ++g) {
-            float dv[8], mv[8] = {0};
-            group_values(d, c, groups, g, f32, ks, GROUP, sup, dv);
-            if (m) group_values(m, c, groups, g, f32, ks, GROUP, sup, mv);
-            int qc[GROUP][8];
-            for (int i = 0; i < GROUP; ++i) {
-                const int64_t ci = (int64_t)c * in + g * GROUP + i;
-                for (int k = 0; k < 8; ++k)
-                    qc[i][k] = bits == 4 ? (int)((((const uint32_t*)codes)[ci] >> (4 * k)) & 15u)
-                                         : ((const int8_t*)codes)[ci * 8 + k];
-            }
-            for (int r = 0; r < M; ++r) {
-                const int8_t* xr = xq + (int64_t)r * in + g * GROUP;
-                int32_t isum[8] = {0};
-                for (int i = 0; i < GROUP; ++i)
-                    for (int k = 0; k < 8; ++k) isum[k] += qc[i][k] * xr[i];
-                const int64_t rg = (int64_t)r * groups + g;
-                for (int k = 0; k < 8; ++k) {
-                    acc[r][k] = MADD((float)isum[k], dv[k] * dx[rg], acc[r][k]);
-                    if (m) acc[r][k] = MADD(mv[k], sx[rg], acc[r][k]);
+        for (int g = 0; g < groups; ++g)
+            for (int h = 0; h < halves; ++h) {
+                const int gi = g * halves + h;
+                float dv[8], mv[8] = {0};
+                group_values(d, c, gs, gi, f32, ks, G, sup, dv);
+                if (m) group_values(m, c, gs, gi, f32, ks, G, sup, mv);
+                int qc[GROUP][8];
+                for (int i = 0; i < G; ++i) {
+                    const int64_t ci = (int64_t)c * in + g * GROUP + h * G + i;
+                    for (int k = 0; k < 8; ++k)
+                        qc[i][k] = bits == 4 ? (int)((((const uint32_t*)codes)[ci] >> (4 * k)) & 15u)
+                                             : ((const int8_t*)codes)[ci * 8 + k];
+                }
+                for (int r = 0; r < M; ++r) {
+                    const int8_t* xr = xq + (int64_t)r * in + g * GROUP + h * G;
+                    int32_t isum[8] = {0};
+                    for (int i = 0; i < G; ++i)
+                        for (int k = 0; k < 8; ++k) isum[k] += qc[i][k] * xr[i];
+                    const float dxg = dx[(int64_t)r * groups + g], sxg = sx[(int64_t)r * gs + gi];
+                    for (int k = 0; k < 8; ++k) {  /* a multiply and an add (no fmaf): the AVX paths' rounding */
+                        const float ds = dv[k] * dxg;
+                        acc[r][k] = acc[r][k] + (float)isum[k] * ds;
+                        if (m) acc[r][k] = acc[r][k] + mv[k] * sxg;
+                    }
                 }
             }
-        }
         for (int r = 0; r < M; ++r)
             for (int k = 0; k < 8; ++k) y[(int64_t)r * out + 8 * c + k] = acc[r][k];
     }

@@ -190,7 +190,7 @@ static int project(void* const* fns, int bits, const void* w, const void* s, con
  * nkv * capacity * hs, head_stride = capacity * hs (elements); the block's keys and values go to rows
  * slot .. slot + T - 1 and its queries attend over rows [0, n_keys), token i of the block seeing rows
  * j <= n_keys - T + i (T > 1 needs n_keys = slot + T: the full cache's causal block). cos, sin: (T, hs) the block's
- * rotations. work: at least T (6 nh hs + 4 nkv hs + 2 d + 3 inter + 3 nh + 2 n_in + n_in / 16) + 8 floats (n_in
+ * rotations. work: at least T (6 nh hs + 4 nkv hs + 2 d + 3 inter + 3 nh + 2 n_in + 3 n_in / 32) + 8 floats (n_in
  * the widest projection input, max(d, nh hs, inter): the integer dot products' activations); attn_scratch:
  * what triforce_gqa_attention needs for T nh / nkv rows over n_keys keys; q_out: NULL, or (L, nh, T, hs) floats that
  * receive every layer's rotated queries (the full cache keeps them for the retrieval cache's chunk selection).

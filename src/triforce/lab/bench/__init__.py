@@ -17,6 +17,9 @@ Every method decodes the same prompt token ids with the same model, sampling, dt
 ``triforce-int8``   ours, ``triforce`` with int8 weights and bf16 caches in every tier below the verifier
 ``retrieval-codes`` ours, ``retrieval`` with ``--lower-weights codes``: the GGUF model's own block codes times
                     int8 activations in the retrieval tier (``model/quant.py``)
+``autoregressive-exact``, ``auto-exact``
+                    ours, with ``--precision exact`` (fp32 products over the weights a GGUF file stands for),
+                    beside the default, the file's own arithmetic (``model/precision.py``)
 ``llama.cpp``       llama-cpp-python on the model's GGUF file (its own weights, Q4_1 for the default model, and
                     f16 KV cache); only when ``llama_cpp`` is importable
 ==================  ====================================================================================

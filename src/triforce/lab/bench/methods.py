@@ -26,6 +26,9 @@ METHODS: dict[str, tuple[str, str]] = {
     "triforce-int8": ("ours", "triforce with int8 weights and bf16 caches below the verifier (lossless)"),
     "retrieval-codes": ("ours", "retrieval with the GGUF model's own block codes times int8 activations in the "
                                 "retrieval tier (llama.cpp's integer dot products; lossless)"),
+    "autoregressive-exact": ("ours", "autoregressive with --precision exact: fp32 products over the weights the GGUF "
+                                     "file stands for (the default for a GGUF file is its own arithmetic, file)"),
+    "auto-exact": ("ours", "auto with --precision exact"),
     "llama.cpp": ("llama", "llama.cpp through llama-cpp-python on the GGUF file (its weights as stored, f16 KV; "
                            "sampling applies top-k and top-p before the temperature)"),
 }
@@ -249,6 +252,8 @@ def plan_methods(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
             reason = "not meaningful with --synthetic (random weights, no GGUF or real draft model)"
         elif m == "retrieval-codes" and args.model is not None and _gguf_for(args.model)[0] is None:
             reason = "needs a GGUF model (its block codes): --model is not a .gguf file"
+        elif m.endswith("-exact") and args.model is not None and _gguf_for(args.model)[0] is None:
+            reason = "a Hugging Face checkpoint always computes exactly: the method without -exact is the same"
         elif m.startswith("hf-") and args.rope_scaling is not None:
             reason = ("transformers runs the checkpoint as saved: --rope-scaling overrides ours and llama.cpp's RoPE "
                       "(edit config.json's rope_scaling to compare transformers)")

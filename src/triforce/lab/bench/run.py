@@ -181,7 +181,8 @@ def run_bench(args: argparse.Namespace) -> dict:
               "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
               "budget": args.budget, "chunk_size": args.chunk_size, "gamma1": args.gamma1, "gamma2": args.gamma2,
               "synthetic": args.synthetic, "layers": args.layers, "packed_weights": args.packed_weights,
-              "prompt_cache": args.prompt_cache, "rope_scaling": args.rope_scaling, "rope_factor": args.rope_factor}
+              "precision": args.precision, "prompt_cache": args.prompt_cache, "rope_scaling": args.rope_scaling,
+              "rope_factor": args.rope_factor}
     results: dict[str, dict] = {m: {"status": "skipped", "reason": r, "description": METHODS[m][1]}
                                 for m, r in skipped.items()}
     bar_off = args.no_progress or None
@@ -280,13 +281,22 @@ def run_bench(args: argparse.Namespace) -> dict:
     if greedy and ok:
         # synthetic: transformers' random weights and random KV are not ours, so only our methods are comparable
         comparable = [m for m in ok if not args.synthetic or METHODS[m][0] == "ours"]
-        if comparable:
-            reference = next((m for m in ("hf-ar", "autoregressive") if m in comparable), comparable[0])
-            cmp = compare_greedy({m: results[m]["token_ids"] for m in comparable}, reference)
-            for m in comparable:
+        # one model per arithmetic: transformers and --precision exact compute the fp32 model, our other methods
+        # the GGUF file's own arithmetic where the target computes on it (results' "precision")
+        exact = [m for m in comparable if METHODS[m][0] == "hf" or results[m].get("precision", "exact") == "exact"]
+        groups = [g for g in (exact, [m for m in comparable if m not in exact]) if g]
+        references = []
+        for group in groups:
+            reference = next((m for m in ("hf-ar", "autoregressive", "autoregressive-exact") if m in group),
+                             group[0])
+            references.append(reference)
+            cmp = compare_greedy({m: results[m]["token_ids"] for m in group}, reference)
+            for m in group:
                 results[m]["greedy"] = cmp[m]
-            mismatches = [m for m in comparable if not cmp[m]["same_tokens"]]
-            greedy_report = {"reference": reference, "all_same": not mismatches, "compared": comparable}
+            mismatches += [m for m in group if not cmp[m]["same_tokens"]]
+        if groups:
+            greedy_report = {"reference": references[0] if len(references) == 1 else references,
+                             "all_same": not mismatches, "compared": comparable}
             if args.synthetic:
                 greedy_report["note"] = ("synthetic: transformers has other random weights and KV, so only our "
                                          "methods are compared")

@@ -67,7 +67,7 @@ class _OursRunner:
         self.method, self.cfg = method, cfg
         self.synthetic = cfg.get("synthetic")
         draft_src = cfg.get("draft")
-        uses_bottom = method in ("draft", "triforce", "triforce-int8", "auto")
+        uses_bottom = method in ("draft", "triforce", "triforce-int8", "auto", "auto-exact")
         drafter = "ngram" if draft_src in (None, "ngram") else "model"
         if self.synthetic:
             syn = _synthetic_module()
@@ -82,8 +82,9 @@ class _OursRunner:
         else:
             from ...formats.loading import ModelLoadError, load_model
 
+            precision = "exact" if method.endswith("-exact") else cfg.get("precision")
             lm = load_model(cfg.get("model"), cfg["dtype"], rope_scaling=cfg.get("rope_scaling"),
-                            rope_factor=cfg.get("rope_factor"))  # the draft keeps its own RoPE
+                            rope_factor=cfg.get("rope_factor"), precision=precision)  # the draft keeps its own RoPE
             target = lm.model
             self.tokenizer, self.context = lm.tokenizer, lm.model.cfg.max_position_embeddings
             self.rope_dynamic = lm.model.cfg.rope_type == "dynamic"
@@ -108,16 +109,16 @@ class _OursRunner:
         if cfg.get("prompt_cache") and not self.synthetic:
             from ...kv.promptcache import PromptCache, model_key
 
-            key = model_key(lm.source, target.cfg, target.dtype, self.engine.kv_dtype)
+            key = model_key(lm.source, target.cfg, target.dtype, self.engine.kv_dtype, target.precision)
             self.prompt_cache = PromptCache(cfg["prompt_cache"], key,
                                             min_new_tokens=DEFAULTS["prompt_cache_min_tokens"])
         self.sampling = SamplingParams(temperature=cfg["temperature"], top_p=cfg["top_p"], top_k=cfg["top_k"])
-        mode = method.removesuffix("-int8").removesuffix("-codes")
+        mode = method.removesuffix("-int8").removesuffix("-codes").removesuffix("-exact")
         lower = (dict(lower_weights="int8", lower_kv_dtype="bfloat16") if method.endswith("-int8")
                  else dict(lower_weights="codes") if method.endswith("-codes") else {})
         if method == "self":
             mode, drafter = "draft", "self"
-        elif method == "auto" and drafter == "ngram" and draft_src is None:
+        elif mode == "auto" and drafter == "ngram" and draft_src is None:
             drafter = "model"  # auto's own choice of bottom tier, as `triforce generate` without --draft
         self._prompt_tail: list[int] = []  # the last run's prompt end: real text's logits for the cost model
         self.spec = SpeculationConfig(mode=mode, drafter=drafter, budget=cfg["budget"], chunk_size=cfg["chunk_size"],
@@ -125,6 +126,7 @@ class _OursRunner:
 
     def describe(self) -> dict:
         return {"chain": [list(x) for x in self.spec.chain], "drafter": self.spec.drafter,
+                "precision": self.target.precision,
                 "spec": {"mode": self.spec.mode, "budget": self.spec.budget, "chunk_size": self.spec.chunk_size,
                          "gamma1": self.spec.gamma1, "gamma2": self.spec.gamma2, "drafter": self.spec.drafter,
                          "lower_weights": self.spec.lower_weights, "lower_kv_dtype": self.spec.lower_kv_dtype}}
@@ -318,7 +320,8 @@ class _LlamaRunner:
     def describe(self) -> dict:
         import llama_cpp
 
-        return {"gguf": self.path, "llama_cpp_python": getattr(llama_cpp, "__version__", None)}
+        return {"gguf": self.path, "llama_cpp_python": getattr(llama_cpp, "__version__", None),
+                "precision": "llama.cpp"}
 
     def _ensure(self, n_ctx: int) -> None:
         if self.llm is not None and self.n_ctx >= n_ctx:
