@@ -5,7 +5,8 @@
 (:func:`~triforce.kernels.cpu.f32_linear`) computes over the dequantized weights: one chain of FMAs over the inputs
 per output, so a row's value does not depend on the rows beside it. :func:`blockcode_linear_q8` is llama.cpp's integer
 dot product (``ggml-quants.c``) on int8 activations, row-invariant and bitwise alike on every build.
-:func:`blockcode_matmul` multiplies dequantized tiles for any number of rows (prefill). ``TRIFORCE_BLOCK_CODES=0`` turns the kernel off.
+:func:`blockcode_matmul` multiplies dequantized tiles for any number of rows (prefill). ``TRIFORCE_BLOCK_CODES=0``
+turns the kernel off.
 """
 
 from __future__ import annotations
