@@ -46,7 +46,7 @@ def machine() -> dict:
     """The CPU a result was measured on and the code that measured it: ``kernels.cpu.cpu()``, ``{"cpu", "cores",
     "isa"}`` (the kernels' builds differ by ISA, and figures differ between this project's machines), and
     ``git_commit`` / ``git_dirty`` (``triforce.lab.provenance``)."""
-    from triforce.kernels import cpu
+    from triforce.kernels.cpu import cpu
     from triforce.lab.provenance import git_commit
 
     return {**cpu(), **git_commit()}
@@ -133,13 +133,14 @@ def peak_flops(reps: int) -> float:
     return flops / _interleaved({"gemm": fn}, reps)["gemm"]
 
 
-def random_kv_steps(context: int, budget: int, capacity: int, lower_kv: str = "bfloat16", model: str | None = None):
+def random_kv_steps(context: int, budget: int, capacity: int, lower_kv: str = "bfloat16", model: str | None = None,
+                    precision: str | None = None):
     """The embedded SmolLM2 (its verifier on its GGUF block codes), or the GGUF file ``model``, and the retrieval
     tier ``auto`` gives it under sampling (the same codes with int8 activations, ``--lower-weights codes``), over
     ``context`` tokens of random KV (``triforce.lab.synthetic.fill_random_kv``, no prefill): ``(model, codes, full,
     retrieval)``, the full cache of ``capacity`` slots and a ``budget``-slot retrieval cache in ``lower_kv`` (a torch
     dtype name), chunks of the default chunk size. Both models are sized for ``capacity`` positions; roll each
-    forward back to ``context``."""
+    forward back to ``context``. ``precision``: the verifier's arithmetic (``load_model``'s; None: its default)."""
     import torch
 
     from triforce.formats.loading import load_model
@@ -148,7 +149,7 @@ def random_kv_steps(context: int, budget: int, capacity: int, lower_kv: str = "b
     from triforce.lab.synthetic import fill_random_kv
     from triforce.model.quant import lower_precision_copy
 
-    model = load_model(model).model
+    model = load_model(model, precision=precision).model
     codes = lower_precision_copy(model, "codes")
     for m in (model, codes):
         m.set_request_length(capacity)

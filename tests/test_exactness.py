@@ -25,6 +25,10 @@ when the kernels first load, so each runs in a subprocess that computes every ch
 * (e) a 130-token prompt (a prefill chunk past 64 tokens) gives its fresh engine's tokens again on the same engine
   (prefix reuse, across modes), from a copy of its KV (``adopt_prefix``) and from a prompt-cache file, in
   autoregressive and retrieval mode (``exact.prefill_forward_size``: its last 8 tokens run as a reuse feeds them).
+
+(a), (b), (c) and (e) also run on a near-tie target on GGUF-like block codes that computes on the file's arithmetic
+(``--precision file``: int8 activations and integer dot products in every product, prefill included), where the
+block-code kernel is on.
 """
 
 import json
@@ -107,6 +111,27 @@ def _ragged_blocks_differing(model, seqs: int, t: int) -> int:
     return sum(not torch.equal(a, b) for a, b in zip(alone, model.forward_ragged(blocks)))
 
 
+def _file_model(vocab: int, seed: int):
+    """A near-tie target on GGUF-like block codes that computes on the file's arithmetic (``set_precision(...,
+    "file")``: int8 activations, integer dot products), or None where the block-code kernel is off."""
+    from references import gguf_like
+    from tiny import hf_model, ours
+    from triforce.model.precision import file_arithmetic_ok, set_precision
+
+    model = ours(gguf_like(hf_model(seed, vocab=vocab, layers=3, intermediate_size=INTER)))
+    model.attach_block_codes()
+    if not file_arithmetic_ok(model):
+        return None
+    set_precision(model, "file")
+    return near_tie(model, seed)
+
+
+def _file_pair(vocab: int, seed: int = 0):
+    """(target on the file's arithmetic, near-tie draft), or None where the block-code kernel is off."""
+    target = _file_model(vocab, seed)
+    return None if target is None else (target, near_tie_pair(vocab, seed)[1])
+
+
 def _check_rows() -> dict:
     """(a): rows differing per (model, block length), and blocks differing in ragged forwards of 8-128 rows."""
     from references import gguf_like
@@ -131,6 +156,14 @@ def _check_rows() -> dict:
         out[f"codes verification T={t}"] = _verification_differing(coded, 20, t, t)
     for seqs, t in ((5, 13), (8, 16)):
         out[f"codes ragged {seqs}x{t}"] = _ragged_blocks_differing(coded, seqs, t)
+    file = _file_model(96, 5)  # the file's arithmetic: every projection on int8 activations
+    if file is not None:
+        for t in (1, 7, 17, 32):
+            out[f"file T={t}"] = _rows_differing(file, 20, t, seed=t)
+        for t in (65, 100):
+            out[f"file verification T={t}"] = _verification_differing(file, 20, t, t)
+        for seqs, t in ((5, 13), (8, 16)):
+            out[f"file ragged {seqs}x{t}"] = _ragged_blocks_differing(file, seqs, t)
     return out
 
 
@@ -141,8 +174,12 @@ def _check_modes() -> dict:
 
     greedy = SamplingParams(temperature=0)
     out = {}
-    for vocab in _vocabs():
-        engine = Engine(*near_tie_pair(vocab))
+    pairs = [(str(vocab), near_tie_pair(vocab)) for vocab in _vocabs()]
+    if _file_pair(VOCABS[-1]) is not None:  # the verifier on the file's arithmetic
+        pairs.append((f"{VOCABS[-1]} file", _file_pair(VOCABS[-1])))
+    for name, models in pairs:
+        vocab = models[0].cfg.vocab_size
+        engine = Engine(*models)
         settings = [("retrieval", 4, dict(budget=16, chunk_size=4, gamma2=4)),
                     ("triforce", 4, dict(budget=24, chunk_size=4, gamma1=2, gamma2=4)),
                     ("draft", 16, dict(gamma2=16)),
@@ -155,7 +192,7 @@ def _check_modes() -> dict:
             for mode, g2, kw in settings:
                 spec = SpeculationConfig(mode=mode, draft_sink=4, draft_window=12, **kw)
                 got = engine.generate(prompt, max_new_tokens=GREEDY_NEW, sampling=greedy, spec=spec)[0]
-                out[f"V={vocab} {mode} {kw.get('drafter', '')} gamma2={g2} prompt={n}"] = got == ref
+                out[f"V={name} {mode} {kw.get('drafter', '')} gamma2={g2} prompt={n}"] = got == ref
     return out
 
 
@@ -211,8 +248,11 @@ def _check_batch() -> dict:
     from triforce.speculation.sampling import SamplingParams
 
     out = {}
-    for vocab in _vocabs():
-        target, draft = near_tie_pair(vocab, seed=7)
+    pairs = [(str(vocab), near_tie_pair(vocab, seed=7)) for vocab in _vocabs()]
+    if _file_pair(VOCABS[-1], 7) is not None:  # the verifier on the file's arithmetic
+        pairs.append((f"{VOCABS[-1]} file", _file_pair(VOCABS[-1], 7)))
+    for name, (target, draft) in pairs:
+        vocab = target.cfg.vocab_size
         tf = TriForce(LoadedModel(target, char_tokenizer(), hf_config(vocab=vocab), "near-tie target"),
                       LoadedModel(draft, char_tokenizer(), hf_config(vocab=vocab), "near-tie draft"))
         modes = [dict(mode="autoregressive"), dict(mode="retrieval", budget=24, chunk_size=4, gamma2=6),
@@ -226,7 +266,7 @@ def _check_batch() -> dict:
             results = tf.generate(prompts=[prompts[i] for i in group], spec=[specs[i] for i in group],
                                   max_batch=len(group), **kw)
             for i, r in zip(group, results):
-                out[f"V={vocab} request {i} ({lengths[i]} tokens) beside {len(group) - 1}"] = r.token_ids == alone[i]
+                out[f"V={name} request {i} ({lengths[i]} tokens) beside {len(group) - 1}"] = r.token_ids == alone[i]
     return out
 
 
@@ -236,17 +276,26 @@ def _check_reuse() -> dict:
     engine that ran it before in either mode (prefix reuse; the ``attn`` rule refeeds 8 tokens, the others 1), on a
     fresh engine adopting another choice's copy of its KV (``adopt_prefix``, the server's ``n`` > 1), and on one
     loading a prompt-cache file."""
+    from triforce.kernels.rows import PREFILL_EXACT_TAIL
+    from triforce.kv.retrieval import ATTN_QUERY_WINDOW
+
+    assert ATTN_QUERY_WINDOW <= PREFILL_EXACT_TAIL  # every mode's refeed runs on the row-invariant paths
+    out = {}
+    for arithmetic, models in (("", near_tie_pair(VOCABS[-1], seed=3)), ("file ", _file_pair(VOCABS[-1], 3))):
+        if models is not None:  # the verifier on fp32 products, and on the file's arithmetic
+            out.update({arithmetic + k: v for k, v in _reuse(models).items()})
+    return out
+
+
+def _reuse(models) -> dict:
+    """(e) for one (target, draft)."""
     import tempfile
 
     from triforce.engine import Engine, SpeculationConfig
-    from triforce.kernels.rows import PREFILL_EXACT_TAIL
     from triforce.kv.caches import FullKVCache
     from triforce.kv.promptcache import PromptCache
-    from triforce.kv.retrieval import ATTN_QUERY_WINDOW
     from triforce.speculation.sampling import SamplingParams
 
-    assert ATTN_QUERY_WINDOW <= PREFILL_EXACT_TAIL  # every mode's refeed runs on the row-invariant paths
-    models = near_tie_pair(VOCABS[-1], seed=3)
     prompt = random_ids(130, VOCABS[-1], 77)
     shared = Engine(*models)  # runs the prompt in every mode, each run reusing the last one's KV
     out, ref = {}, None
@@ -362,3 +411,14 @@ def test_a_long_prompt_gives_its_tokens_again_from_its_reused_kv(build_results):
     name, results = build_results
     failed = [k for k, same in results["reuse"].items() if not same]
     assert not failed, f"{name} ({results['status']}): {failed}"
+
+
+def test_the_checks_ran_on_the_file_arithmetic_where_the_block_code_kernel_is_on(build_results):
+    """(a), (b), (c) and (e) include the near-tie target on the file's arithmetic (``--precision file``) on every
+    build whose block-code kernel is on (all but ``off``), so its row invariance is checked, not assumed."""
+    name, results = build_results
+    if not results["status"]["codes"].startswith("on"):
+        assert name == "off", results["status"]
+        return
+    for check, prefix in (("rows", "file "), ("modes", "V=101 file "), ("batch", "V=101 file "), ("reuse", "file ")):
+        assert any(k.startswith(prefix) for k in results[check]), (name, check)

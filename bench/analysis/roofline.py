@@ -64,7 +64,7 @@ from common import (  # noqa: E402
     random_kv_steps,
     stream_probe,
 )
-from triforce.defaults import DEFAULTS  # noqa: E402
+from triforce.defaults import DEFAULTS, PRECISIONS  # noqa: E402
 from triforce.speculation.auto import retrieval_budget  # noqa: E402
 
 
@@ -76,6 +76,9 @@ def _speedup(tau: float, gamma: int, decode: float, verify: float, propose: floa
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a GGUF file instead of the embedded SmolLM2 (its block codes)")
+    p.add_argument("--precision", choices=PRECISIONS,
+                   help="the verifier's arithmetic (load_model's default: file for a GGUF file, exact for the embedded "
+                        "model)")
     p.add_argument("--context", type=int, default=8000, help="tokens in the KV cache (8000)")
     p.add_argument("--budget", type=int, help="retrieval cache slots (default: auto's under sampling, "
                    "triforce.speculation.auto.retrieval_budget: 1000 at 8K)")
@@ -107,7 +110,8 @@ def main() -> int:
     n, g = args.context, args.gamma2
     # random KV; each forward below rolled back so that every repetition sees the same context (as
     # measure_tier_latencies), the three steps timed interleaved in one loop (the machine's speed drifts between phases)
-    model, codes, full, retrieval = random_kv_steps(n, args.budget, n + g + 2, args.lower_kv_dtype, args.model)
+    model, codes, full, retrieval = random_kv_steps(n, args.budget, n + g + 2, args.lower_kv_dtype, args.model,
+                                                     args.precision)
     cfg, lower_kv = model.cfg, getattr(torch, args.lower_kv_dtype)
     weights = sum(m.codes.in_features * m.codes.out_features if m.weight_t is None else m.weight_t.numel()
                   for m in model.modules() if isinstance(m, Linear))  # every product's weights (K-quants: codes only)
@@ -172,7 +176,8 @@ def main() -> int:
 
     out = {"model": f"{os.path.basename(args.model) if args.model else 'SmolLM2-135M-Instruct (embedded)'}; verifier "
                     "on its block codes, retrieval tier on them with int8 activations",
-           "context": n, "budget": args.budget, "lower_kv_dtype": args.lower_kv_dtype, "gamma2": g,
+           "precision": model.precision, "context": n, "budget": args.budget, "lower_kv_dtype": args.lower_kv_dtype,
+           "gamma2": g,
            "threads": args.threads, "reps": args.reps,
            "bandwidth_gb_per_s": round(bw / 1e9, 2), "gemv_gb_per_s": round(gemv_bw / 1e9, 2),
            "peak_gflop_per_s": round(peak / 1e9, 1),
