@@ -377,3 +377,81 @@ def test_retrieval_modes_on_stored_weights_equal_autoregressive_greedy(tiny_qwen
                                      draft_window=8, lower_weights=lower)
             out, _ = engine.generate(prompt, max_new_tokens=16, sampling=greedy, spec=spec)
             assert out == ref, (mode, lower)
+
+
+def test_the_file_arithmetic_takes_every_product_of_a_q4_k_m_like_file(tiny_qwen_gguf):
+    """``set_precision(model, "file")`` on a Q4_K_M-like file (Q4_K, a Q6_K v fused into qkv, Q6_K down and LM head):
+    every product on int8 activations; a prefill's product (more rows than one kernel call takes) is bitwise each row's
+    own product (prefill and decode steps are one model); the logits stay near the exact model's (the arithmetic is
+    llama.cpp's, not fp32: top-1 agreement >= 0.9 on random tokens, and not equal); ``exact`` restores them bitwise."""
+    from triforce.kernels.blockcodes import blockcode_linear_q8
+    from triforce.kv.caches import FullKVCache
+    from triforce.model.precision import set_precision
+
+    path, cfg, _ = tiny_qwen_gguf
+    model = coded_model(path, cfg)
+    ids = torch.randint(0, 320, (1, 90), generator=torch.Generator().manual_seed(4))
+
+    def logits():
+        with torch.no_grad():
+            return model(ids, torch.arange(90), FullKVCache(model.cfg, 96))[0]
+
+    exact = logits()
+    assert set_precision(model, "file") == "file" and model.precision == "file"
+    lins = [m for m in model.modules() if isinstance(m, Linear) and m.codes is not None]
+    assert lins and all(m.q8 for m in lins) and any(m.codes.group == 16 for m in lins)  # Q6_K's groups too
+    file = logits()
+    assert not torch.equal(file, exact) and (file.argmax(-1) == exact.argmax(-1)).double().mean() >= 0.9
+    lin = model.layers[0].mlp.down_proj
+    x = torch.randn(1, 150, lin.codes.in_features)
+    whole = lin(x)[0]
+    rows = torch.cat([blockcode_linear_q8(x[0, i:i + 1].clone(), lin.codes) for i in range(150)])
+    assert torch.equal(whole, rows)
+    assert set_precision(model, "exact") == "exact" and not any(m.q8 for m in lins)
+    assert torch.equal(logits(), exact)
+
+
+def test_retrieval_modes_on_the_file_arithmetic_equal_autoregressive_greedy(tiny_qwen_gguf):
+    from triforce.engine import Engine, SpeculationConfig
+    from triforce.model.precision import set_precision
+    from triforce.speculation.sampling import SamplingParams
+
+    path, cfg, _ = tiny_qwen_gguf
+    model = coded_model(path, cfg)
+    set_precision(model, "file")
+    engine = Engine(model)
+    g, greedy = torch.Generator().manual_seed(6), SamplingParams(temperature=0)
+    for _ in range(3):
+        prompt = torch.randint(0, 320, (int(torch.randint(8, 90, (1,), generator=g)),), generator=g).tolist()
+        ref, _ = engine.generate(prompt, max_new_tokens=16, sampling=greedy)
+        for mode, lower, drafter in (("retrieval", None, None), ("retrieval", "codes", None),
+                                     ("triforce", None, "ngram"), ("draft", None, "ngram")):
+            spec = SpeculationConfig(mode=mode, budget=24, chunk_size=4, gamma1=3, gamma2=5, draft_sink=2,
+                                     draft_window=8, lower_weights=lower, **({"drafter": drafter} if drafter else {}))
+            out, _ = engine.generate(prompt, max_new_tokens=16, sampling=greedy, spec=spec)
+            assert out == ref, (mode, lower, drafter)
+
+
+def test_precision_is_checked_before_the_weights_are_read(tmp_path, monkeypatch):
+    """An unknown ``precision``, or ``file`` in another dtype or off the CPU: a ValueError naming the parameter and
+    its values, before anything is read; ``file`` for weights that are not block codes names why."""
+    import triforce.formats.loading as loading
+    from tiny import hf_model, ours
+    from triforce.model.precision import set_precision
+
+    def never(*a, **k):
+        raise AssertionError("read before the check")
+
+    monkeypatch.setattr(loading, "_read_gguf_as", never)
+    monkeypatch.setattr(loading, "_read_folder", never)
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match=r"precision must be None .* file, exact, got 'fast'"):
+        loading.load_model(str(path), precision="fast")
+    with pytest.raises(ValueError, match=r"precision='file' .* not dtype bfloat16"):
+        loading.load_model(str(path), dtype="bfloat16", precision="file")
+    fp32 = ours(hf_model(0))  # random fp32 weights: no block codes
+    fp32.attach_block_codes()
+    with pytest.raises(ValueError, match="precision='file' needs a GGUF file's block codes"):
+        set_precision(fp32, "file")
+    assert set_precision(fp32, None) == "exact"
