@@ -20,9 +20,9 @@ output distribution.
 * ``bfloat16``: weights (out, in) in bf16 through ``F.linear``.
 * ``codes``: a model read from a GGUF file keeps its own block codes (``kernels/blockcodes.py``, no copy of the
   weights), and each product quantizes its activations to int8 per block of 32 inputs for integer dot products, as
-  llama.cpp computes (``blockcodes.blockcode_linear_q8``: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K; Q6_K's groups of 16 keep
-  the exact product): the verifier's exact fp32 products over the same codes are bound by their dequantization, these by
-  the codes' bytes. A model without block codes gets the ``int8`` copy.
+  llama.cpp computes (``blockcodes.blockcode_linear_q8``: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K): the arithmetic
+  of a verifier on ``--precision file`` (``model/precision.py``), where this copy changes nothing. A model without
+  block codes gets the ``int8`` copy.
 
 Activations stay in the source model's dtype between layers; each quantized matmul converts its input and output.
 """

@@ -450,9 +450,6 @@ static inline __attribute__((always_inline)) void dot8_step(__m256i v0, __m256i 
     }
 }
 
-/* bytes of codes the integer dot products prefetch ahead of the column block they read */
-#define PF_BYTES 16384
-
 /* acc[r] += the block's integer sums (s0, s1: dot4_step's or dot8_step's lanes) times dv dx, plus mv sx, for R rows:
  * a multiply and an add each (no FMA, the flags forbid contraction), so that every build, the portable one included,
  * rounds alike */
@@ -483,23 +480,20 @@ static inline __attribute__((always_inline)) void dot_tile(const __m256i* xp, co
     const int groups = in / GROUP, gs = in / G;  /* activation blocks, scale groups */
     const int64_t sup = (int64_t)out * gs;  /* KS: the super-block values' byte offset */
     const int64_t xstride = (int64_t)in * BITS / 32;  /* 32-byte vectors per row: 4 bytes (BITS 4) or 8 an input */
-    /* prefetch distance in column blocks: about PF_BYTES of codes ahead, at least one block (one block ahead came too
-     * late from memory for 4-bit codes; further ahead than L1 holds evicted 8-bit codes: docs/gguf.md's timings) */
-    const int64_t ahead = PF_BYTES / ((int64_t)in * BITS) > 1 ? PF_BYTES / ((int64_t)in * BITS) : 1;
     __m256 acc[4];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int g = 0; g < groups; ++g) {
         const char* cg = (const char*)codes + (c * in + g * GROUP) * BITS;  /* the block's codes: 32 BITS bytes */
         if (PF) {
-            const char* cn = cg + ahead * (int64_t)in * BITS;  /* the column block `ahead` on's */
+            const char* cn = cg + (int64_t)in * BITS;  /* the next column block's */
             for (int o = 0; o < GROUP * BITS; o += 64) _mm_prefetch(cn + o, _MM_HINT_T0);
             for (int h = 0; h < GROUP / G; ++h) {
-                const int64_t gi = (c + ahead) * gs + g * (GROUP / G) + h;
+                const int64_t gi = (c + 1) * gs + g * (GROUP / G) + h;
                 _mm_prefetch((const char*)d + gi * 8 * ds, _MM_HINT_T0);
                 if (HAS_M) _mm_prefetch((const char*)m + gi * 8 * ds, _MM_HINT_T0);
             }
             if (KS && g % 8 == 0) {  /* the super-block's fp16 values */
-                const int64_t s = sup + ((c + ahead) * (in / 256) + g / 8) * 16;
+                const int64_t s = sup + ((c + 1) * (in / 256) + g / 8) * 16;
                 _mm_prefetch((const char*)d + s, _MM_HINT_T0);
                 if (HAS_M) _mm_prefetch((const char*)m + s, _MM_HINT_T0);
             }
