@@ -25,8 +25,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parents[1] / "tests"))
 
-import triforce  # noqa: E402,F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 import torch  # noqa: E402
+
+import triforce  # noqa: E402,F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 from common import machine  # noqa: E402
 
 
@@ -41,8 +42,8 @@ def main() -> int:
         p.error("--threads and --reps must be >= 1")
     torch.set_num_threads(args.threads)
     from gguf import GGMLQuantizationType as QT
-    from test_ggufcodes import random_blocks
 
+    from test_ggufcodes import random_blocks
     from triforce.formats.download import cache_dir
     from triforce.formats.ggufcodes import codes_from_gguf
     from triforce.kernels import blockcodes
