@@ -25,9 +25,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parents[1] / "tests"))
 
+import triforce  # noqa: E402,F401  (first: sets OpenMP's spin before torch loads it, as the product does)
+
+# isort: split
 import torch  # noqa: E402
 
-import triforce  # noqa: E402,F401  (first: sets OpenMP's spin before torch loads it, as the product does)
 from common import machine  # noqa: E402
 
 
