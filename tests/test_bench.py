@@ -250,6 +250,7 @@ def test_plan_skips_what_cannot_run(monkeypatch):
     assert run == ["hf-ar", "hf-lookup", "auto", "autoregressive", "self", "draft", "retrieval", "triforce",
                    "retrieval-int8", "triforce-int8", "retrieval-codes"]
     assert "--draft MODEL" in skipped["hf-assisted"] and "llama-cpp-python" in skipped["llama.cpp"]
+    assert all("computes exactly" in skipped[m] for m in ("autoregressive-exact", "auto-exact"))
     args = add_bench_parser(_subparsers()).parse_args(["--synthetic", "llama2-7b", "--layers", "1"])
     run, skipped = bench.plan_methods(args)
     assert run == list(methods.SYNTHETIC_METHODS) and "synthetic" in skipped["hf-lookup"]

@@ -10,7 +10,7 @@ from .options import add_options
 
 #: the methods ``--methods`` accepts (kept here so that ``triforce --help`` does not import the lab)
 METHOD_NAMES = ("hf-ar", "hf-assisted", "hf-lookup", "auto", "autoregressive", "self", "draft", "retrieval", "triforce",
-                "retrieval-int8", "triforce-int8", "retrieval-codes", "llama.cpp")
+                "retrieval-int8", "triforce-int8", "retrieval-codes", "autoregressive-exact", "auto-exact", "llama.cpp")
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:

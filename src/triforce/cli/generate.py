@@ -314,7 +314,8 @@ def _generate(args: argparse.Namespace, out) -> int:
         kernels = kernel_status()
         cut_info = None if cut is None else dict(kept_tokens=cut.kept_tokens, dropped_tokens=cut.dropped_tokens,
                                                  kept=cut.kept)
-        out.write(json.dumps(dict(result.to_dict(), prompt_cut=cut_info, threads=threads, **kernels), indent=2) + "\n")
+        out.write(json.dumps(dict(result.to_dict(), prompt_cut=cut_info, threads=threads,
+                                  precision=tf.engine.target.precision, **kernels), indent=2) + "\n")
         out.flush()
     else:
         out.write("\n")
@@ -329,7 +330,8 @@ def _generate(args: argparse.Namespace, out) -> int:
             print(f"triforce: prompt cache written to {s.prompt_cache['stored']} "
                   f"({fmt_bytes(os.path.getsize(s.prompt_cache['stored']))})", file=sys.stderr)
         print(f"[{result.finish_reason}] {s.summary()}; peak memory {fmt_bytes(s.peak_memory_bytes)}; "
-              f"{threads} thread{'' if threads == 1 else 's'}; attention kernel {attention_status()}", file=sys.stderr)
+              f"{threads} thread{'' if threads == 1 else 's'}; precision {tf.engine.target.precision}; "
+              f"attention kernel {attention_status()}", file=sys.stderr)
     return 130 if result.finish_reason == "interrupted" else 0
 
 

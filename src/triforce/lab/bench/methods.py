@@ -252,8 +252,9 @@ def plan_methods(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
             reason = "not meaningful with --synthetic (random weights, no GGUF or real draft model)"
         elif m == "retrieval-codes" and args.model is not None and _gguf_for(args.model)[0] is None:
             reason = "needs a GGUF model (its block codes): --model is not a .gguf file"
-        elif m.endswith("-exact") and args.model is not None and _gguf_for(args.model)[0] is None:
-            reason = "a Hugging Face checkpoint always computes exactly: the method without -exact is the same"
+        elif m.endswith("-exact") and (args.model is None or _gguf_for(args.model)[0] is None):
+            reason = ("a Hugging Face folder (the embedded model's too) computes exactly by default: the method "
+                      "without -exact is the same")
         elif m.startswith("hf-") and args.rope_scaling is not None:
             reason = ("transformers runs the checkpoint as saved: --rope-scaling overrides ours and llama.cpp's RoPE "
                       "(edit config.json's rope_scaling to compare transformers)")
